@@ -1,0 +1,68 @@
+"""sequester: run model-written programs so they see only what a policy allows.
+
+The public surface is this module's ``__all__``; everything else is internal. Names are
+loaded lazily, so the kernel process (which imports ``sequester.kernel.server``) does not
+pay for the host-side machinery.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "CellError",
+    "CellResult",
+    "Endpoint",
+    "Isolation",
+    "Kernel",
+    "KernelClosedError",
+    "KernelError",
+    "Limits",
+    "Policy",
+    "PolicyError",
+    "SandboxError",
+    "SandboxUnavailableError",
+    "SequesterError",
+    "load_policy",
+    "parse_endpoint",
+]
+__version__ = "0.1.0"
+
+_WHERE = {
+    "CellError": "sequester.kernel.results",
+    "CellResult": "sequester.kernel.results",
+    "Kernel": "sequester.kernel.client",
+    "Endpoint": "sequester.policy",
+    "Isolation": "sequester.policy",
+    "Limits": "sequester.policy",
+    "Policy": "sequester.policy",
+    "load_policy": "sequester.policy",
+    "parse_endpoint": "sequester.policy",
+    "KernelClosedError": "sequester.errors",
+    "KernelError": "sequester.errors",
+    "PolicyError": "sequester.errors",
+    "SandboxError": "sequester.errors",
+    "SandboxUnavailableError": "sequester.errors",
+    "SequesterError": "sequester.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sequester' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .errors import (KernelClosedError, KernelError, PolicyError, SandboxError, SandboxUnavailableError,
+                         SequesterError)
+    from .kernel.client import Kernel
+    from .kernel.results import CellError, CellResult
+    from .policy import Endpoint, Isolation, Limits, Policy, load_policy, parse_endpoint

@@ -1,0 +1,56 @@
+"""The one exception tree of sequester.
+
+Everything the library raises on purpose derives from :class:`SequesterError`, so a
+caller can catch the whole family at once. What a *program inside* a kernel does
+wrong (raises, times out, is blocked) is not an exception on the host: it comes back
+as a :class:`sequester.CellResult` with an ``error``.
+
+    SequesterError
+    ├── PolicyError              bad configuration; names the key or value
+    ├── SandboxUnavailableError  isolation was required but namespaces cannot be made here
+    ├── SandboxError             launching or staging a sandbox failed (nothing was left running)
+    └── KernelError              misuse of a kernel or a kernel that cannot go on
+        └── KernelClosedError    the kernel was closed (or its lifetime ran out)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SequesterError",
+    "PolicyError",
+    "SandboxUnavailableError",
+    "SandboxError",
+    "KernelError",
+    "KernelClosedError",
+]
+
+
+class SequesterError(Exception):
+    """Base class of every error sequester raises on purpose."""
+
+
+class PolicyError(SequesterError, ValueError):
+    """A policy (TOML file, CLI flag or API argument) is invalid.
+
+    The message always names the offending key and value, e.g.
+    ``runtime.allow[1]: 'example.com' is not HOST:PORT or a URL``.
+    """
+
+
+class SandboxUnavailableError(SequesterError):
+    """``isolation = true`` was asked for, but user namespaces do not work here."""
+
+
+class SandboxError(SequesterError):
+    """Starting, staging or tearing down a sandbox failed.
+
+    Raised only after everything the failed step started has been stopped: fail closed.
+    """
+
+
+class KernelError(SequesterError):
+    """A kernel was used wrongly or cannot continue."""
+
+
+class KernelClosedError(KernelError):
+    """The kernel is closed: it was closed, never opened, or its lifetime ran out."""

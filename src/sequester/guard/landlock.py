@@ -1,0 +1,155 @@
+"""Landlock: the filesystem (and TCP port) boundary of guard-only mode.
+
+Where no mount namespace can be made, the kernel restricts itself with Landlock, an LSM
+any process may apply to itself: read access only beneath the paths it lists, write
+access only beneath the workspace, TCP connections only to the allowed ports (ABI 4+),
+and no signals or abstract unix sockets beyond its own domain (ABI 6+). Hidden paths are
+not listed, so they cannot be opened at all (``EACCES``) rather than appearing empty.
+
+:func:`readable_roots` (host side, pure given a ``listdir``) works out which folders to
+grant so that hidden ones stay out; :func:`restrict_self` (kernel side) applies a ruleset.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+__all__ = ["abi_version", "readable_roots", "restrict_self"]
+
+_SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # same on every architecture
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
+
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+REMOVE_DIR, REMOVE_FILE, MAKE_CHAR, MAKE_DIR, MAKE_REG = 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8
+MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM, REFER, TRUNCATE, IOCTL_DEV = (
+    1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15,
+)
+_NET_BIND, _NET_CONNECT = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+_READ = EXECUTE | READ_FILE | READ_DIR
+
+
+def _fs_rights(abi: int) -> int:
+    rights = (1 << 13) - 1  # ABI 1: bits 0..12
+    if abi >= 2:
+        rights |= REFER
+    if abi >= 3:
+        rights |= TRUNCATE
+    if abi >= 5:
+        rights |= IOCTL_DEV
+    return rights
+
+
+def _libc():  # type: ignore[no-untyped-def]
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def abi_version() -> int:
+    """The Landlock ABI this kernel offers; 0 when Landlock is unavailable or disabled."""
+    import ctypes
+
+    res = _libc().syscall(ctypes.c_long(_SYS_CREATE), None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    return max(int(res), 0)
+
+
+def readable_roots(
+    visible: Iterable[Path], hidden: Iterable[Path], listdir: Callable[[Path], Sequence[str]] = os.listdir
+) -> tuple[Path, ...]:
+    """Folders to grant read access beneath, so that everything in ``visible`` is
+    readable except what lies beneath ``hidden``.
+
+    A visible root with a hidden path inside it is split into its children, recursively,
+    leaving out the hidden one. Landlock can only grant, never carve out.
+    """
+    hidden = tuple(hidden)
+    out: list[Path] = []
+
+    def grant(root: Path) -> None:
+        if any(root == h or root.is_relative_to(h) for h in hidden):
+            return
+        if not any(h.is_relative_to(root) for h in hidden):
+            out.append(root)
+            return
+        try:
+            names = listdir(root)
+        except OSError:
+            return
+        for name in sorted(names):
+            grant(root / name)
+
+    for root in visible:
+        grant(Path(root))
+    return tuple(dict.fromkeys(out))
+
+
+def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: Iterable[int] | None) -> int:
+    """Apply a ruleset to this process (and its future threads). Irreversible.
+
+    Returns the ABI used. ``connect_ports=None`` leaves TCP unrestricted. Needs
+    ``no_new_privs`` (set by the seccomp loader) or CAP_SYS_ADMIN.
+    """
+    import ctypes
+
+    class RulesetAttr(ctypes.Structure):
+        _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                    ("scoped", ctypes.c_uint64)]
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    class NetPort(ctypes.Structure):
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+    abi = abi_version()
+    if abi < 1:
+        raise OSError("Landlock is not available on this kernel")
+    libc = _libc()
+    fs = _fs_rights(abi)
+    net = (_NET_BIND | _NET_CONNECT) if abi >= 4 and connect_ports is not None else 0
+    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
+    attr = RulesetAttr(fs, net, scoped)
+    size = ctypes.sizeof(RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    ruleset = libc.syscall(ctypes.c_long(_SYS_CREATE), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        def add_path(path: str, access: int) -> None:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return  # gone since it was listed; nothing to grant
+            try:
+                if not os.path.isdir(path):
+                    access &= EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
+                rule = PathBeneath(access & fs, fd)
+                if libc.syscall(ctypes.c_long(_SYS_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
+                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+            finally:
+                os.close(fd)
+
+        for path in read:
+            add_path(path, _READ)
+        for path in write:
+            # Everything but making device nodes.
+            add_path(path, fs & ~(MAKE_CHAR | MAKE_BLOCK))
+        if net:
+            for port in connect_ports or ():
+                rule = NetPort(_NET_CONNECT, port)
+                if libc.syscall(ctypes.c_long(_SYS_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(_RULE_NET_PORT),
+                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule(port {port}) failed")
+        if libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+    return abi

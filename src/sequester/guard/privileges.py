@@ -1,0 +1,104 @@
+"""Resource limits and the final drop of privileges, done by the kernel on itself.
+
+Runs inside the kernel process during its bootstrap, before any model code.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Mapping
+
+__all__ = [
+    "NOBODY",
+    "apply_rlimits",
+    "capability_sets",
+    "disable_nested_userns",
+    "drop_privileges",
+]
+
+NOBODY = 65534
+_PR_CAPBSET_DROP = 24
+_CAP_SETS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+
+
+def apply_rlimits(*, memory_bytes: int, max_threads: int, file_bytes: int) -> None:
+    """Lower soft and hard limits: address space, tasks (threads), file size, no core dumps.
+
+    ``RLIMIT_NPROC`` counts threads. In the sandbox each kernel has a user namespace of
+    its own, so the count is this kernel's alone.
+    """
+    threads_now = len(os.listdir("/proc/self/task"))
+    for limit, value in (
+        (resource.RLIMIT_AS, memory_bytes),
+        (resource.RLIMIT_NPROC, max_threads + threads_now),
+        (resource.RLIMIT_FSIZE, file_bytes),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        soft, hard = resource.getrlimit(limit)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (value, value))
+
+
+def disable_nested_userns() -> None:
+    """Forbid new user namespaces inside this one (what ``bwrap --disable-userns`` does)."""
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+
+
+def capability_sets() -> Mapping[str, int]:
+    """This process's capability sets from ``/proc/self/status``."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in _CAP_SETS:
+                out[key] = int(value.strip(), 16)
+    return out
+
+
+def drop_privileges(*, to_uid: int | None, chown: tuple[str, ...] = ()) -> None:
+    """Give up every capability for good, and (root flow) become ``to_uid``.
+
+    Order: chown what the new user must own, empty the bounding set (needs CAP_SETPCAP),
+    switch gid then uid (switching away from uid 0 clears the permitted and effective
+    sets), clear whatever remains with capset. Then check: any non-zero set is an error.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if to_uid is not None:
+        for path in chown:
+            os.chown(path, to_uid, to_uid)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    bounding = capability_sets().get("CapBnd", 0)
+    for cap in range(last_cap + 1):
+        if bounding >> cap & 1 and libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot drop capability {cap} from the bounding set")
+    if to_uid is not None:
+        if os.getgroups():
+            os.setgroups([])
+        os.setresgid(to_uid, to_uid, to_uid)
+        os.setresuid(to_uid, to_uid, to_uid)
+    _capset_zero(libc)
+    left = {k: v for k, v in capability_sets().items() if v}
+    if left:
+        raise PermissionError(f"capabilities remain after the drop: {left}")
+
+
+def _capset_zero(libc) -> None:  # type: ignore[no-untyped-def]
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (Data * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset to zero failed")
+    # Ambient capabilities: PR_CAP_AMBIENT(47), PR_CAP_AMBIENT_CLEAR_ALL(4).
+    libc.prctl(47, 4, 0, 0, 0)

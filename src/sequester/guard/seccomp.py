@@ -1,0 +1,129 @@
+"""The syscall filter that makes process creation impossible, whatever the Python code does.
+
+Compiled on the host with libseccomp (through ``pyseccomp``) into a BPF program; the
+kernel process loads that program on itself (:func:`load_filter`) with ``TSYNC``, so
+threads started before the filter (the network bridge) are covered too. Compiling on
+the host keeps libseccomp out of the kernel's memory and its start-up time.
+
+What the filter refuses (everything else is allowed, so Python and threads work):
+
+* process creation: ``execve``, ``execveat``, ``fork``, ``vfork``, ``clone`` without
+  ``CLONE_THREAD``; ``clone3`` answers ``ENOSYS`` so libc falls back to ``clone``;
+* namespace and privilege games: ``unshare``, ``setns``, ``mount`` and friends, ``bpf``,
+  ``ptrace``, ``process_vm_*``, ``keyctl`` and friends (the keyring is shared by uid), ...;
+* sockets other than IPv4/IPv6 (no unix socket to a daemon that happens to be visible);
+* ``io_uring`` (its operations would bypass this filter).
+
+Why a denylist: an allowlist precise enough for arbitrary Python (numpy, threads,
+asyncio) is brittle across libc versions; the namespaces already contain what the
+remaining syscalls can reach.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from functools import lru_cache
+
+__all__ = ["DENIED_SYSCALLS", "compile_filter", "load_filter", "syscall_number"]
+
+CLONE_THREAD = 0x00010000
+
+DENIED_SYSCALLS = (
+    # process creation
+    "execve", "execveat", "fork", "vfork",
+    # namespaces, mounts, privileges
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
+    "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "keyctl", "add_key", "request_key",
+    "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog",
+    "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "sethostname", "setdomainname", "vhangup", "uselib",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+)
+
+# Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
+ALLOWED_SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+@lru_cache(maxsize=1)
+def compile_filter() -> bytes:
+    """The BPF program (raw ``struct sock_filter`` array) for this machine's architecture."""
+    import pyseccomp as sc
+
+    flt = sc.SyscallFilter(sc.ALLOW)
+    eperm = sc.ERRNO(errno.EPERM)
+    for name in DENIED_SYSCALLS:
+        try:
+            flt.add_rule(eperm, name)
+        except (OSError, ValueError, RuntimeError):
+            pass  # not a syscall on this architecture
+    # clone: allowed only when making a thread.
+    flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    # socket(domain, ...): refuse every family but the allowed ones (ranges between them).
+    low, high = sorted(ALLOWED_SOCKET_FAMILIES)
+    flt.add_rule(eperm, "socket", sc.Arg(0, sc.LT, low))
+    flt.add_rule(eperm, "socket", sc.Arg(0, sc.GT, high))
+    for family in range(low + 1, high):
+        flt.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, family))
+    read_fd, write_fd = os.pipe()
+    try:
+        with os.fdopen(write_fd, "wb") as out:
+            flt.export_bpf(out)
+        with os.fdopen(read_fd, "rb") as inp:
+            return inp.read()
+    except BaseException:
+        for fd in (read_fd, write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+
+
+@lru_cache(maxsize=None)
+def syscall_number(name: str) -> int:
+    """This architecture's number of a syscall, from libseccomp's tables (host side)."""
+    import pyseccomp as sc
+
+    return int(sc.resolve_syscall(sc.system_arch(), name))
+
+
+# -- inside the kernel ---------------------------------------------------------------
+
+_PR_SET_NO_NEW_PRIVS = 38
+_SECCOMP_SET_MODE_FILTER = 1
+_SECCOMP_FILTER_FLAG_TSYNC = 1
+
+
+def load_filter(program: bytes, seccomp_nr: int) -> None:
+    """Install ``program`` on every thread of this process. Irreversible.
+
+    Raises ``OSError`` if the kernel refuses, or if a thread could not be synchronised.
+    """
+    import ctypes
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    if len(program) % 8:
+        raise ValueError("a BPF program is a whole number of 8-byte instructions")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
+    res = libc.syscall(ctypes.c_long(seccomp_nr), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+                       ctypes.c_long(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(prog))
+    if res != 0:
+        if res > 0:
+            raise OSError(errno.EAGAIN, f"seccomp TSYNC failed: thread {res} could not be synchronised")
+        err = ctypes.get_errno()
+        raise OSError(err, f"seccomp(SET_MODE_FILTER) failed: {os.strerror(err)}")

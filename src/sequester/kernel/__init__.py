@@ -1,0 +1,1 @@
+"""The kernel: its wire protocol, the in-sandbox server and the host-side client."""

@@ -1,0 +1,325 @@
+"""The host side of a kernel: :class:`Kernel`.
+
+    with Kernel(policy) as k:
+        r = k.run("x = 1\\nx + 1")      # r.value == "2"
+
+Everything the kernel sends is untrusted: messages are size-limited and validated,
+output is capped, and the deadlines are kept here, on the host, whatever the kernel
+does with its own timers.
+"""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import logging
+import os
+import selectors
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import KernelClosedError, KernelError, SandboxError
+from ..policy import Isolation, Policy
+from ..sandbox.launch import KernelProcess, launch_kernel
+from .protocol import MessageReader, ProtocolError, write_message
+from .results import CellError, CellResult
+
+__all__ = ["Kernel"]
+
+log = logging.getLogger("sequester")
+
+OutputCallback = Callable[[str, str], None]
+
+_START_TIMEOUT = 30.0
+# After a cell's timeout the kernel interrupts itself; the host waits this much longer
+# before it kills and restarts the kernel.
+_INTERRUPT_GRACE = 2.0
+# Output past the cap that the host tolerates (written below Python, e.g. os.write)
+# before it kills the kernel.
+_OUTPUT_SLACK = 64 * 1024
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class _CellFailure(Exception):
+    """The kernel must be killed to recover from this cell."""
+
+    def __init__(self, error: CellError, *, timed_out: bool = False):
+        super().__init__(str(error))
+        self.error = error
+        self.timed_out = timed_out
+
+
+class Kernel:
+    """A persistent Python process, confined by ``policy``, that runs code cells."""
+
+    def __init__(self, policy: Policy | None = None):
+        self.policy = policy if policy is not None else Policy()
+        self._state = _State.UNOPENED
+        self._process: KernelProcess | None = None
+        self._report: dict[str, Any] = {}
+        self._deadline = 0.0
+        self._next_id = 0
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> Kernel:
+        if self._state is _State.CLOSED:
+            raise KernelClosedError("this kernel was closed; make a new one")
+        if self._state is _State.OPEN:
+            return self
+        self._deadline = time.monotonic() + self.policy.limits.kernel_timeout
+        self._spawn()
+        self._state = _State.OPEN
+        return self
+
+    def restart(self) -> None:
+        """Kill the kernel process and start a fresh one (state and workspace are lost)."""
+        self._ensure_open()
+        self._kill()
+        self._spawn()
+
+    def close(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        if self._process is not None:
+            try:
+                write_message(self._process.to_kernel, {"op": "shutdown"})
+            except OSError:
+                pass
+        self._kill()
+
+    def __enter__(self) -> Kernel:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_process", None) is not None:
+            self._kill()
+
+    @property
+    def mode(self) -> Isolation:
+        """The isolation in force: ``SANDBOX``, ``GUARD`` or ``OFF`` (``AUTO`` resolved)."""
+        if self._process is None:
+            raise KernelError("the kernel is not started")
+        return self._process.mode
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """What the kernel's bootstrap reported: uid, capabilities, seccomp, Landlock."""
+        return dict(self._report)
+
+    @property
+    def process(self) -> KernelProcess | None:
+        """The running process (its host pids, workspace, broker); for diagnostics."""
+        return self._process
+
+    def _ensure_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise KernelClosedError(f"the kernel is {self._state.value}")
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process = None
+
+    def _spawn(self) -> None:
+        process = launch_kernel(self.policy)
+        self._process = process
+        try:
+            write_message(process.to_kernel, process.config)
+            message, _, err = self._wait_message(process, time.monotonic() + _START_TIMEOUT, None, startup=True)
+            if message.get("op") != "ready":
+                reason = message.get("error", "no reason given")
+                raise SandboxError(f"the kernel failed to confine itself: {reason}\n{err.strip()}".strip())
+            report = message.get("report")
+            if not isinstance(report, dict):
+                raise SandboxError("the kernel's ready message has no report")
+            _verify(process.mode, report)
+        except _CellFailure as failure:
+            self._kill()
+            said = getattr(failure, "stderr", "").strip()
+            raise SandboxError(f"the kernel did not start: {failure.error}" + (f"\n{said}" if said else "")) from None
+        except BaseException:
+            self._kill()
+            raise
+        self._report = report
+        if process.mode is Isolation.OFF:
+            log.warning("runtime.isolation = false: the kernel runs with NO isolation (debugging only)")
+
+    # -- cells ----------------------------------------------------------------------
+
+    def run(self, code: str, *, timeout: float | None = None, filename: str | None = None,
+            on_output: OutputCallback | None = None) -> CellResult:
+        """Run one cell. Blocked or failing code is a result with ``error``, never an exception.
+
+        ``timeout`` (seconds) defaults to the policy's ``cell_timeout`` and is clipped to
+        what is left of ``kernel_timeout``. ``on_output(stream, text)`` receives output
+        as it is written (``stream`` is ``"stdout"`` or ``"stderr"``).
+        """
+        self._ensure_open()
+        started = time.monotonic()
+        life_left = self._deadline - started
+        if life_left <= 0:
+            self.close()
+            raise KernelClosedError(f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime is over")
+        wanted = self.policy.limits.cell_timeout if timeout is None else timeout
+        if wanted <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        budget = min(wanted, life_left)
+        self._next_id += 1
+        request = {"op": "run", "id": self._next_id, "code": code, "timeout": budget,
+                   "filename": filename or "<cell>", "stream": on_output is not None}
+        assert self._process is not None
+        try:
+            write_message(self._process.to_kernel, request)
+            message, out, err = self._wait_message(self._process, started + budget + _INTERRUPT_GRACE, on_output)
+        except _CellFailure as failure:
+            return self._recover(failure, started, budget >= life_left)
+        except OSError as exc:
+            return self._recover(_CellFailure(CellError("KernelDied", f"the kernel went away: {exc}")), started, False)
+        if message.get("op") != "result" or message.get("id") != self._next_id:
+            return self._recover(_CellFailure(CellError("KernelError", "the kernel answered out of turn")), started, False)
+        error = _cell_error(message.get("error"))
+        timed_out = error is not None and error.type == "TimeoutError"
+        if timed_out and budget >= life_left:
+            self.close()
+            error = CellError("KernelTimeout", f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime ran out "
+                              "during this cell; the kernel is closed")
+        value = message.get("value")
+        return CellResult(out, err, value if isinstance(value, str) else None, error,
+                          time.monotonic() - started, timed_out=timed_out)
+
+    def _recover(self, failure: _CellFailure, started: float, lifetime_hit: bool) -> CellResult:
+        """Kill the kernel; restart it unless its lifetime is over."""
+        out, err = getattr(failure, "stdout", ""), getattr(failure, "stderr", "")
+        error = failure.error
+        if lifetime_hit and failure.timed_out:
+            self.close()
+            error = CellError("KernelTimeout", f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime ran out; "
+                              "the kernel was killed and is closed")
+            return CellResult(out, err, None, error, time.monotonic() - started, timed_out=True)
+        self._kill()
+        self._spawn()
+        log.info("kernel restarted after: %s", error)
+        return CellResult(out, err, None, error, time.monotonic() - started, timed_out=failure.timed_out, restarted=True)
+
+    def _wait_message(self, process: KernelProcess, deadline: float, on_output: OutputCallback | None,
+                      *, startup: bool = False) -> tuple[dict[str, Any], str, str]:
+        """Read the kernel's pipes until one protocol message arrives, or fail.
+
+        Raises :class:`_CellFailure` (with the output so far) on death, deadline or
+        output over the cap.
+        """
+        reader = MessageReader()
+        chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        decoders = {k: codecs.getincrementaldecoder("utf-8")("replace") for k in chunks}
+        size = 0
+        cap = self.policy.limits.output_bytes + _OUTPUT_SLACK
+        names = {process.stdout: "stdout", process.stderr: "stderr"}
+        with selectors.DefaultSelector() as sel:
+            for fd in (process.from_kernel, process.stdout, process.stderr):
+                sel.register(fd, selectors.EVENT_READ)
+
+            def text(name: str) -> str:
+                return b"".join(chunks[name]).decode("utf-8", "replace")
+
+            def fail(error: CellError, timed_out: bool = False) -> _CellFailure:
+                failure = _CellFailure(error, timed_out=timed_out)
+                failure.stdout, failure.stderr = text("stdout"), text("stderr")  # type: ignore[attr-defined]
+                return failure
+
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if startup:
+                        raise fail(CellError("TimeoutError", f"no answer within {_START_TIMEOUT:g} s"))
+                    raise fail(CellError("TimeoutError", "the cell ran over its timeout and did not stop when "
+                                         "interrupted; the kernel was killed and restarted (its state is lost)"), True)
+                for key, _ in sel.select(left):
+                    fd = key.fd
+                    try:
+                        data = os.read(fd, 65536)
+                    except OSError:
+                        data = b""
+                    if fd == process.from_kernel:
+                        if not data:
+                            raise fail(CellError("KernelDied", _death_reason(process)))
+                        try:
+                            messages = reader.feed(data)
+                        except ProtocolError as exc:
+                            raise fail(CellError("KernelError", f"the kernel broke the protocol: {exc}")) from None
+                        if messages:
+                            self._drain(process, chunks, names)
+                            return messages[0], text("stdout"), text("stderr")
+                        continue
+                    if not data:
+                        sel.unregister(fd)
+                        continue
+                    name = names[fd]
+                    chunks[name].append(data)
+                    size += len(data)
+                    if size > cap:
+                        raise fail(CellError("OutputLimitExceeded", f"the cell wrote more than {self.policy.limits.output_bytes} "
+                                             "bytes outside Python's streams; the kernel was killed and restarted"))
+                    if on_output is not None:
+                        piece = decoders[name].decode(data)
+                        if piece:
+                            on_output(name, piece)
+
+    @staticmethod
+    def _drain(process: KernelProcess, chunks: dict[str, list[bytes]], names: dict[int, str]) -> None:
+        """Output written before the result message is already in the pipes: take it."""
+        for fd, name in names.items():
+            os.set_blocking(fd, False)
+            try:
+                while data := os.read(fd, 65536):
+                    chunks[name].append(data)
+            except (BlockingIOError, OSError):
+                pass
+            finally:
+                os.set_blocking(fd, True)
+
+
+def _death_reason(process: KernelProcess) -> str:
+    try:
+        code = process.popen.wait(timeout=2)
+    except Exception:  # noqa: BLE001
+        return "the kernel process died"
+    if code < 0:
+        return f"the kernel process was killed by signal {-code}"
+    return f"the kernel process exited with status {code}"
+
+
+def _cell_error(raw: Any) -> CellError | None:
+    if not isinstance(raw, dict):
+        return None
+    return CellError(str(raw.get("type", "Error")), str(raw.get("message", "")), str(raw.get("traceback", "")))
+
+
+def _verify(mode: Isolation, report: dict[str, Any]) -> None:
+    """Fail closed unless the kernel's own report shows the confinement in place."""
+    if mode is Isolation.OFF:
+        return
+    problems = []
+    if report.get("seccomp") != "2":
+        problems.append(f"seccomp mode is {report.get('seccomp')!r}, not 2 (filter)")
+    if report.get("no_new_privs") != "1":
+        problems.append("no_new_privs is not set")
+    caps = report.get("caps", {})
+    if mode is Isolation.SANDBOX:
+        nonzero = {k: v for k, v in caps.items() if int(v or "0", 16)}
+        if nonzero:
+            problems.append(f"capabilities remain: {nonzero}")
+    elif any(int(caps.get(k) or "0", 16) for k in ("CapEff", "CapPrm", "CapAmb")):
+        problems.append(f"capabilities remain: {caps}")
+    if problems:
+        raise SandboxError("the kernel is not confined as required: " + "; ".join(problems))

@@ -1,0 +1,92 @@
+"""Messages between the host and a kernel: 4-byte big-endian length, then UTF-8 JSON.
+
+Standard library only (the kernel imports it). The host treats everything a kernel
+sends as untrusted: messages have a size limit and must decode to a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+__all__ = ["ProtocolError", "MessageReader", "encode", "write_message", "read_message", "MAX_MESSAGE"]
+
+_HEADER = struct.Struct("!I")
+MAX_MESSAGE = 256 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a well-formed message."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return _HEADER.pack(len(body)) + body
+
+
+def write_message(fd: int, message: dict[str, Any]) -> None:
+    view = memoryview(encode(message))
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _decode(body: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(body.decode("utf-8", "surrogatepass"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    return message
+
+
+def read_message(fd: int, limit: int = MAX_MESSAGE) -> dict[str, Any] | None:
+    """Blocking read of one message; ``None`` at end of file."""
+    header = _read_exactly(fd, _HEADER.size)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > limit:
+        raise ProtocolError(f"message of {size} bytes is over the {limit}-byte limit")
+    body = _read_exactly(fd, size)
+    if body is None:
+        raise ProtocolError("end of file inside a message")
+    return _decode(body)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks: list[bytes] = []
+    remaining = size
+    while remaining:
+        chunk = os.read(fd, remaining)
+        if not chunk:
+            if remaining == size:
+                return None
+            raise ProtocolError("end of file inside a message")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+class MessageReader:
+    """Incremental decoder for a non-blocking reader: feed bytes, get whole messages."""
+
+    def __init__(self, limit: int = MAX_MESSAGE):
+        self._buffer = bytearray()
+        self._limit = limit
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buffer += data
+        out: list[dict[str, Any]] = []
+        while len(self._buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buffer)
+            if size > self._limit:
+                raise ProtocolError(f"message of {size} bytes is over the {self._limit}-byte limit")
+            end = _HEADER.size + size
+            if len(self._buffer) < end:
+                break
+            out.append(_decode(bytes(self._buffer[_HEADER.size:end])))
+            del self._buffer[:end]
+        return out

@@ -1,0 +1,298 @@
+"""The kernel process: bootstraps its own confinement, then runs code cells forever.
+
+Started by the host as ``python -s -B -m sequester.kernel.server IN_FD OUT_FD``: inside the
+sandbox (``sandbox``), on the host with only the guard (``guard``), or bare (``off``).
+Standard library only, plus the in-kernel parts of sequester (``guard``,
+``net.bridge``, ``kernel.protocol``), so start-up stays fast.
+
+The first message on ``IN_FD`` is the bootstrap configuration; :func:`bootstrap`
+applies it in a fixed order, then the kernel answers ``ready`` with a report of what
+holds (uid, capabilities, seccomp, Landlock) and serves ``run`` requests. A cell's
+stdout and stderr go to fd 1 and 2, which the host reads; the result (value, error,
+duration) comes back on ``OUT_FD`` after the cell's output has been written.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import gc
+import io
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from sequester.kernel.protocol import read_message, write_message
+
+_VALUE_LIMIT = 100_000
+
+
+class CellTimeout(BaseException):
+    """Raised in the main thread when a cell's wall-clock budget runs out.
+
+    A BaseException, so ``except Exception`` in model code does not swallow it.
+    """
+
+
+class OutputLimitExceeded(Exception):
+    """The cell wrote more to stdout and stderr than the policy allows."""
+
+
+# -- bootstrap ------------------------------------------------------------------------
+
+
+def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Confine this process. The order is the security argument:
+
+    1. resource limits (while the tools to set them are still at hand);
+    2. the network bridge binds its loopback listeners (ports under 1024 need a
+       capability that step 3 removes) and starts its thread;
+    3. privileges: no nested user namespaces, then nobody (root flow) or no capabilities;
+    4. Landlock (guard-only mode): the filesystem boundary;
+    5. seccomp, with TSYNC so the bridge thread is covered: no process creation from here on;
+    6. the audit hook, the tripwire that explains refusals;
+    7. ctypes and the loaders leave ``sys.modules``; model code can no longer import them.
+    """
+    from sequester.guard import privileges
+
+    mode = cfg["mode"]
+    report: dict[str, Any] = {"mode": mode}
+    if mode == "off":
+        return _finish_report(report)
+    limits = cfg["limits"]
+    if cfg.get("bridge"):
+        from sequester.net.bridge import start_bridge
+
+        bridge = cfg["bridge"]
+        start_bridge(bridge["control_fd"], [tuple(x) for x in bridge["listeners"]])
+    privileges.apply_rlimits(
+        memory_bytes=limits["memory_bytes"], max_threads=limits["max_threads"], file_bytes=limits["file_bytes"]
+    )
+    if cfg.get("root_flow"):
+        privileges.disable_nested_userns()
+    if mode == "sandbox" or os.geteuid() == 0:
+        privileges.drop_privileges(to_uid=cfg.get("drop_to_uid"), chown=tuple(cfg.get("chown", ())))
+    if cfg.get("landlock"):
+        from sequester.guard import landlock
+
+        spec = cfg["landlock"]
+        _no_new_privs()
+        report["landlock_abi"] = landlock.restrict_self(
+            read=spec["read"], write=spec["write"], connect_ports=spec.get("connect_ports")
+        )
+    from sequester.guard import audit, seccomp
+
+    seccomp.load_filter(base64.b64decode(cfg["seccomp"]["bpf"]), cfg["seccomp"]["nr"])
+    network = cfg.get("audit_network")
+    audit.install_audit_hook(
+        allowed_names=network["names"] if network else None,
+        allowed_connects=[tuple(x) for x in network["connects"]] if network else None,
+    )
+    for name in [m for m in sys.modules if m.partition(".")[0] in audit.BLOCKED_IMPORTS]:
+        del sys.modules[name]
+    for name in [m for m in sys.modules if m.startswith("sequester.guard")]:
+        del sys.modules[name]
+    gc.collect()
+    return _finish_report(report)
+
+
+def _no_new_privs() -> None:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+
+def _finish_report(report: dict[str, Any]) -> dict[str, Any]:
+    status: dict[str, str] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    report.update(
+        uid=os.getuid(),
+        gid=os.getgid(),
+        caps={k: status.get(k, "") for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")},
+        seccomp=status.get("Seccomp", ""),
+        no_new_privs=status.get("NoNewPrivs", ""),
+        cwd=os.getcwd(),
+    )
+    return report
+
+
+# -- cells ------------------------------------------------------------------------------
+
+
+class _CellOutput(io.TextIOBase):
+    """stdout or stderr of a cell: straight to the fd, counted against the cell's cap."""
+
+    def __init__(self, fd: int, budget: list[int], stream: bool):
+        self._fd = fd
+        self._budget = budget  # shared by stdout and stderr: [bytes left]
+        self._stream = stream
+        self._pending: list[bytes] = []
+        self._pending_size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        data = text.encode("utf-8", "backslashreplace")
+        left = self._budget[0]
+        over = len(data) > left
+        if over:
+            data = data[: max(left, 0)]
+        self._budget[0] = left - len(data)
+        self._pending.append(data)
+        self._pending_size += len(data)
+        if self._stream or self._pending_size >= 65536 or over:
+            self.flush()
+        if over:
+            raise OutputLimitExceeded("the cell's output is over the sandbox policy's output_bytes limit")
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        view = memoryview(b"".join(self._pending))
+        self._pending.clear()
+        self._pending_size = 0
+        while view:
+            view = view[os.write(self._fd, view):]
+
+
+class Cells:
+    """Runs cells in one persistent namespace."""
+
+    def __init__(self, output_limit: int):
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        self.output_limit = output_limit
+        self._in_cell = False
+        signal.signal(signal.SIGALRM, self._on_alarm)
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        if self._in_cell:
+            raise CellTimeout
+
+    def run(self, code: str, timeout: float | None, filename: str = "<cell>", stream: bool = False) -> dict[str, Any]:
+        started = time.perf_counter()
+        budget = [self.output_limit]
+        out, err = _CellOutput(1, budget, stream), _CellOutput(2, budget, stream)
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = out, err
+        value: str | None = None
+        error: dict[str, Any] | None = None
+        try:
+            body, last = self._compile(code, filename)
+            self._in_cell = True
+            if timeout:
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+            try:
+                if body is not None:
+                    exec(body, self.namespace)
+                if last is not None:
+                    result = eval(last, self.namespace)
+                    if result is not None:
+                        self.namespace["_"] = result
+                        value = _safe_repr(result)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                self._in_cell = False
+        except CellTimeout:
+            error = {"type": "TimeoutError", "message": f"the cell ran over its {timeout:g} s timeout and was interrupted",
+                     "traceback": ""}
+        except BaseException as exc:  # noqa: BLE001 - everything the cell raises is its result
+            error = _describe(exc)
+        finally:
+            sys.stdout, sys.stderr = saved
+            for stream_ in (out, err):
+                try:
+                    stream_.flush()
+                except OSError:
+                    pass
+        return {"value": value, "error": error, "duration": time.perf_counter() - started}
+
+    @staticmethod
+    def _compile(code: str, filename: str) -> tuple[Any, Any]:
+        tree = ast.parse(code, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        body = compile(tree, filename, "exec") if tree.body else None
+        return body, last
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except BaseException as exc:  # noqa: BLE001
+        return f"<repr() failed: {type(exc).__name__}: {exc}>"
+    if len(text) > _VALUE_LIMIT:
+        text = text[:_VALUE_LIMIT] + f"... [{len(text) - _VALUE_LIMIT} more characters]"
+    return text
+
+
+def _describe(exc: BaseException) -> dict[str, Any]:
+    import traceback
+
+    here = os.path.abspath(__file__)
+    tb = exc.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
+        tb = tb.tb_next  # the kernel's own frames are noise to the caller
+    lines = traceback.format_exception(type(exc), exc, tb)
+    message = str(exc) if not isinstance(exc, SyntaxError) else (exc.msg or "")
+    if isinstance(exc, SystemExit):
+        message = str(exc.code) if exc.code is not None else "0"
+    return {"type": type(exc).__name__, "message": message, "traceback": "".join(lines)}
+
+
+# -- main loop --------------------------------------------------------------------------
+
+
+def serve(in_fd: int, out_fd: int, output_limit: int) -> None:
+    cells = Cells(output_limit)
+    while True:
+        request = read_message(in_fd)
+        if request is None or request.get("op") == "shutdown":
+            return
+        if request.get("op") == "run":
+            result = cells.run(str(request.get("code", "")), request.get("timeout"),
+                               str(request.get("filename") or "<cell>"), bool(request.get("stream")))
+            write_message(out_fd, {"op": "result", "id": request.get("id"), **result})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    in_fd, out_fd = int(args[0]), int(args[1])
+    try:
+        cfg = read_message(in_fd)
+        if cfg is None:
+            return
+        report = bootstrap(cfg)
+    except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed
+        import traceback
+
+        where = "".join(traceback.format_exception(exc)[-3:])
+        write_message(out_fd, {"op": "failed", "error": f"{type(exc).__name__}: {exc}\n{where}"})
+        os._exit(70)
+    write_message(out_fd, {"op": "ready", "report": report})
+    serve(in_fd, out_fd, int(cfg["limits"]["output_bytes"]))
+
+
+if __name__ == "__main__":
+    main()

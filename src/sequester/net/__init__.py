@@ -1,0 +1,1 @@
+"""The network allowlist: in-sandbox plan, host-side broker, in-sandbox bridge."""

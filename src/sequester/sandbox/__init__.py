@@ -1,0 +1,1 @@
+"""Sandbox construction: host facts, the mount plan, bwrap argv, and the launcher that orders them."""

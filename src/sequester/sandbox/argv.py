@@ -1,0 +1,109 @@
+"""Turn a sandbox specification into a bubblewrap command line. Pure.
+
+Two flows, picked by who runs the host process:
+
+* **an ordinary user**: bwrap makes the user namespace itself, maps the caller to
+  itself and disables nested user namespaces; the kernel's bootstrap drops the last
+  capabilities.
+* **root**: running sandboxed code as host root would let it read every root-only file
+  the view leaves visible (``/etc/shadow``, host keys), because it would own them. So bwrap
+  waits (``--userns-block-fd``) while the launcher writes a uid map that also maps
+  ``nobody``, keeps only the capabilities needed to leave root, and the kernel's
+  bootstrap switches to ``nobody`` and drops the rest before any model code runs.
+
+The environment is not on the command line (API keys would show in ``ps``): the
+launcher hands it to bwrap as its own environment, and bwrap passes it on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .mounts import WORKSPACE, MountKind, MountOp
+
+__all__ = ["BOOTSTRAP_CAPS", "ROOT_BOOTSTRAP_CAPS", "SandboxSpec", "LaunchFds", "build_argv"]
+
+# Kept until the kernel's bootstrap drops them, before any model code runs: the bridge
+# binds allowed ports below 1024 (443!), and the bounding set is emptied (SETPCAP).
+BOOTSTRAP_CAPS = ("CAP_NET_BIND_SERVICE", "CAP_SETPCAP")
+# The root flow also disables nested user namespaces (SYS_RESOURCE), gives the workspace
+# to nobody (CHOWN) and switches to nobody (SETGID, SETUID), which clears the rest.
+ROOT_BOOTSTRAP_CAPS = (*BOOTSTRAP_CAPS, "CAP_SYS_RESOURCE", "CAP_CHOWN", "CAP_SETGID", "CAP_SETUID")
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    mounts: tuple[MountOp, ...]
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: Path = WORKSPACE
+    root_flow: bool = False
+    hostname: str = "sequester"
+
+
+@dataclass(frozen=True)
+class LaunchFds:
+    """File descriptors the launcher opened for bwrap, by purpose."""
+
+    data: Mapping[Path, int] = field(default_factory=dict)
+    info: int | None = None
+    userns_block: int | None = None
+
+
+def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
+    mode = ["--perms", f"{op.mode:o}"] if op.mode is not None else []
+    size = ["--size", str(op.size)] if op.size is not None else []
+    match op.kind:
+        case MountKind.ROOT | MountKind.READONLY:
+            return ["--ro-bind", str(op.source), str(op.dest)]
+        case MountKind.HIDE_FILE:
+            return ["--ro-bind", str(op.source), str(op.dest)]
+        case MountKind.HIDE_DIR:
+            return [*mode, "--tmpfs", str(op.dest)]
+        case MountKind.TMPFS:
+            return [*mode, *size, "--tmpfs", str(op.dest)]
+        case MountKind.PROC:
+            return ["--proc", str(op.dest)]
+        case MountKind.DEV:
+            return ["--dev", str(op.dest)]
+        case MountKind.DIR:
+            return [*mode, "--dir", str(op.dest)]
+        case MountKind.DATA:
+            if op.dest not in fds.data:
+                raise ValueError(f"no file descriptor for the data of {op.dest}")
+            return ["--perms", "444", "--ro-bind-data", str(fds.data[op.dest]), str(op.dest)]
+    raise ValueError(f"unknown mount kind {op.kind}")  # pragma: no cover
+
+
+def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
+    """The full bwrap argv for ``spec``; ``fds`` names descriptors the launcher opened."""
+    argv = [bwrap, "--unshare-user"]
+    if fds.info is not None:
+        argv += ["--info-fd", str(fds.info)]
+    if spec.root_flow:
+        if fds.info is None or fds.userns_block is None:
+            raise ValueError("the root flow needs an info fd and a userns block fd")
+        argv += ["--userns-block-fd", str(fds.userns_block)]
+    else:
+        argv += ["--disable-userns"]
+    argv += ["--cap-drop", "ALL"]
+    for cap in ROOT_BOOTSTRAP_CAPS if spec.root_flow else BOOTSTRAP_CAPS:
+        argv += ["--cap-add", cap]
+    argv += [
+        "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+        "--hostname", spec.hostname,
+        # Die with the host process; own session, so the sandbox cannot push input into
+        # the host's terminal (TIOCSTI).
+        "--die-with-parent", "--new-session",
+    ]
+    for op in spec.mounts:
+        argv += _mount_args(op, fds)
+    # Hidden folders become read-only last: bwrap must first create the mount points of
+    # the mount-backs inside them.
+    for op in spec.mounts:
+        if op.kind is MountKind.HIDE_DIR:
+            argv += ["--remount-ro", str(op.dest)]
+    argv += ["--chdir", str(spec.cwd), "--", *spec.command]
+    return argv
