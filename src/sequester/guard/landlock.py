@@ -13,6 +13,7 @@ grant so that hidden ones stay out; :func:`restrict_self` (kernel side) applies 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -128,7 +129,10 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
             except OSError:
                 return  # gone since it was listed; nothing to grant
             try:
-                if not os.path.isdir(path):
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                    return  # Landlock rules take files and folders only (/dev/stderr may be a pipe)
+                if not stat.S_ISDIR(mode):
                     access &= EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
                 rule = PathBeneath(access & fs, fd)
                 if libc.syscall(ctypes.c_long(_SYS_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),

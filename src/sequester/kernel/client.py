@@ -237,6 +237,18 @@ class Kernel:
                 failure.stdout, failure.stderr = text("stdout"), text("stderr")  # type: ignore[attr-defined]
                 return failure
 
+            def take(name: str, data: bytes) -> None:
+                nonlocal size
+                chunks[name].append(data)
+                size += len(data)
+                if size > cap:
+                    raise fail(CellError("OutputLimitExceeded", f"the cell wrote more than {self.policy.limits.output_bytes} "
+                                         "bytes outside Python's streams; the kernel was killed and restarted"))
+                if on_output is not None:
+                    piece = decoders[name].decode(data)
+                    if piece:
+                        on_output(name, piece)
+
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -258,35 +270,29 @@ class Kernel:
                         except ProtocolError as exc:
                             raise fail(CellError("KernelError", f"the kernel broke the protocol: {exc}")) from None
                         if messages:
-                            self._drain(process, chunks, names)
+                            for out_fd, name in names.items():
+                                for data in _pending(out_fd):
+                                    take(name, data)
                             return messages[0], text("stdout"), text("stderr")
                         continue
                     if not data:
                         sel.unregister(fd)
                         continue
-                    name = names[fd]
-                    chunks[name].append(data)
-                    size += len(data)
-                    if size > cap:
-                        raise fail(CellError("OutputLimitExceeded", f"the cell wrote more than {self.policy.limits.output_bytes} "
-                                             "bytes outside Python's streams; the kernel was killed and restarted"))
-                    if on_output is not None:
-                        piece = decoders[name].decode(data)
-                        if piece:
-                            on_output(name, piece)
+                    take(names[fd], data)
 
-    @staticmethod
-    def _drain(process: KernelProcess, chunks: dict[str, list[bytes]], names: dict[int, str]) -> None:
-        """Output written before the result message is already in the pipes: take it."""
-        for fd, name in names.items():
-            os.set_blocking(fd, False)
-            try:
-                while data := os.read(fd, 65536):
-                    chunks[name].append(data)
-            except (BlockingIOError, OSError):
-                pass
-            finally:
-                os.set_blocking(fd, True)
+
+def _pending(fd: int) -> list[bytes]:
+    """What is already in a pipe. Output written before the result message is there."""
+    out: list[bytes] = []
+    os.set_blocking(fd, False)
+    try:
+        while data := os.read(fd, 65536):
+            out.append(data)
+    except (BlockingIOError, OSError):
+        pass
+    finally:
+        os.set_blocking(fd, True)
+    return out
 
 
 def _death_reason(process: KernelProcess) -> str:
@@ -296,6 +302,9 @@ def _death_reason(process: KernelProcess) -> str:
         return "the kernel process died"
     if code < 0:
         return f"the kernel process was killed by signal {-code}"
+    if process.mode is Isolation.SANDBOX and code > 128:
+        # bwrap reports its child's death by signal N as status 128 + N.
+        return f"the kernel process was killed by signal {code - 128}"
     return f"the kernel process exited with status {code}"
 
 

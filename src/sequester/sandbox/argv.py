@@ -56,8 +56,10 @@ def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
     mode = ["--perms", f"{op.mode:o}"] if op.mode is not None else []
     size = ["--size", str(op.size)] if op.size is not None else []
     match op.kind:
-        case MountKind.ROOT | MountKind.READONLY:
+        case MountKind.READONLY:
             return ["--ro-bind", str(op.source), str(op.dest)]
+        case MountKind.SYMLINK:
+            return ["--symlink", str(op.target), str(op.dest)]
         case MountKind.HIDE_FILE:
             return ["--ro-bind", str(op.source), str(op.dest)]
         case MountKind.HIDE_DIR:
@@ -100,10 +102,11 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     ]
     for op in spec.mounts:
         argv += _mount_args(op, fds)
-    # Hidden folders become read-only last: bwrap must first create the mount points of
-    # the mount-backs inside them.
+    # Read-only last: bwrap must first create the mount points of the mount-backs
+    # inside the assembled root and inside hidden folders.
     for op in spec.mounts:
         if op.kind is MountKind.HIDE_DIR:
             argv += ["--remount-ro", str(op.dest)]
+    argv += ["--remount-ro", "/"]
     argv += ["--chdir", str(spec.cwd), "--", *spec.command]
     return argv

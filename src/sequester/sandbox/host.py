@@ -12,6 +12,7 @@ import pwd
 import stat
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 __all__ = ["DirEntry", "HostFacts", "gather_host_facts", "SCAN_SKIP"]
@@ -29,6 +30,7 @@ class DirEntry:
     owner: int
     is_dir: bool
     is_symlink: bool
+    link_target: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class HostFacts:
         return self.uid == 0
 
 
+@lru_cache(maxsize=1)
 def _python_roots() -> tuple[Path, ...]:
     """The Python installation: prefixes, plus the real interpreter's folder if elsewhere."""
     roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
@@ -56,6 +59,7 @@ def _python_roots() -> tuple[Path, ...]:
     return tuple(sorted(roots))
 
 
+@lru_cache(maxsize=1)
 def _package_root() -> Path:
     """The sys.path entry that holds the ``sequester`` package (its parent folder)."""
     return Path(__file__).resolve().parent.parent.parent
@@ -77,7 +81,13 @@ def _scan(uid: int, deep: bool) -> tuple[DirEntry, ...]:
         except OSError:
             return None
         is_link = stat.S_ISLNK(st.st_mode)
-        return DirEntry(path, st.st_uid, stat.S_ISDIR(st.st_mode), is_link)
+        target = None
+        if is_link:
+            try:
+                target = os.readlink(path)
+            except OSError:
+                return None
+        return DirEntry(path, st.st_uid, stat.S_ISDIR(st.st_mode), is_link, target)
 
     try:
         top = sorted(os.listdir("/"))

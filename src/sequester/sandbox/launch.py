@@ -37,6 +37,10 @@ from .probe import bwrap_path, resolve_isolation
 
 __all__ = ["KernelProcess", "launch_kernel", "kernel_command", "bootstrap_config"]
 
+# Root-only files a guard-only kernel running as uid 0 must not read (Landlock grants
+# everything else of /etc).
+ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
+                                        "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
 _UID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
 _NO_DNS = "# sequester: no name server is reachable from the sandbox; names resolve from /etc/hosts only\n"
 
@@ -174,7 +178,8 @@ def _read_all(fd: int, timeout: float) -> bytes:
 
 def _write_id_maps(pid: int) -> None:
     """Root flow: map root (for bwrap's setup) and nobody (for the kernel) to themselves."""
-    for name, text in (("uid_map", _UID_MAP), ("setgroups", "deny"), ("gid_map", _UID_MAP)):
+    # setgroups stays allowed: the kernel's bootstrap clears root's supplementary groups.
+    for name, text in (("uid_map", _UID_MAP), ("gid_map", _UID_MAP)):
         with open(f"/proc/{pid}/{name}", "w") as f:
             f.write(text)
 
@@ -266,7 +271,7 @@ def _spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], c
         argv = build_argv(bwrap_path(), spec, fds)
         popen = subprocess.Popen(
             argv, env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-            start_new_session=True, **({"extra_groups": []} if facts.is_root else {}),
+            start_new_session=True,
         )
         _close(info_w)
         _close(block_r)
@@ -312,6 +317,10 @@ def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: 
         return bootstrap_config(policy, mode)
     hide_dirs, hide_files = hidden_paths(policy, facts)
     hidden = (*hide_dirs, *hide_files, Path("/tmp"), Path("/run"), Path("/var/tmp"), Path("/dev/shm"))
+    if facts.is_root:
+        # Without a user namespace the kernel stays uid 0 (with no capabilities), so it
+        # would own root's files: keep the well-known secrets out of its reach too.
+        hidden += ROOT_SECRETS
     top = [Path("/") / name for name in sorted(os.listdir("/"))]
     read = [*landlock.readable_roots(top, hidden), *mount_backs(policy, facts)]
     spec = {
@@ -322,3 +331,32 @@ def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: 
     connects = [[e.host if e.host != "localhost" else "127.0.0.1", e.port] for e in policy.allow if e.is_ip or e.host == "localhost"]
     names = [e.host for e in policy.allow if not e.is_ip]
     return bootstrap_config(policy, mode, landlock_spec=spec, audit_network={"names": names, "connects": connects})
+
+
+def run_in_sandbox(policy: Policy, command: list[str], *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in the view a kernel of ``policy`` gets, without the kernel.
+
+    For benchmarks and tests of the namespace and mount layer alone: the command gets
+    no seccomp filter, and in the root flow it keeps the bootstrap capabilities (the
+    kernel drops those itself). Never a way to run untrusted code.
+    """
+    facts = gather_host_facts()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    extra: list[int] = []
+    try:
+        popen, broker, _, _ = _spawn_sandbox(policy, facts, tuple(command), [], out_w, err_w, err_r, extra)
+    finally:
+        for fd in (out_w, err_w, *extra):
+            _close(fd)
+    try:
+        with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
+            stdout, stderr = out.read(), err.read()
+        code = popen.wait(timeout=timeout)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+        if broker is not None:
+            broker.close()
+    return subprocess.CompletedProcess(command, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"))

@@ -2,21 +2,25 @@
 
 Pure: a function of the policy and :class:`~sequester.sandbox.host.HostFacts` only.
 
-The view, in words:
+The root is assembled, not copied: bwrap starts from an empty tmpfs, and each top-level
+entry of the host is either bound read-only, recreated as the same symlink, or (when
+hidden) left as an empty directory. A top-level folder that appears on the host later is
+simply not there. Then, in words:
 
-* the host's root, read-only;
-* hidden under empty, read-only tmpfs: the caller's home and each top-most directory the
-  caller owns (a non-root caller), or every top-level directory that is not part of the
-  operating system (root, see :data:`SYSTEM_DIRS`), plus the policy's ``hide`` list;
-  hidden files are covered by ``/dev/null``;
+* hidden: the caller's home and each top-most directory the caller owns (a non-root
+  caller), or every top-level directory that is not part of the operating system (root,
+  see :data:`SYSTEM_DIRS`), plus the policy's ``hide`` list. A hidden top-level folder is
+  an empty directory; a deeper one is covered by an empty read-only tmpfs; a hidden
+  file is covered by ``/dev/null``;
 * mounted back read-only on top: the Python installation, sequester's own source and the
   policy's ``readonly`` paths;
 * replaced: a fresh ``/proc`` (own PID namespace), a minimal ``/dev``, an empty ``/run``
   (host sockets live there), a ``/sys`` with only the CPU topology, and ``/tmp`` as a
-  size-capped tmpfs holding the working directory ``/tmp/workspace``.
+  size-capped tmpfs holding the working directory ``/tmp/workspace``;
+* the assembled root itself is made read-only at the end.
 
 Deeper paths are mounted after shallower ones, so a mount-back inside a hidden directory
-(the Python prefix inside ``/root``, say) lands on top of the tmpfs that hides it.
+(the Python prefix inside ``/root``, say) lands on top of whatever hides it.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from ..policy import Policy
-from .host import HostFacts
+from .host import DirEntry, HostFacts
 
 __all__ = ["MountKind", "MountOp", "SYSTEM_DIRS", "WORKSPACE", "hidden_paths", "mount_backs", "plan_mounts"]
 
@@ -37,15 +42,15 @@ WORKSPACE = Path("/tmp/workspace")
 # at the top (/home, /root, /srv, /mnt, /media, /data, /work, ...) holds somebody's data.
 SYSTEM_DIRS = frozenset({"bin", "boot", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var", "nix", "snap"})
 
-# Replaced wholesale by the sandbox; never hidden or scanned.
+# Replaced wholesale by the sandbox; never bound, hidden or scanned.
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
 
 
 class MountKind(enum.Enum):
-    ROOT = "root"            # read-only bind of the host's /
+    READONLY = "readonly"    # read-only bind of a host path on the same path
     HIDE_DIR = "hide-dir"    # empty tmpfs, made read-only at the end
     HIDE_FILE = "hide-file"  # /dev/null bound over a file
-    READONLY = "readonly"    # read-only bind of a host path on the same path
+    SYMLINK = "symlink"      # a symlink with the host's target
     PROC = "proc"
     DEV = "dev"
     TMPFS = "tmpfs"          # writable tmpfs (size-capped when size is set)
@@ -61,10 +66,11 @@ class MountOp:
     size: int | None = None
     data: str | None = None
     mode: int | None = None
+    target: str | None = None
 
 
-def _hideable(entries: Iterable, keep: object) -> Iterable:
-    return (e for e in entries if not e.is_symlink and e.path.name not in _REPLACED and keep(e))
+def _top(facts: HostFacts) -> list[DirEntry]:
+    return [e for e in facts.entries if e.path.parent == Path("/") and e.path.name not in _REPLACED]
 
 
 def hidden_paths(policy: Policy, facts: HostFacts) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
@@ -74,17 +80,17 @@ def hidden_paths(policy: Policy, facts: HostFacts) -> tuple[tuple[Path, ...], tu
     if facts.is_root:
         # Root owns the whole system, so "directories the caller owns" would hide the OS.
         # Keep the OS, hide everything else at the top level.
-        top = [e for e in facts.entries if e.path.parent == Path("/")]
-        for e in _hideable(top, lambda e: e.path.name not in SYSTEM_DIRS):
-            (dirs if e.is_dir else files).append(e.path)
+        for e in _top(facts):
+            if not e.is_symlink and e.path.name not in SYSTEM_DIRS:
+                (dirs if e.is_dir else files).append(e.path)
     else:
-        owned = [e for e in _hideable(facts.entries, lambda e: e.owner == facts.uid)]
+        owned = [e for e in facts.entries
+                 if e.owner == facts.uid and not e.is_symlink and e.path.parts[1] not in _REPLACED]
         owned_dirs = {e.path for e in owned if e.is_dir}
         for e in owned:
             # Only the top-most: a user-owned folder inside another hidden one is covered.
-            if any(p in owned_dirs for p in e.path.parents):
-                continue
-            (dirs if e.is_dir else files).append(e.path)
+            if not any(p in owned_dirs for p in e.path.parents):
+                (dirs if e.is_dir else files).append(e.path)
     if facts.home is not None and facts.home != Path("/"):
         dirs.append(facts.home)
     for path in policy.hide:
@@ -102,47 +108,69 @@ def _unique_sorted(paths: Iterable[Path]) -> tuple[Path, ...]:
 
 
 def plan_mounts(policy: Policy, facts: HostFacts, *, data_files: dict[Path, str] | None = None) -> tuple[MountOp, ...]:
-    """The ordered mount operations of a kernel's view."""
+    """The ordered mount operations of a kernel's view (on top of bwrap's empty root)."""
+    return _plan(policy, facts, tuple(sorted((data_files or {}).items())))
+
+
+@lru_cache(maxsize=64)
+def _plan(policy: Policy, facts: HostFacts, data_files: tuple[tuple[Path, str], ...]) -> tuple[MountOp, ...]:
+    # Cached on its inputs (all frozen): a host whose top level did not change since the
+    # last launch gets the same plan without recomputing it.
     hide_dirs, hide_files = hidden_paths(policy, facts)
+    hidden_top = {p for p in (*hide_dirs, *hide_files) if len(p.parts) == 2}
     workspace_bytes = policy.limits.workspace_mb * 1024 * 1024
-    ops: list[tuple[int, int, MountOp]] = []
+    ops: dict[tuple[MountKind, Path], tuple[int, int, MountOp]] = {}
 
     def add(op: MountOp, rank: int) -> None:
         # Parents before children; at one path, what hides before what mounts back.
-        ops.append((len(op.dest.parts), rank, op))
+        ops.setdefault((op.kind, op.dest), (len(op.dest.parts), rank, op))
 
+    # The top level: bound, symlinked, or an empty folder.
+    for e in _top(facts):
+        if e.is_symlink:
+            add(MountOp(MountKind.SYMLINK, e.path, target=e.link_target), 0)
+        elif e.path in hidden_top:
+            if e.is_dir:
+                add(MountOp(MountKind.DIR, e.path, mode=0o755), 0)
+        else:
+            add(MountOp(MountKind.READONLY, e.path, source=e.path), 0)
+    # Hidden below the top level: covered.
     for path in hide_dirs:
-        add(MountOp(MountKind.HIDE_DIR, path, mode=0o755), 0)
+        if path not in hidden_top:
+            add(MountOp(MountKind.HIDE_DIR, path, mode=0o755), 0)
     for path in hide_files:
-        add(MountOp(MountKind.HIDE_FILE, path, source=Path("/dev/null")), 0)
+        if path not in hidden_top:
+            add(MountOp(MountKind.HIDE_FILE, path, source=Path("/dev/null")), 0)
     add(MountOp(MountKind.PROC, Path("/proc")), 0)
     add(MountOp(MountKind.DEV, Path("/dev")), 0)
     add(MountOp(MountKind.TMPFS, Path("/dev/shm"), size=workspace_bytes, mode=0o1777), 0)
-    add(MountOp(MountKind.HIDE_DIR, Path("/run"), mode=0o755), 0)
-    add(MountOp(MountKind.HIDE_DIR, Path("/sys"), mode=0o755), 0)
-    if facts.sys_cpu is not None:
-        # CPU topology only: os.cpu_count() and BLAS thread pools read it.
-        add(MountOp(MountKind.READONLY, facts.sys_cpu, source=facts.sys_cpu), 1)
+    add(MountOp(MountKind.DIR, Path("/run"), mode=0o755), 0)
+    add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
     add(MountOp(MountKind.TMPFS, Path("/tmp"), size=workspace_bytes, mode=0o1777), 0)
     add(MountOp(MountKind.DIR, WORKSPACE, mode=0o755), 1)
-    fresh = [op.dest for _, _, op in ops if op.kind in (MountKind.HIDE_DIR, MountKind.TMPFS)]
+    fresh = [Path("/")] + [op.dest for _, _, op in ops.values() if op.kind in (MountKind.HIDE_DIR, MountKind.TMPFS)]
+    bound = [op.dest for _, _, op in ops.values() if op.kind is MountKind.READONLY]
 
     def make_parents(path: Path) -> None:
-        # bwrap would create missing parents inside a fresh tmpfs as 0700, which the
-        # kernel (nobody, once it drops root) could not traverse: make them 0755.
-        base = max((f for f in fresh if path.is_relative_to(f) and path != f), key=lambda f: len(f.parts), default=None)
-        if base is not None:
-            for parent in reversed(path.parents):
-                if parent.is_relative_to(base) and parent != base:
-                    add(MountOp(MountKind.DIR, parent, mode=0o755), 1)
+        # Inside something fresh (the root, a tmpfs), bwrap would create missing parents
+        # as 0700, which the kernel could not traverse once it is nobody: make them 0755.
+        # Inside a bound host folder the parents exist already.
+        base = max((f for f in (*fresh, *bound) if path.is_relative_to(f) and path != f),
+                   key=lambda f: len(f.parts), default=Path("/"))
+        if base in bound:
+            return
+        for parent in reversed(path.parents):
+            if parent.is_relative_to(base) and parent != base:
+                add(MountOp(MountKind.DIR, parent, mode=0o755), 1)
 
+    if facts.sys_cpu is not None:
+        # CPU topology only: os.cpu_count() and BLAS thread pools read it.
+        make_parents(facts.sys_cpu)
+        add(MountOp(MountKind.READONLY, facts.sys_cpu, source=facts.sys_cpu), 1)
     for path in mount_backs(policy, facts):
         make_parents(path)
         add(MountOp(MountKind.READONLY, path, source=path), 1)
-    for path, text in sorted((data_files or {}).items()):
+    for path, text in data_files:
         make_parents(path)
         add(MountOp(MountKind.DATA, path, data=text), 2)
-    seen: set[tuple[MountKind, Path]] = set()
-    ops = [t for t in ops if (t[2].kind, t[2].dest) not in seen and not seen.add((t[2].kind, t[2].dest))]
-    ordered = [op for _, _, op in sorted(ops, key=lambda t: (t[0], t[1], str(t[2].dest)))]
-    return (MountOp(MountKind.ROOT, Path("/"), source=Path("/")), *ordered)
+    return tuple(op for _, _, op in sorted(ops.values(), key=lambda t: (t[0], t[1], str(t[2].dest))))

@@ -1,0 +1,133 @@
+"""The ``sequester`` command: a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import PolicyError, SequesterError
+from .policy import Policy, load_policy
+
+__all__ = ["main"]
+
+log = logging.getLogger("sequester")
+_err = Console(stderr=True)
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    policy = load_policy(args.config)
+    return policy.with_overrides(
+        allow=getattr(args, "allow", None) or (),
+        readonly=getattr(args, "readonly", None) or (),
+        hide=getattr(args, "hide", None) or (),
+        isolation=_isolation_flag(args.isolation) if getattr(args, "isolation", None) else None,
+    )
+
+
+def _isolation_flag(text: str) -> object:
+    return {"true": True, "false": False}.get(text, text)
+
+
+def _add_policy_flags(p: argparse.ArgumentParser, *, overrides: bool) -> None:
+    p.add_argument("--config", metavar="FILE", help="policy file (TOML); default: the embedded configs/default.toml")
+    if overrides:
+        p.add_argument("--allow", action="append", metavar="HOST:PORT", help="also allow this service (or URL)")
+        p.add_argument("--readonly", action="append", metavar="PATH", help="also mount this path read-only")
+        p.add_argument("--hide", action="append", metavar="PATH", help="also hide this path")
+    p.add_argument("--isolation", choices=["true", "auto", "false"], help="override runtime.isolation")
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from .kernel.client import Kernel
+
+    if args.file == "-":
+        code, filename = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            code, filename = Path(args.file).read_text(), args.file
+        except OSError as exc:
+            raise PolicyError(f"cannot read {args.file!r}: {exc.strerror}") from None
+    policy = _policy(args)
+
+    def relay(stream: str, text: str) -> None:
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        out.write(text)
+        out.flush()
+
+    with Kernel(policy) as kernel:
+        result = kernel.run(code, filename=filename, timeout=args.timeout, on_output=relay)
+    if result.error is None:
+        return 0
+    if result.error.type == "SystemExit":
+        code_text = result.error.message
+        if code_text in ("0", "None", ""):
+            return 0
+        if not code_text.lstrip("-").isdigit():
+            sys.stderr.write(code_text + "\n")
+            return 1
+        return int(code_text)
+    sys.stderr.write(result.error.traceback or f"{result.error}\n")
+    return 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import run_check
+
+    report = run_check(_policy(args))
+    if args.json:
+        print(json.dumps({"mode": report.mode.value, "passed": report.passed,
+                          "findings": [vars(f) for f in report.findings]}, indent=2))
+        return 0 if report.passed else 1
+    table = Table(title=f"sequester check (isolation in force: {report.mode.value})")
+    table.add_column("property")
+    table.add_column("result")
+    table.add_column("evidence", overflow="fold")
+    for f in report.findings:
+        table.add_row(f.name, "[green]pass[/]" if f.passed else "[red]FAIL[/]", f.evidence)
+    Console().print(table)
+    return 0 if report.passed else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sequester", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("exec", help="run a program in a fresh kernel")
+    _add_policy_flags(p, overrides=True)
+    p.add_argument("--timeout", type=float, help="seconds (default: limits.cell_timeout)")
+    p.add_argument("file", metavar="FILE|-")
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("check", help="prove each isolation property on this machine")
+    _add_policy_flags(p, overrides=True)
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="sequester: %(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except PolicyError as exc:
+        _err.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+    except SequesterError as exc:
+        _err.print(f"[red]error:[/] {exc}", highlight=False)
+        return 3
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+from pathlib import Path
+
+import pytest
+
+from sequester import Endpoint, Isolation, Limits, Policy, PolicyError, load_policy, parse_endpoint
+from sequester.policy import policy_from_mapping
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "text, host, port",
+    [
+        ("127.0.0.1:8000", "127.0.0.1", 8000),
+        ("API.Example.com:443", "api.example.com", 443),
+        ("[::1]:9000", "::1", 9000),
+        ("https://api.example.com/v1/chat", "api.example.com", 443),
+        ("http://localhost:8080/x", "localhost", 8080),
+        ("ws://svc.internal", "svc.internal", 80),
+    ],
+)
+def test_parse_endpoint(text, host, port):
+    assert parse_endpoint(text) == Endpoint(host, port)
+
+
+@pytest.mark.parametrize("bad", ["example.com", "host:", ":80", "host:99999", "ftp://x", "::1:80", "bad host:80", ""])
+def test_parse_endpoint_rejects_and_names_the_value(bad):
+    with pytest.raises(PolicyError) as err:
+        parse_endpoint(bad)
+    assert repr(bad) in str(err.value) or "is not" in str(err.value)
+
+
+def test_isolation_forms(tmp_path):
+    assert Policy(isolation=True).isolation is Isolation.SANDBOX
+    assert Policy(isolation=False).isolation is Isolation.OFF
+    assert Policy(isolation="auto").isolation is Isolation.AUTO
+    p = Policy(isolation={"hide": [str(tmp_path)]})
+    assert p.isolation is Isolation.SANDBOX and p.hide == (tmp_path.resolve(),)
+    p = Policy(isolation={"mode": "auto", "hide": [str(tmp_path)]})
+    assert p.isolation is Isolation.AUTO
+    with pytest.raises(PolicyError, match="isolation"):
+        Policy(isolation="sometimes")
+    with pytest.raises(PolicyError, match="mode is false"):
+        Policy(isolation={"mode": False, "hide": [str(tmp_path)]})
+
+
+def test_default_config_is_auto_and_loads_from_the_package():
+    embedded = load_policy(None)
+    assert embedded.isolation is Isolation.AUTO
+    assert embedded == load_policy(REPO / "configs" / "default.toml")
+    # The defaults in the file are the library's defaults (one source of truth for limits).
+    assert embedded.limits == Limits()
+
+
+def write(tmp_path, text):
+    path = tmp_path / "policy.toml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(PolicyError, match="runtime.isolaton"):
+        load_policy(write(tmp_path, "[runtime]\nisolaton = true\n"))
+    with pytest.raises(PolicyError, match="limits.memory"):
+        load_policy(write(tmp_path, "[limits]\nmemory = 5\n"))
+    with pytest.raises(PolicyError, match="'network'"):
+        load_policy(write(tmp_path, "[network]\n"))
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(PolicyError, match=r"runtime.readonly.*does not exist"):
+        load_policy(write(tmp_path, '[runtime]\nreadonly = ["nope"]\n'))
+    with pytest.raises(PolicyError, match=r"hide.*does not exist"):
+        load_policy(write(tmp_path, '[runtime]\nisolation = {hide = ["/no/such/dir"]}\n'))
+
+
+def test_bad_allow_entry_is_named(tmp_path):
+    with pytest.raises(PolicyError, match=r"runtime.allow\[1\].*'example.com'"):
+        load_policy(write(tmp_path, '[runtime]\nallow = ["127.0.0.1:80", "example.com"]\n'))
+
+
+def test_bad_limits_and_env(tmp_path):
+    with pytest.raises(PolicyError, match="limits.max_threads"):
+        load_policy(write(tmp_path, "[limits]\nmax_threads = 0\n"))
+    with pytest.raises(PolicyError, match="limits.memory_mb"):
+        load_policy(write(tmp_path, "[limits]\nmemory_mb = 1.5\n"))
+    with pytest.raises(PolicyError, match=r"runtime.env\[0\]"):
+        load_policy(write(tmp_path, '[runtime]\nenv = ["NOT A NAME"]\n'))
+
+
+def test_relative_paths_are_taken_from_the_file(tmp_path):
+    (tmp_path / "src").mkdir()
+    policy = load_policy(write(tmp_path, '[runtime]\nreadonly = ["src"]\nallow = ["https://api.example.com"]\n'))
+    assert policy.readonly == ((tmp_path / "src").resolve(),)
+    assert policy.allow == (Endpoint("api.example.com", 443),)
+
+
+def test_invalid_toml(tmp_path):
+    with pytest.raises(PolicyError, match="not valid TOML"):
+        load_policy(write(tmp_path, "[runtime\n"))
+
+
+def test_overrides_add_and_validate(tmp_path):
+    policy = Policy().with_overrides(allow=["127.0.0.1:1"], readonly=[str(tmp_path)], isolation="auto")
+    assert policy.allow == (Endpoint("127.0.0.1", 1),)
+    assert policy.readonly == (tmp_path.resolve(),)
+    assert policy.isolation is Isolation.AUTO
+    with pytest.raises(PolicyError, match="--readonly"):
+        Policy().with_overrides(readonly=["/no/such"])
+
+
+def test_same_path_hidden_and_readonly_is_an_error(tmp_path):
+    with pytest.raises(PolicyError, match="both hidden and read-only"):
+        Policy(hide=(tmp_path,), readonly=(tmp_path,))
+
+
+def test_policy_is_plain_hashable_data():
+    assert hash(Policy()) == hash(Policy())
+    assert policy_from_mapping({}, Path("/")) == Policy()
