@@ -14,11 +14,13 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,8 @@ from .host import HostFacts, gather_host_facts
 from .mounts import WORKSPACE, hidden_paths, mount_backs, plan_mounts
 from .probe import bwrap_path, resolve_isolation
 
-__all__ = ["KernelProcess", "launch_kernel", "kernel_command", "bootstrap_config"]
+__all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "kernel_command",
+           "bootstrap_config"]
 
 # Root-only files a guard-only kernel running as uid 0 must not read (Landlock grants
 # everything else of /etc).
@@ -59,6 +62,7 @@ class KernelProcess:
     broker: Broker | None = None
     workspace: Path | None = None
     sandbox_pid: int | None = None
+    sandbox_pidfd: int | None = None
     _closed: bool = field(default=False, repr=False)
 
     def host_pids(self) -> list[int]:
@@ -70,21 +74,29 @@ class KernelProcess:
         return pids
 
     def terminate(self) -> None:
-        """Kill everything of this kernel and release its resources. Idempotent."""
+        """Kill everything of this kernel and release its resources. Idempotent.
+
+        Returns once the processes are gone: killing the sandbox's init tears down its
+        whole PID namespace, and bwrap's monitor exits with it.
+        """
         if self._closed:
             return
         self._closed = True
+        if self.sandbox_pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.sandbox_pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
-            # The whole session: in the sandbox, bwrap's --die-with-parent and the PID
-            # namespace take the rest down with it.
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            os.killpg(self.popen.pid, signal.SIGKILL)  # the guard and off modes' own session
         except (ProcessLookupError, PermissionError):
             pass
-        try:
-            self.popen.kill()
-        except ProcessLookupError:
-            pass
+        self.popen.kill()
         self.popen.wait()
+        if self.sandbox_pidfd is not None:
+            # Readable once the sandbox's init has exited (it is bwrap's child, not ours).
+            select.select([self.sandbox_pidfd], [], [], 5.0)
+            _close(self.sandbox_pidfd)
         for fd in (self.to_kernel, self.from_kernel, self.stdout, self.stderr):
             _close(fd)
         if self.broker is not None:
@@ -161,8 +173,6 @@ def _data_fd(text: str) -> int:
 def _read_all(fd: int, timeout: float) -> bytes:
     deadline = time.monotonic() + timeout
     data = b""
-    import select
-
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -189,77 +199,103 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that."""
     mode = resolve_isolation(policy.isolation)
     facts = facts or gather_host_facts()
-    to_kernel_r, to_kernel_w = os.pipe()
-    from_kernel_r, from_kernel_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    child_ends = [to_kernel_r, from_kernel_w, out_w, err_w]
-    host_ends = [to_kernel_w, from_kernel_r, out_r, err_r]
-    for fd in host_ends:
-        os.set_inheritable(fd, False)
-    command = kernel_command(facts, to_kernel_r, from_kernel_w)
-    extra: list[int] = []
-    broker: Broker | None = None
-    workspace: Path | None = None
-    try:
-        if mode is Isolation.SANDBOX:
-            popen, broker, sandbox_pid, config = _spawn_sandbox(policy, facts, command, child_ends, out_w, err_w, err_r, extra)
-        else:
-            workspace = Path(tempfile.mkdtemp(prefix="sequester-workspace-"))
-            config = _guard_config(policy, facts, mode, workspace)
-            env = kernel_environment(os.environ, passthrough=policy.env, proxy=None, tmpdir=str(workspace))
-            popen = subprocess.Popen(
-                command, cwd=workspace, env=env, pass_fds=child_ends, stdin=subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, start_new_session=True,
-            )
-            sandbox_pid = None
-    except BaseException as exc:
-        for fd in (*host_ends, *child_ends, *extra):
-            _close(fd)
-        if broker is not None:
-            broker.close()
-        if workspace is not None:
-            shutil.rmtree(workspace, ignore_errors=True)
-        if isinstance(exc, SandboxError):
-            raise
-        if isinstance(exc, OSError):
+    with ExitStack() as on_failure, ExitStack() as child_side:
+        def pipe() -> tuple[int, int]:
+            r, w = os.pipe()
+            on_failure.callback(_close, r)
+            on_failure.callback(_close, w)
+            return r, w
+
+        to_kernel_r, to_kernel_w = pipe()
+        from_kernel_r, from_kernel_w = pipe()
+        out_r, out_w = pipe()
+        err_r, err_w = pipe()
+        child_ends = [to_kernel_r, from_kernel_w, out_w, err_w]
+        for fd in child_ends:  # the kernel has them now; the host closes its copies
+            child_side.callback(_close, fd)
+        command = kernel_command(facts, to_kernel_r, from_kernel_w)
+        try:
+            if mode is Isolation.SANDBOX:
+                sandbox = spawn_sandbox(policy, facts, command, keep_fds=child_ends, stdout=out_w, stderr=err_w,
+                                        stderr_reader=err_r)
+                on_failure.callback(sandbox.kill)
+                popen, broker, workspace = sandbox.popen, sandbox.broker, None
+                pid, pidfd = sandbox.pid, sandbox.pidfd
+                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge)
+            else:
+                workspace = Path(tempfile.mkdtemp(prefix="sequester-workspace-"))
+                on_failure.callback(shutil.rmtree, workspace, ignore_errors=True)
+                config = _guard_config(policy, facts, mode, workspace)
+                env = kernel_environment(os.environ, passthrough=policy.env, proxy=None, tmpdir=str(workspace))
+                popen = subprocess.Popen(
+                    command, cwd=workspace, env=env, pass_fds=child_ends, stdin=subprocess.DEVNULL,
+                    stdout=out_w, stderr=err_w, start_new_session=True,
+                )
+                broker, pid, pidfd = None, None, None
+        except OSError as exc:
             raise SandboxError(f"could not start the kernel: {exc}") from exc
-        raise
-    for fd in (*child_ends, *extra):
-        _close(fd)
-    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, broker, workspace, sandbox_pid)
+        on_failure.pop_all()
+    for fd in (to_kernel_w, from_kernel_r, out_r, err_r):
+        os.set_inheritable(fd, False)
+    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, broker, workspace, pid, pidfd)
 
 
-def _spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], child_ends: list[int],
-                   out_w: int, err_w: int, err_r: int, extra: list[int]) -> tuple[subprocess.Popen[bytes], Broker | None, int, dict[str, Any]]:
-    """Spawn bwrap; ``extra`` collects descriptors the caller must close."""
+@dataclass
+class SandboxProcess:
+    """bwrap running a command in a sandbox's view."""
+
+    popen: subprocess.Popen[bytes]
+    pid: int       # the sandbox's init, in the host's PID namespace
+    pidfd: int     # a handle on it that cannot point at a recycled pid
+    broker: Broker | None
+    bridge: dict[str, Any] | None  # what the kernel's bridge must listen on
+
+    def kill(self) -> None:
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.kill()
+        self.popen.wait()
+        _close(self.pidfd)
+        if self.broker is not None:
+            self.broker.close()
+
+
+def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *, keep_fds: list[int],
+                  stdout: int, stderr: int, stderr_reader: int) -> SandboxProcess:
+    """Spawn bwrap running ``command`` in the view of ``policy``; fail closed.
+
+    ``keep_fds`` are passed to the command; ``stderr_reader`` is read for bwrap's own
+    error message if it fails.
+    """
     plan: NetworkPlan | None = plan_network(policy.allow) if policy.allow else None
-    hosts = Path("/etc/hosts").resolve()
-    resolv = Path("/etc/resolv.conf").resolve()
-    data_files = {hosts: plan.hosts_file if plan else "127.0.0.1 localhost\n::1 localhost\n", resolv: _NO_DNS}
-    broker: Broker | None = None
-    bridge: dict[str, Any] | None = None
-    pass_fds = list(child_ends)
-    popen: subprocess.Popen[bytes] | None = None
-    try:
+    data_files = {
+        Path("/etc/hosts").resolve(): plan.hosts_file if plan else "127.0.0.1 localhost\n::1 localhost\n",
+        Path("/etc/resolv.conf").resolve(): _NO_DNS,
+    }
+    with ExitStack() as on_failure, ExitStack() as temporary:
+        def temp_fd(fd: int) -> int:
+            temporary.callback(_close, fd)
+            return fd
+
+        pass_fds = list(keep_fds)
+        broker: Broker | None = None
+        bridge: dict[str, Any] | None = None
         if plan is not None:
             broker = Broker(policy.allow)
-            control = broker.start()
-            control_fd = control.detach()
-            extra.append(control_fd)
+            on_failure.callback(broker.close)
+            control_fd = temp_fd(broker.start().detach())
             pass_fds.append(control_fd)
-            bridge = {
-                "control_fd": control_fd,
-                "listeners": [
-                    [l.address, l.port, l.target.host if l.target else None, l.target.port if l.target else None]
-                    for l in plan.listeners
-                ],
-            }
-        data_fds = {path: _data_fd(text) for path, text in data_files.items()}
-        extra += data_fds.values()
+            bridge = {"control_fd": control_fd, "listeners": [
+                [l.address, l.port, l.target.host if l.target else None, l.target.port if l.target else None]
+                for l in plan.listeners]}
+        data_fds = {path: temp_fd(_data_fd(text)) for path, text in data_files.items()}
         info_r, info_w = os.pipe()
-        block_r, block_w = os.pipe()
-        extra += [info_r, info_w, block_r, block_w]
+        temp_fd(info_r)
+        info_w_open = [info_w]  # closed early (below), or at the end if Popen fails
+        temporary.callback(lambda: [_close(fd) for fd in info_w_open])
+        block_r, block_w = (temp_fd(fd) for fd in os.pipe())
         pass_fds += [*data_fds.values(), info_w, *([block_r] if facts.is_root else [])]
         spec = SandboxSpec(
             mounts=plan_mounts(policy, facts, data_files=data_files),
@@ -268,34 +304,27 @@ def _spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], c
             root_flow=facts.is_root,
         )
         fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if facts.is_root else None)
-        argv = build_argv(bwrap_path(), spec, fds)
         popen = subprocess.Popen(
-            argv, env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-            start_new_session=True,
+            build_argv(bwrap_path(), spec, fds), env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL,
+            stdout=stdout, stderr=stderr, start_new_session=True,
         )
-        _close(info_w)
-        _close(block_r)
+        on_failure.callback(lambda: (popen.kill(), popen.wait()))
+        _close(info_w_open.pop())  # so that bwrap's exit ends our read
         try:
             info = json.loads(_read_all(info_r, 30) or b"null")
         except ValueError:
             info = None
         if not isinstance(info, dict) or not isinstance(info.get("child-pid"), int):
-            popen.kill()
             popen.wait()
-            raise SandboxError(f"bwrap failed to create the sandbox: {_pending_text(err_r) or 'no message'}")
-        sandbox_pid = info["child-pid"]
+            raise SandboxError(f"bwrap failed to create the sandbox: {_pending_text(stderr_reader) or 'no message'}")
+        pid = info["child-pid"]
+        pidfd = os.pidfd_open(pid)
+        on_failure.callback(_close, pidfd)
         if facts.is_root:
-            _write_id_maps(sandbox_pid)
+            _write_id_maps(pid)
             os.write(block_w, b"1")
-        config = bootstrap_config(policy, Isolation.SANDBOX, root_flow=facts.is_root, bridge=bridge)
-        return popen, broker, sandbox_pid, config
-    except BaseException:
-        if popen is not None and popen.poll() is None:
-            popen.kill()
-            popen.wait()
-        if broker is not None:
-            broker.close()
-        raise
+        on_failure.pop_all()
+    return SandboxProcess(popen, pid, pidfd, broker, bridge)
 
 
 def _pending_text(fd: int) -> str:
@@ -340,23 +369,22 @@ def run_in_sandbox(policy: Policy, command: list[str], *, timeout: float = 60) -
     no seccomp filter, and in the root flow it keeps the bootstrap capabilities (the
     kernel drops those itself). Never a way to run untrusted code.
     """
-    facts = gather_host_facts()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    extra: list[int] = []
     try:
-        popen, broker, _, _ = _spawn_sandbox(policy, facts, tuple(command), [], out_w, err_w, err_r, extra)
+        sandbox = spawn_sandbox(policy, gather_host_facts(), tuple(command), keep_fds=[], stdout=out_w, stderr=err_w,
+                                stderr_reader=err_r)
+    except BaseException:
+        for fd in (out_r, err_r):
+            _close(fd)
+        raise
     finally:
-        for fd in (out_w, err_w, *extra):
+        for fd in (out_w, err_w):
             _close(fd)
     try:
         with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
             stdout, stderr = out.read(), err.read()
-        code = popen.wait(timeout=timeout)
+        code = sandbox.popen.wait(timeout=timeout)
     finally:
-        if popen.poll() is None:
-            popen.kill()
-            popen.wait()
-        if broker is not None:
-            broker.close()
+        sandbox.kill()
     return subprocess.CompletedProcess(command, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
