@@ -24,6 +24,7 @@ import socket
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 from ..policy import Endpoint
@@ -50,16 +51,25 @@ class _Refused(Exception):
         self.reason = reason
 
 
-class Broker:
-    """Serves one sandbox's connections on an event loop in a thread of its own."""
+@lru_cache(maxsize=1)
+def _shared_loop() -> asyncio.AbstractEventLoop:
+    """One event loop, in one daemon thread, serves the brokers of every sandbox of this
+    process: starting a sandbox then costs no thread and no loop of its own."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="sequester-network", daemon=True).start()
+    return loop
 
-    def __init__(self, allow: Iterable[Endpoint], *, connect_timeout: float = 10.0, head_timeout: float = 30.0):
+
+class Broker:
+    """Serves one sandbox's connections (on the process's shared network loop)."""
+
+    def __init__(self, allow: Iterable[Endpoint], *, connect_timeout: float = 10.0, head_timeout: float = 30.0,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.allow = frozenset(allow)
         self.connect_timeout = connect_timeout
         self.head_timeout = head_timeout
         self.stats = BrokerStats()
-        self._loop = asyncio.new_event_loop()
-        self._thread: threading.Thread | None = None
+        self._loop = loop or _shared_loop()
         self._control: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -68,28 +78,23 @@ class Broker:
         host_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         host_end.setblocking(False)
         self._control = host_end
-        self._loop.add_reader(host_end.fileno(), self._on_control)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sequester-broker", daemon=True)
-        self._thread.start()
+        self._loop.call_soon_threadsafe(self._loop.add_reader, host_end.fileno(), self._on_control)
         return sandbox_end
 
     def close(self) -> None:
-        """Stop serving: every channel is closed, the loop and its thread end."""
-        if self._thread is None:
+        """Stop serving: every channel of this sandbox is closed when this returns."""
+        if self._control is None:
             return
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=5)
-        except Exception:  # noqa: BLE001 - closing must not raise; the loop stops below anyway
+        except Exception:  # noqa: BLE001 - closing must not raise
             log.debug("network broker: shutdown was not clean", exc_info=True)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._thread = None
-        self._loop.close()
 
     async def _shutdown(self) -> None:
-        if self._control is not None:
-            self._loop.remove_reader(self._control.fileno())
-            self._control.close()
+        control, self._control = self._control, None
+        if control is not None:
+            self._loop.remove_reader(control.fileno())
+            control.close()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -98,7 +103,8 @@ class Broker:
     # -- control socket -------------------------------------------------------------
 
     def _on_control(self) -> None:
-        assert self._control is not None
+        if self._control is None:
+            return
         try:
             requests = self._control.recv(64)
         except BlockingIOError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..policy import Endpoint
 
@@ -66,7 +67,11 @@ def _loopback(host: str) -> str | None:
 
 
 def plan_network(allow: Iterable[Endpoint]) -> NetworkPlan:
-    allow = tuple(dict.fromkeys(allow))
+    return _plan(tuple(dict.fromkeys(allow)))
+
+
+@lru_cache(maxsize=64)
+def _plan(allow: tuple[Endpoint, ...]) -> NetworkPlan:
     listeners: list[Listener] = []
     name_addresses: dict[str, str] = {}
     for endpoint in allow:

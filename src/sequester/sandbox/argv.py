@@ -94,7 +94,7 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     for cap in ROOT_BOOTSTRAP_CAPS if spec.root_flow else BOOTSTRAP_CAPS:
         argv += ["--cap-add", cap]
     argv += [
-        "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+        "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
         "--hostname", spec.hostname,
         # Die with the host process; own session, so the sandbox cannot push input into
         # the host's terminal (TIOCSTI).

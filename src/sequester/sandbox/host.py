@@ -111,6 +111,21 @@ def _scan(uid: int, deep: bool) -> tuple[DirEntry, ...]:
     return tuple(found)
 
 
+@lru_cache(maxsize=8)
+def _scan_cached(uid: int, deep: bool, root_key: tuple[int, int, int]) -> tuple[DirEntry, ...]:
+    return _scan(uid, deep)
+
+
+def _entries(uid: int) -> tuple[DirEntry, ...]:
+    """Root's rule depends only on the names, kinds and link targets at the top level,
+    and any change to those changes the mtime of ``/``: its scan is cached on that.
+    Everyone else's depends on ownership two levels deep, so it is redone each time."""
+    if uid != 0:
+        return _scan(uid, deep=True)
+    st = os.stat("/")
+    return _scan_cached(uid, False, (st.st_dev, st.st_ino, st.st_mtime_ns))
+
+
 def gather_host_facts() -> HostFacts:
     uid, gid = os.getuid(), os.getgid()
     home_text = os.environ.get("HOME")
@@ -127,6 +142,6 @@ def gather_host_facts() -> HostFacts:
         python_executable=Path(sys.executable),
         python_roots=_python_roots(),
         package_root=_package_root(),
-        entries=_scan(uid, deep=uid != 0),
+        entries=_entries(uid),
         sys_cpu=Path("/sys/devices/system/cpu") if os.path.isdir("/sys/devices/system/cpu") else None,
     )

@@ -45,7 +45,8 @@ __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", 
 ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
                                         "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
 _UID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
-_NO_DNS = "# sequester: no name server is reachable from the sandbox; names resolve from /etc/hosts only\n"
+_HOSTS = Path("/etc/hosts").resolve()
+_LOCALHOST_ONLY = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
 
 
 @dataclass
@@ -270,10 +271,9 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
     error message if it fails.
     """
     plan: NetworkPlan | None = plan_network(policy.allow) if policy.allow else None
-    data_files = {
-        Path("/etc/hosts").resolve(): plan.hosts_file if plan else "127.0.0.1 localhost\n::1 localhost\n",
-        Path("/etc/resolv.conf").resolve(): _NO_DNS,
-    }
+    # Only the allowed names resolve: /etc/hosts is ours. No name server is reachable
+    # from the empty network namespace, whatever /etc/resolv.conf says.
+    data_files = {_HOSTS: plan.hosts_file if plan else _LOCALHOST_ONLY}
     with ExitStack() as on_failure, ExitStack() as temporary:
         def temp_fd(fd: int) -> int:
             temporary.callback(_close, fd)
@@ -362,7 +362,7 @@ def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: 
     return bootstrap_config(policy, mode, landlock_spec=spec, audit_network={"names": names, "connects": connects})
 
 
-def run_in_sandbox(policy: Policy, command: list[str], *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_in_sandbox(policy: Policy, command: list[str]) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in the view a kernel of ``policy`` gets, without the kernel.
 
     For benchmarks and tests of the namespace and mount layer alone: the command gets
@@ -384,7 +384,7 @@ def run_in_sandbox(policy: Policy, command: list[str], *, timeout: float = 60) -
     try:
         with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
             stdout, stderr = out.read(), err.read()
-        code = sandbox.popen.wait(timeout=timeout)
+        code = sandbox.popen.wait()  # its output ended: it is exiting (a timeout would poll)
     finally:
         sandbox.kill()
     return subprocess.CompletedProcess(command, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"))

@@ -38,9 +38,10 @@ __all__ = ["MountKind", "MountOp", "SYSTEM_DIRS", "WORKSPACE", "hidden_paths", "
 
 WORKSPACE = Path("/tmp/workspace")
 
-# What root's rule keeps visible at the top level: the operating system. Anything else
+# What root's rule keeps visible at the top level: the operating system (not /boot:
+# kernel images and System.map are no business of a program). Anything else
 # at the top (/home, /root, /srv, /mnt, /media, /data, /work, ...) holds somebody's data.
-SYSTEM_DIRS = frozenset({"bin", "boot", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var", "nix", "snap"})
+SYSTEM_DIRS = frozenset({"bin", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var", "nix", "snap"})
 
 # Replaced wholesale by the sandbox; never bound, hidden or scanned.
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
@@ -143,7 +144,6 @@ def _plan(policy: Policy, facts: HostFacts, data_files: tuple[tuple[Path, str], 
             add(MountOp(MountKind.HIDE_FILE, path, source=Path("/dev/null")), 0)
     add(MountOp(MountKind.PROC, Path("/proc")), 0)
     add(MountOp(MountKind.DEV, Path("/dev")), 0)
-    add(MountOp(MountKind.TMPFS, Path("/dev/shm"), size=workspace_bytes, mode=0o1777), 0)
     add(MountOp(MountKind.DIR, Path("/run"), mode=0o755), 0)
     add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
     add(MountOp(MountKind.TMPFS, Path("/tmp"), size=workspace_bytes, mode=0o1777), 0)

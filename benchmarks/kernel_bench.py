@@ -1,0 +1,166 @@
+"""Speed and memory of the isolated kernel, side by side with the references it must beat.
+
+    python benchmarks/kernel_bench.py [--runs N]
+
+Every row is measured in this one run, so ratios hold on a noisy machine:
+
+* sandboxed ``true`` with the full policy, against bare bwrap (user+pid+net, ro-bind /,
+  tmpfs /tmp, proc, dev): within 2 ms;
+* kernel cold start (ready for its first cell): at most 60 ms median;
+* a cell round trip (``x + 1``): at most 0.5 ms median;
+* an idle kernel: at most 25 MB resident (all of its processes: bwrap, init, Python);
+* CPU-bound Python inside the kernel: at most 3 % slower than outside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from sequester import Kernel, Limits, Policy
+from sequester.sandbox.launch import run_in_sandbox
+from sequester.sandbox.probe import bwrap_path
+
+CPU_WORK = "def work():\n    t = 0\n    for i in range(3_000_000):\n        t += i * i % 7\n    return t\n"
+
+
+def median_ms(fn, runs: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1000
+
+
+def full_policy(tmp: Path) -> Policy:
+    """Everything a real harness would set: services, a read-only tree, a hidden one, a key."""
+    (tmp / "src").mkdir()
+    (tmp / "secret").mkdir()
+    server = socket.create_server(("127.0.0.1", 0))  # a real allowed service (kept open)
+    full_policy.server = server  # type: ignore[attr-defined]
+    os.environ.setdefault("BENCH_API_KEY", "x")
+    return Policy(
+        isolation=True,
+        allow=(f"127.0.0.1:{server.getsockname()[1]}", "https://api.example.com", "http://models.internal:8000"),
+        readonly=(tmp / "src",),
+        hide=(tmp / "secret",),
+        env=("BENCH_API_KEY",),
+        limits=Limits(),
+    )
+
+
+def rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def kernel_rss_mb(kernel: Kernel) -> float:
+    assert kernel.process is not None
+    return sum(rss_kb(p) for p in kernel.process.host_pids()) / 1024
+
+
+def cpu_seconds_inside(kernel: Kernel) -> float:
+    kernel.run(CPU_WORK)
+    r = kernel.run("import time\ns = time.perf_counter(); work(); time.perf_counter() - s")
+    return float(r.value)
+
+
+def cpu_seconds_outside() -> float:
+    code = CPU_WORK + "import time\ns = time.perf_counter(); work(); print(time.perf_counter() - s)"
+    return float(subprocess.run([sys.executable, "-s", "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=40)
+    args = parser.parse_args()
+    runs = args.runs
+    bwrap = bwrap_path()
+    bare = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--tmpfs", "/tmp",
+            "--proc", "/proc", "--dev", "/dev", "/bin/true"]
+    rows: list[tuple[str, str, str, str, bool]] = []
+    with tempfile.TemporaryDirectory(prefix="seq-bench-", dir="/var/tmp") as tmp_text:
+        tmp = Path(tmp_text)
+        tmp.chmod(0o755)
+        policy = full_policy(tmp)
+
+        # 1. sandboxed true, interleaved with bare bwrap so both see the same noise.
+        ours_t, bare_t = [], []
+        for _ in range(3):
+            run_in_sandbox(policy, ["/bin/true"])
+            subprocess.run(bare, check=True)
+        for _ in range(runs):
+            s = time.perf_counter()
+            run_in_sandbox(policy, ["/bin/true"])
+            ours_t.append(time.perf_counter() - s)
+            s = time.perf_counter()
+            subprocess.run(bare, check=True)
+            bare_t.append(time.perf_counter() - s)
+        ours, ref = statistics.median(ours_t) * 1000, statistics.median(bare_t) * 1000
+        rows.append(("sandboxed `true`, full policy", f"{ours:.2f} ms", f"bare bwrap {ref:.2f} ms",
+                     "≤ bare + 2 ms", ours <= ref + 2))
+
+        # 2. cold start, against an unconfined kernel (isolation = false) and plain Python.
+        def cold(p: Policy) -> None:
+            with Kernel(p):
+                pass
+
+        start = median_ms(lambda: cold(policy), max(runs // 2, 10))
+        plain = median_ms(lambda: subprocess.run([sys.executable, "-s", "-c", "pass"], check=True), max(runs // 2, 10))
+        rows.append(("kernel cold start (ready)", f"{start:.1f} ms", f"`python -s -c pass` {plain:.1f} ms",
+                     "≤ 60 ms", start <= 60))
+
+        with Kernel(policy) as k, Kernel(Policy(isolation=False)) as bare_kernel:
+            k.run("x = 1")
+            bare_kernel.run("x = 1")
+            rtt = median_ms(lambda: k.run("x + 1"), runs * 50, warmup=50)
+            rtt_off = median_ms(lambda: bare_kernel.run("x + 1"), runs * 50, warmup=50)
+            rows.append(("cell round trip `x + 1`", f"{rtt:.3f} ms", f"unconfined kernel {rtt_off:.3f} ms",
+                         "≤ 0.5 ms", rtt <= 0.5))
+
+            time.sleep(0.5)
+            rss, rss_off = kernel_rss_mb(k), kernel_rss_mb(bare_kernel)
+            rows.append(("idle kernel, resident", f"{rss:.1f} MB", f"unconfined kernel {rss_off:.1f} MB",
+                         "≤ 25 MB", rss <= 25))
+
+            inside, outside = [], []
+            for _ in range(7):
+                inside.append(cpu_seconds_inside(k))
+                outside.append(cpu_seconds_outside())
+            ratio = min(inside) / min(outside)
+            rows.append(("CPU-bound Python (best of 7)", f"{min(inside) * 1000:.0f} ms",
+                         f"outside {min(outside) * 1000:.0f} ms", "≤ 3 % slower",
+                         ratio <= 1.03))
+            rows[-1] = (*rows[-1][:2], f"{rows[-1][2]} (ratio {ratio:.3f})", *rows[-1][3:])
+        full_policy.server.close()  # type: ignore[attr-defined]
+
+    table = Table(title=f"sequester kernel benchmark ({runs} runs, uid {os.getuid()})")
+    for column in ("measure", "sequester", "reference (same run)", "target", "met"):
+        table.add_column(column)
+    for name, value, reference, target, ok in rows:
+        table.add_row(name, value, reference, target, "[green]yes[/]" if ok else "[red]NO[/]")
+    Console().print(table)
+    return 0 if all(r[4] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

