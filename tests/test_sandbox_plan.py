@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from sequester import Policy
-from sequester.sandbox.argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, LaunchFds, SandboxSpec, build_argv
+from sequester.sandbox.argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, Identity, LaunchFds, SandboxSpec, build_argv
 from sequester.sandbox.environment import kernel_environment
 from sequester.sandbox.host import DirEntry, HostFacts
 from sequester.sandbox.mounts import MountKind, hidden_paths, plan_mounts
@@ -115,7 +115,8 @@ def test_argv_user_flow():
 
 
 def test_argv_root_flow_waits_for_the_uid_map_and_keeps_only_bootstrap_caps():
-    spec = SandboxSpec(plan_mounts(Policy(), facts(uid=0, home="/root")), ("true",), root_flow=True)
+    spec = SandboxSpec(plan_mounts(Policy(), facts(uid=0, home="/root")), ("true",), identity=Identity.NOBODY,
+                       caps=ROOT_BOOTSTRAP_CAPS)
     argv = build_argv("bwrap", spec, LaunchFds(info=5, userns_block=6))
     assert argv[argv.index("--userns-block-fd") + 1] == "6"
     assert argv[argv.index("--info-fd") + 1] == "5"

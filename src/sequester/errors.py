@@ -9,6 +9,7 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── PolicyError              bad configuration; names the key or value
     ├── SandboxUnavailableError  isolation was required but namespaces cannot be made here
     ├── SandboxError             launching or staging a sandbox failed (nothing was left running)
+    ├── TaskError                a task directory is malformed; names the file and field
     └── KernelError              misuse of a kernel or a kernel that cannot go on
         └── KernelClosedError    the kernel was closed (or its lifetime ran out)
 """
@@ -22,6 +23,7 @@ __all__ = [
     "SandboxError",
     "KernelError",
     "KernelClosedError",
+    "TaskError",
 ]
 
 
@@ -45,6 +47,14 @@ class SandboxError(SequesterError):
     """Starting, staging or tearing down a sandbox failed.
 
     Raised only after everything the failed step started has been stopped: fail closed.
+    """
+
+
+class TaskError(SequesterError, ValueError):
+    """A task directory is malformed; the message names the file and field.
+
+    e.g. ``task.toml: [verifier] timeout_sec: 'abc' is not a positive number`` or
+    ``environment/Dockerfile:7: source '../secret' is outside the build context``.
     """
 
 

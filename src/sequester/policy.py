@@ -249,9 +249,10 @@ _RUNTIME_KEYS = {"isolation", "readonly", "allow", "env"}
 
 def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "policy") -> Policy:
     """Build a policy from parsed TOML. Relative paths are taken from ``base_dir``."""
-    unknown = set(data) - {"runtime", "limits"}
+    # [episodes] belongs to sequester.episodes.settings, read from the same file.
+    unknown = set(data) - {"runtime", "limits", "episodes"}
     if unknown:
-        raise PolicyError(f"{source}: unknown key {sorted(unknown)[0]!r} (expected [runtime] and [limits])")
+        raise PolicyError(f"{source}: unknown key {sorted(unknown)[0]!r} (expected [runtime], [limits], [episodes])")
     runtime = _table(data, "runtime", source)
     limits = _table(data, "limits", source)
     unknown = set(runtime) - _RUNTIME_KEYS
@@ -300,19 +301,27 @@ def _table(data: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     return value
 
 
-def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
-    """Load a policy from a TOML file; ``None`` loads the embedded default (``configs/default.toml``)."""
+def read_config(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], Path, str]:
+    """Parse a config file (``None``: the embedded ``configs/default.toml``).
+
+    Returns the data, the folder relative paths are taken from, and a name for messages.
+    """
     if path is None:
         from importlib.resources import files
 
         text = files("sequester").joinpath("default.toml").read_text()
-        return policy_from_mapping(_parse_toml(text, "default.toml"), Path.cwd(), "default.toml")
+        return _parse_toml(text, "default.toml"), Path.cwd(), "default.toml"
     file = Path(path)
     try:
         text = file.read_text()
     except OSError as exc:
         raise PolicyError(f"config {str(file)!r}: {exc.strerror}") from None
-    return policy_from_mapping(_parse_toml(text, str(file)), file.resolve().parent, str(file))
+    return _parse_toml(text, str(file)), file.resolve().parent, str(file)
+
+
+def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
+    """Load a policy from a TOML file; ``None`` loads the embedded default (``configs/default.toml``)."""
+    return policy_from_mapping(*read_config(path))
 
 
 def _parse_toml(text: str, source: str) -> dict[str, Any]:

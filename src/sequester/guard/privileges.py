@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 __all__ = [
     "NOBODY",
+    "CAPABILITIES",
+    "keep_capabilities",
     "apply_rlimits",
     "capability_sets",
     "disable_nested_userns",
@@ -81,13 +83,46 @@ def drop_privileges(*, to_uid: int | None, chown: tuple[str, ...] = ()) -> None:
             os.setgroups([])
         os.setresgid(to_uid, to_uid, to_uid)
         os.setresuid(to_uid, to_uid, to_uid)
-    _capset_zero(libc)
+    _capset(libc, 0)
     left = {k: v for k, v in capability_sets().items() if v}
     if left:
         raise PermissionError(f"capabilities remain after the drop: {left}")
 
 
-def _capset_zero(libc) -> None:  # type: ignore[no-untyped-def]
+# Linux capability numbers (include/uapi/linux/capability.h).
+CAPABILITIES = {name: number for number, name in enumerate((
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE", "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+))}
+
+
+def keep_capabilities(names: list[str] | tuple[str, ...]) -> None:
+    """Keep exactly ``names`` (a container's set) in every capability set, bounding included.
+
+    A root process exec'd afterwards gets its permitted set from the bounding set, so
+    this is what the next program runs with.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    keep = {CAPABILITIES[n] for n in names}
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    for cap in range(last_cap + 1):
+        if cap not in keep and libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            if err != 22:  # EINVAL: not a capability of this kernel
+                raise OSError(err, f"cannot drop capability {cap} from the bounding set")
+    _capset(libc, sum(1 << c for c in keep))
+
+
+def _capset(libc, mask: int) -> None:  # type: ignore[no-untyped-def]
+    """Set effective, permitted and inheritable to ``mask``; clear the ambient set."""
     import ctypes
 
     class Header(ctypes.Structure):
@@ -98,7 +133,10 @@ def _capset_zero(libc) -> None:  # type: ignore[no-untyped-def]
 
     header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     data = (Data * 2)()
+    for i in (0, 1):
+        word = (mask >> (32 * i)) & 0xFFFFFFFF
+        data[i].effective = data[i].permitted = data[i].inheritable = word
     if libc.capset(ctypes.byref(header), data) != 0:
-        raise OSError(ctypes.get_errno(), "capset to zero failed")
+        raise OSError(ctypes.get_errno(), "capset failed")
     # Ambient capabilities: PR_CAP_AMBIENT(47), PR_CAP_AMBIENT_CLEAR_ALL(4).
     libc.prctl(47, 4, 0, 0, 0)

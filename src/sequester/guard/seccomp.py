@@ -14,6 +14,10 @@ What the filter refuses (everything else is allowed, so Python and threads work)
 * sockets other than IPv4/IPv6 (no unix socket to a daemon that happens to be visible);
 * ``io_uring`` (its operations would bypass this filter).
 
+The ``agent`` profile (an episode's shell and its verifier) refuses only the second and
+last groups, like a container runtime's default: agents start processes, debug them and
+talk to local daemons of their own.
+
 Why a denylist: an allowlist precise enough for arbitrary Python (numpy, threads,
 asyncio) is brittle across libc versions; the namespaces already contain what the
 remaining syscalls can reach.
@@ -26,52 +30,64 @@ import os
 import socket
 from functools import lru_cache
 
-__all__ = ["DENIED_SYSCALLS", "compile_filter", "load_filter", "syscall_number"]
+__all__ = ["DENIED_SYSCALLS", "PROCESS_SYSCALLS", "compile_filter", "load_filter", "syscall_number"]
 
 CLONE_THREAD = 0x00010000
 
+PROCESS_SYSCALLS = ("execve", "execveat", "fork", "vfork")
+
+# Denied to everything sequester confines, kernels and agents alike: what a container
+# runtime refuses too (namespaces, mounts, kernel modules, keyrings, clocks, ...).
 DENIED_SYSCALLS = (
-    # process creation
-    "execve", "execveat", "fork", "vfork",
     # namespaces, mounts, privileges
     "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
     "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
-    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "pidfd_getfd", "kcmp",
     "keyctl", "add_key", "request_key",
     "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog",
     "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "sethostname", "setdomainname", "vhangup", "uselib",
+    "vhangup", "uselib",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
 )
+# Only kernels: an agent's shell debugs its programs (ptrace) and names its host.
+KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethostname", "setdomainname")
 
 # Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
 ALLOWED_SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
-@lru_cache(maxsize=1)
-def compile_filter() -> bytes:
-    """The BPF program (raw ``struct sock_filter`` array) for this machine's architecture."""
+@lru_cache(maxsize=2)
+def compile_filter(profile: str = "kernel") -> bytes:
+    """The BPF program (raw ``struct sock_filter`` array) for this machine's architecture.
+
+    ``kernel``: everything below. ``agent`` (an episode's shell and verifier): only
+    :data:`DENIED_SYSCALLS`; processes, ptrace and unix sockets stay allowed.
+    """
     import pyseccomp as sc
 
+    if profile not in ("kernel", "agent"):
+        raise ValueError(f"unknown seccomp profile {profile!r}")
     flt = sc.SyscallFilter(sc.ALLOW)
     eperm = sc.ERRNO(errno.EPERM)
-    for name in DENIED_SYSCALLS:
+    names = DENIED_SYSCALLS + ((*PROCESS_SYSCALLS, *KERNEL_ONLY_DENIED) if profile == "kernel" else ())
+    for name in names:
         try:
             flt.add_rule(eperm, name)
         except (OSError, ValueError, RuntimeError):
             pass  # not a syscall on this architecture
-    # clone: allowed only when making a thread.
-    flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
-    flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    # socket(domain, ...): refuse every family but the allowed ones (ranges between them).
-    low, high = sorted(ALLOWED_SOCKET_FAMILIES)
-    flt.add_rule(eperm, "socket", sc.Arg(0, sc.LT, low))
-    flt.add_rule(eperm, "socket", sc.Arg(0, sc.GT, high))
-    for family in range(low + 1, high):
-        flt.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, family))
+    if profile == "kernel":
+        # clone: allowed only when making a thread.
+        flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+        flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+        # socket(domain, ...): refuse every family but the allowed ones (ranges between them).
+        low, high = sorted(ALLOWED_SOCKET_FAMILIES)
+        flt.add_rule(eperm, "socket", sc.Arg(0, sc.LT, low))
+        flt.add_rule(eperm, "socket", sc.Arg(0, sc.GT, high))
+        for family in range(low + 1, high):
+            flt.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, family))
     read_fd, write_fd = os.pipe()
     try:
         with os.fdopen(write_fd, "wb") as out:

@@ -1,15 +1,18 @@
 """Turn a sandbox specification into a bubblewrap command line. Pure.
 
-Two flows, picked by who runs the host process:
+Who the sandboxed process is (``SandboxSpec.identity``):
 
-* **an ordinary user**: bwrap makes the user namespace itself, maps the caller to
-  itself and disables nested user namespaces; the kernel's bootstrap drops the last
-  capabilities.
-* **root**: running sandboxed code as host root would let it read every root-only file
-  the view leaves visible (``/etc/shadow``, host keys), because it would own them. So bwrap
-  waits (``--userns-block-fd``) while the launcher writes a uid map that also maps
-  ``nobody``, keeps only the capabilities needed to leave root, and the kernel's
-  bootstrap switches to ``nobody`` and drops the rest before any model code runs.
+* ``CALLER`` (a kernel started by an ordinary user): bwrap makes the user namespace
+  itself, maps the caller to itself and disables nested user namespaces; the kernel's
+  bootstrap drops the last capabilities.
+* ``NOBODY`` (a kernel started by root): running sandboxed code as host root would let it
+  read every root-only file the view leaves visible (``/etc/shadow``, host keys), because
+  it would own them. So bwrap waits (``--userns-block-fd``) while the launcher writes a
+  uid map that also maps ``nobody``, keeps only the capabilities needed to leave root,
+  and the kernel's bootstrap switches to ``nobody`` and drops the rest before any model
+  code runs.
+* ``ROOT`` (an agent's episode): root inside its user namespace, mapped to the caller,
+  with a container's usual capabilities (``spec.caps``) and no nested user namespaces.
 
 The environment is not on the command line (API keys would show in ``ps``): the
 launcher hands it to bwrap as its own environment, and bwrap passes it on.
@@ -17,13 +20,14 @@ launcher hands it to bwrap as its own environment, and bwrap passes it on.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .mounts import WORKSPACE, MountKind, MountOp
 
-__all__ = ["BOOTSTRAP_CAPS", "ROOT_BOOTSTRAP_CAPS", "SandboxSpec", "LaunchFds", "build_argv"]
+__all__ = ["BOOTSTRAP_CAPS", "CONTAINER_CAPS", "ROOT_BOOTSTRAP_CAPS", "Identity", "SandboxSpec", "LaunchFds", "build_argv"]
 
 # Kept until the kernel's bootstrap drops them, before any model code runs: the bridge
 # binds allowed ports below 1024 (443!), and the bounding set is emptied (SETPCAP).
@@ -31,6 +35,19 @@ BOOTSTRAP_CAPS = ("CAP_NET_BIND_SERVICE", "CAP_SETPCAP")
 # The root flow also disables nested user namespaces (SYS_RESOURCE), gives the workspace
 # to nobody (CHOWN) and switches to nobody (SETGID, SETUID), which clears the rest.
 ROOT_BOOTSTRAP_CAPS = (*BOOTSTRAP_CAPS, "CAP_SYS_RESOURCE", "CAP_CHOWN", "CAP_SETGID", "CAP_SETUID")
+# An agent's root: what a container gets by default (Docker's set). Notably not
+# SYS_ADMIN (mounts), SYS_PTRACE, NET_ADMIN or SYS_MODULE.
+CONTAINER_CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+)
+
+
+class Identity(enum.Enum):
+    CALLER = "caller"
+    NOBODY = "nobody"
+    ROOT = "root"
 
 
 @dataclass(frozen=True)
@@ -39,8 +56,16 @@ class SandboxSpec:
     command: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path = WORKSPACE
-    root_flow: bool = False
+    identity: Identity = Identity.CALLER
+    caps: tuple[str, ...] = BOOTSTRAP_CAPS
     hostname: str = "sequester"
+    # Run the command as the namespace's init (immune to signals from inside), and
+    # leave the terminal session alone (the command makes its own).
+    as_pid_1: bool = False
+    new_session: bool = True
+    # The assembled root (bwrap's tmpfs) read-only at the end. An episode keeps it
+    # writable, as a container's: new top-level folders live in that tmpfs.
+    readonly_root: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +83,10 @@ def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
     match op.kind:
         case MountKind.READONLY:
             return ["--ro-bind", str(op.source), str(op.dest)]
+        case MountKind.BIND:
+            return ["--bind", str(op.source), str(op.dest)]
+        case MountKind.OVERLAY:
+            return ["--overlay-src", str(op.source), "--overlay", str(op.upper), str(op.work), str(op.dest)]
         case MountKind.SYMLINK:
             return ["--symlink", str(op.target), str(op.dest)]
         case MountKind.HIDE_FILE:
@@ -84,22 +113,27 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     argv = [bwrap, "--unshare-user"]
     if fds.info is not None:
         argv += ["--info-fd", str(fds.info)]
-    if spec.root_flow:
+    if spec.identity is Identity.NOBODY:
         if fds.info is None or fds.userns_block is None:
             raise ValueError("the root flow needs an info fd and a userns block fd")
         argv += ["--userns-block-fd", str(fds.userns_block)]
     else:
         argv += ["--disable-userns"]
+        if spec.identity is Identity.ROOT:
+            argv += ["--uid", "0", "--gid", "0"]
     argv += ["--cap-drop", "ALL"]
-    for cap in ROOT_BOOTSTRAP_CAPS if spec.root_flow else BOOTSTRAP_CAPS:
+    for cap in spec.caps:
         argv += ["--cap-add", cap]
     argv += [
         "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
         "--hostname", spec.hostname,
-        # Die with the host process; own session, so the sandbox cannot push input into
-        # the host's terminal (TIOCSTI).
-        "--die-with-parent", "--new-session",
+        "--die-with-parent",  # die with the host process
     ]
+    if spec.new_session:
+        # Own session, so the sandbox cannot push input into the host's terminal (TIOCSTI).
+        argv.append("--new-session")
+    if spec.as_pid_1:
+        argv.append("--as-pid-1")
     for op in spec.mounts:
         argv += _mount_args(op, fds)
     # Read-only last: bwrap must first create the mount points of the mount-backs
@@ -107,6 +141,7 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     for op in spec.mounts:
         if op.kind is MountKind.HIDE_DIR:
             argv += ["--remount-ro", str(op.dest)]
-    argv += ["--remount-ro", "/"]
+    if spec.readonly_root:
+        argv += ["--remount-ro", "/"]
     argv += ["--chdir", str(spec.cwd), "--", *spec.command]
     return argv

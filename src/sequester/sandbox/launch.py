@@ -12,14 +12,11 @@ propagates (fail closed).
 from __future__ import annotations
 
 import base64
-import json
 import os
-import select
 import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +28,12 @@ from ..guard.privileges import NOBODY
 from ..net.broker import Broker
 from ..net.plan import NetworkPlan, plan_network
 from ..policy import Isolation, Policy
-from .argv import LaunchFds, SandboxSpec, build_argv
+from .argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, Identity, SandboxSpec
 from .environment import kernel_environment
 from .host import HostFacts, gather_host_facts
 from .mounts import WORKSPACE, hidden_paths, mount_backs, plan_mounts
-from .probe import bwrap_path, resolve_isolation
+from .bwrap import StartedBwrap, close_fd, descendants, start_bwrap
+from .probe import resolve_isolation
 
 __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "kernel_command",
            "bootstrap_config"]
@@ -44,14 +42,16 @@ __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", 
 # everything else of /etc).
 ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
                                         "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
-_UID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
 _HOSTS = Path("/etc/hosts").resolve()
 _LOCALHOST_ONLY = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
 
 
 @dataclass
 class KernelProcess:
-    """A started kernel: its process, the host's ends of its pipes, and what to clean up."""
+    """A started kernel: its process, the host's ends of its pipes, and what to clean up.
+
+    ``popen`` is bwrap (sandbox mode) or the kernel itself (guard and off modes).
+    """
 
     mode: Isolation
     popen: subprocess.Popen[bytes]
@@ -60,18 +60,19 @@ class KernelProcess:
     stdout: int
     stderr: int
     config: dict[str, Any]
-    broker: Broker | None = None
+    sandbox: SandboxProcess | None = None
     workspace: Path | None = None
-    sandbox_pid: int | None = None
-    sandbox_pidfd: int | None = None
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def broker(self) -> Broker | None:
+        return self.sandbox.broker if self.sandbox else None
 
     def host_pids(self) -> list[int]:
         """Host pids of the bwrap monitor, the sandbox's init and the processes under it."""
         pids = [self.popen.pid]
-        if self.sandbox_pid is not None:
-            pids.append(self.sandbox_pid)
-            pids += _descendants(self.sandbox_pid)
+        if self.sandbox is not None:
+            pids += [self.sandbox.started.pid, *descendants(self.sandbox.started.pid)]
         return pids
 
     def terminate(self) -> None:
@@ -83,52 +84,19 @@ class KernelProcess:
         if self._closed:
             return
         self._closed = True
-        if self.sandbox_pidfd is not None:
+        if self.sandbox is not None:
+            self.sandbox.kill()
+        else:
             try:
-                signal.pidfd_send_signal(self.sandbox_pidfd, signal.SIGKILL)
-            except ProcessLookupError:
+                os.killpg(self.popen.pid, signal.SIGKILL)  # the guard and off modes' own session
+            except (ProcessLookupError, PermissionError):
                 pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)  # the guard and off modes' own session
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.popen.kill()
-        self.popen.wait()
-        if self.sandbox_pidfd is not None:
-            # Readable once the sandbox's init has exited (it is bwrap's child, not ours).
-            select.select([self.sandbox_pidfd], [], [], 5.0)
-            _close(self.sandbox_pidfd)
+            self.popen.kill()
+            self.popen.wait()
         for fd in (self.to_kernel, self.from_kernel, self.stdout, self.stderr):
-            _close(fd)
-        if self.broker is not None:
-            self.broker.close()
+            close_fd(fd)
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        for child in children:
-            out.append(child)
-            out += _descendants(child)
-    return out
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def kernel_command(facts: HostFacts, in_fd: int, out_fd: int) -> tuple[str, ...]:
@@ -164,37 +132,6 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
     return config
 
 
-def _data_fd(text: str) -> int:
-    fd = os.memfd_create("sequester-data", 0)
-    os.write(fd, text.encode())
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _read_all(fd: int, timeout: float) -> bytes:
-    deadline = time.monotonic() + timeout
-    data = b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise SandboxError("bwrap did not report its sandbox in time")
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return data
-        data += chunk
-
-
-def _write_id_maps(pid: int) -> None:
-    """Root flow: map root (for bwrap's setup) and nobody (for the kernel) to themselves."""
-    # setgroups stays allowed: the kernel's bootstrap clears root's supplementary groups.
-    for name, text in (("uid_map", _UID_MAP), ("gid_map", _UID_MAP)):
-        with open(f"/proc/{pid}/{name}", "w") as f:
-            f.write(text)
-
-
 def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelProcess:
     """Start a kernel for ``policy``. The kernel still has to be sent its configuration
     (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that."""
@@ -203,8 +140,8 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     with ExitStack() as on_failure, ExitStack() as child_side:
         def pipe() -> tuple[int, int]:
             r, w = os.pipe()
-            on_failure.callback(_close, r)
-            on_failure.callback(_close, w)
+            on_failure.callback(close_fd, r)
+            on_failure.callback(close_fd, w)
             return r, w
 
         to_kernel_r, to_kernel_w = pipe()
@@ -213,15 +150,14 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         err_r, err_w = pipe()
         child_ends = [to_kernel_r, from_kernel_w, out_w, err_w]
         for fd in child_ends:  # the kernel has them now; the host closes its copies
-            child_side.callback(_close, fd)
+            child_side.callback(close_fd, fd)
         command = kernel_command(facts, to_kernel_r, from_kernel_w)
         try:
             if mode is Isolation.SANDBOX:
                 sandbox = spawn_sandbox(policy, facts, command, keep_fds=child_ends, stdout=out_w, stderr=err_w,
                                         stderr_reader=err_r)
                 on_failure.callback(sandbox.kill)
-                popen, broker, workspace = sandbox.popen, sandbox.broker, None
-                pid, pidfd = sandbox.pid, sandbox.pidfd
+                popen, workspace = sandbox.started.popen, None
                 config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge)
             else:
                 workspace = Path(tempfile.mkdtemp(prefix="sequester-workspace-"))
@@ -232,33 +168,25 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
                     command, cwd=workspace, env=env, pass_fds=child_ends, stdin=subprocess.DEVNULL,
                     stdout=out_w, stderr=err_w, start_new_session=True,
                 )
-                broker, pid, pidfd = None, None, None
+                sandbox = None
         except OSError as exc:
             raise SandboxError(f"could not start the kernel: {exc}") from exc
         on_failure.pop_all()
     for fd in (to_kernel_w, from_kernel_r, out_r, err_r):
         os.set_inheritable(fd, False)
-    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, broker, workspace, pid, pidfd)
+    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace)
 
 
 @dataclass
 class SandboxProcess:
-    """bwrap running a command in a sandbox's view."""
+    """bwrap running a command in a kernel's view, and the broker serving its network."""
 
-    popen: subprocess.Popen[bytes]
-    pid: int       # the sandbox's init, in the host's PID namespace
-    pidfd: int     # a handle on it that cannot point at a recycled pid
+    started: StartedBwrap
     broker: Broker | None
     bridge: dict[str, Any] | None  # what the kernel's bridge must listen on
 
     def kill(self) -> None:
-        try:
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.kill()
-        self.popen.wait()
-        _close(self.pidfd)
+        self.started.kill()
         if self.broker is not None:
             self.broker.close()
 
@@ -275,70 +203,29 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
     # from the empty network namespace, whatever /etc/resolv.conf says.
     data_files = {_HOSTS: plan.hosts_file if plan else _LOCALHOST_ONLY}
     with ExitStack() as on_failure, ExitStack() as temporary:
-        def temp_fd(fd: int) -> int:
-            temporary.callback(_close, fd)
-            return fd
-
         pass_fds = list(keep_fds)
         broker: Broker | None = None
         bridge: dict[str, Any] | None = None
         if plan is not None:
             broker = Broker(policy.allow)
             on_failure.callback(broker.close)
-            control_fd = temp_fd(broker.start().detach())
+            control_fd = broker.start().detach()
+            temporary.callback(close_fd, control_fd)
             pass_fds.append(control_fd)
             bridge = {"control_fd": control_fd, "listeners": [
                 [l.address, l.port, l.target.host if l.target else None, l.target.port if l.target else None]
                 for l in plan.listeners]}
-        data_fds = {path: temp_fd(_data_fd(text)) for path, text in data_files.items()}
-        info_r, info_w = os.pipe()
-        temp_fd(info_r)
-        info_w_open = [info_w]  # closed early (below), or at the end if Popen fails
-        temporary.callback(lambda: [_close(fd) for fd in info_w_open])
-        block_r, block_w = (temp_fd(fd) for fd in os.pipe())
-        pass_fds += [*data_fds.values(), info_w, *([block_r] if facts.is_root else [])]
         spec = SandboxSpec(
             mounts=plan_mounts(policy, facts, data_files=data_files),
             command=command,
             env=kernel_environment(os.environ, passthrough=policy.env, proxy=plan.env if plan else (), tmpdir="/tmp"),
-            root_flow=facts.is_root,
+            identity=Identity.NOBODY if facts.is_root else Identity.CALLER,
+            caps=ROOT_BOOTSTRAP_CAPS if facts.is_root else BOOTSTRAP_CAPS,
         )
-        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if facts.is_root else None)
-        popen = subprocess.Popen(
-            build_argv(bwrap_path(), spec, fds), env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL,
-            stdout=stdout, stderr=stderr, start_new_session=True,
-        )
-        on_failure.callback(lambda: (popen.kill(), popen.wait()))
-        _close(info_w_open.pop())  # so that bwrap's exit ends our read
-        try:
-            info = json.loads(_read_all(info_r, 30) or b"null")
-        except ValueError:
-            info = None
-        if not isinstance(info, dict) or not isinstance(info.get("child-pid"), int):
-            popen.wait()
-            raise SandboxError(f"bwrap failed to create the sandbox: {_pending_text(stderr_reader) or 'no message'}")
-        pid = info["child-pid"]
-        pidfd = os.pidfd_open(pid)
-        on_failure.callback(_close, pidfd)
-        if facts.is_root:
-            _write_id_maps(pid)
-            os.write(block_w, b"1")
+        started = start_bwrap(spec, data_files=data_files, keep_fds=pass_fds, stdout=stdout, stderr=stderr,
+                              stderr_reader=stderr_reader)
         on_failure.pop_all()
-    return SandboxProcess(popen, pid, pidfd, broker, bridge)
-
-
-def _pending_text(fd: int) -> str:
-    """What is waiting in a pipe right now (a dead child's last words), without blocking."""
-    os.set_blocking(fd, False)
-    chunks = []
-    try:
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    except BlockingIOError:
-        pass
-    finally:
-        os.set_blocking(fd, True)
-    return b"".join(chunks).decode(errors="replace").strip()
+    return SandboxProcess(started, broker, bridge)
 
 
 def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: Path) -> dict[str, Any]:
@@ -376,15 +263,15 @@ def run_in_sandbox(policy: Policy, command: list[str]) -> subprocess.CompletedPr
                                 stderr_reader=err_r)
     except BaseException:
         for fd in (out_r, err_r):
-            _close(fd)
+            close_fd(fd)
         raise
     finally:
         for fd in (out_w, err_w):
-            _close(fd)
+            close_fd(fd)
     try:
         with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
             stdout, stderr = out.read(), err.read()
-        code = sandbox.popen.wait()  # its output ended: it is exiting (a timeout would poll)
+        code = sandbox.started.popen.wait()  # its output ended: it is exiting (a timeout would poll)
     finally:
         sandbox.kill()
     return subprocess.CompletedProcess(command, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"))

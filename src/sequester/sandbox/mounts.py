@@ -49,6 +49,8 @@ _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
 
 class MountKind(enum.Enum):
     READONLY = "readonly"    # read-only bind of a host path on the same path
+    BIND = "bind"            # writable bind of a host path
+    OVERLAY = "overlay"      # host path read-only beneath a writable upper folder
     HIDE_DIR = "hide-dir"    # empty tmpfs, made read-only at the end
     HIDE_FILE = "hide-file"  # /dev/null bound over a file
     SYMLINK = "symlink"      # a symlink with the host's target
@@ -68,6 +70,8 @@ class MountOp:
     data: str | None = None
     mode: int | None = None
     target: str | None = None
+    upper: Path | None = None
+    work: Path | None = None
 
 
 def _top(facts: HostFacts) -> list[DirEntry]:

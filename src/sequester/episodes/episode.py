@@ -1,0 +1,451 @@
+"""An episode: one agent working on one task, scored by a verifier it cannot reach.
+
+    ep = Episode()
+    ep.reset("examples/tasks/python-csv-stats")
+    ep.exec("python3 -c 'print(1)'")
+    result = ep.evaluate()          # VerifierResult, or a VerifierError
+    ep.close()
+
+The one place that orders the steps of an episode. ``reset``: load the task, plan the
+agent's view (:mod:`.view`), stage the Dockerfile's files into fresh writable layers
+(:mod:`.staging`), start the episode's init under bwrap, put it in a freezer, and start
+the agent's shell through the namespace helper (:mod:`.nsexec`). ``evaluate``: list
+visible tampering (:mod:`.tamper`), optionally freeze the agent, run the pristine tests in
+a namespace only the verifier has, read the verdict strictly (:mod:`.verifier`).
+``close``: kill everything, remove the layers. The source task is only ever read.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import io
+import logging
+import tarfile
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SandboxError, SequesterError
+from ..guard import seccomp
+from ..policy import Policy
+from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
+from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
+from ..sandbox.host import HostFacts, gather_host_facts
+from ..sandbox.launch import ROOT_SECRETS
+from ..sandbox.mounts import hidden_paths
+from ..sandbox.probe import namespace_support
+from ..tasks import Task, load_task
+from . import verifier as v
+from .freezer import Freezer, make_freezer
+from .nsexec import NsExec, shared_nsexec
+from .settings import EpisodeSettings
+from .shell import SHELL_SETUP, ExecResult, Shell
+from .staging import stage_environment, tops_needed
+from .state import EpisodeDirs, remove_stale
+from .tamper import Change, find_tampering
+from .toolchain import ensure_toolchain
+from .view import TOOLCHAIN_MOUNT, plan_episode_view
+
+__all__ = ["Episode", "EpisodeError", "ExecResult"]
+
+log = logging.getLogger("sequester.episodes")
+
+# The episode's init: PID 1 of its namespace, which the agent cannot signal; it reaps
+# orphans, so background processes the agent starts keep running until close().
+_INIT = (
+    "import os, signal\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])\n"
+    "while True:\n"
+    "    try:\n"
+    "        while os.waitpid(-1, os.WNOHANG)[0]: pass\n"
+    "    except ChildProcessError: pass\n"
+    "    signal.sigwait([signal.SIGCHLD])\n"
+)
+_AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_READ_LIMIT = 64 * 1024 * 1024
+_toolchain_lock = threading.Lock()
+_toolchains: dict[Path, Path | None] = {}
+_stale_cleaned: set[Path] = set()
+
+
+class EpisodeError(SequesterError):
+    """An episode was used out of order (exec before reset, after close, ...)."""
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass
+class _Running:
+    task: Task
+    workdir: str
+    dirs: EpisodeDirs
+    bwrap: StartedBwrap
+    freezer: Freezer
+    env: dict[str, str]
+    deadline: float | None
+    shell: Shell | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _toolchain(folder: Path) -> Path | None:
+    with _toolchain_lock:
+        if folder not in _toolchains:
+            _toolchains[folder] = ensure_toolchain(folder)
+        return _toolchains[folder]
+
+
+class Episode:
+    """One agent's episode on one task (local mode: namespaces on this host). Not thread-safe;
+    run many episodes in many threads."""
+
+    def __init__(self, settings: EpisodeSettings | None = None, *, hide: Iterable[str | os.PathLike[str]] = (),
+                 nsexec: NsExec | None = None):
+        """``hide``: more paths the agent must not see (other tasks, the jobs folder)."""
+        self.settings = settings or EpisodeSettings()
+        self.extra_hidden = tuple(Path(p).resolve() for p in hide)
+        self._nsexec = nsexec
+        self._state = _State.NEW
+        self._run: _Running | None = None
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def task(self) -> Task:
+        return self._running().task
+
+    @property
+    def instruction(self) -> str:
+        return self._running().task.instruction
+
+    @property
+    def workdir(self) -> str:
+        return self._running().workdir
+
+    @property
+    def notes(self) -> list[str]:
+        """What of the task's environment could not be reproduced, and similar remarks."""
+        return list(self._running().notes)
+
+    @property
+    def init_pid(self) -> int:
+        """Host pid of the episode's init (diagnostics, tests)."""
+        return self._running().bwrap.pid
+
+    def _running(self) -> _Running:
+        if self._run is None:
+            raise EpisodeError("the episode is not running: call reset(task) first" if self._state is not _State.CLOSED
+                               else "the episode is closed")
+        return self._run
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None) -> Episode:
+        """Start the episode on ``task`` (a loaded task or its folder), replacing any
+        earlier one. ``workdir`` overrides the task's working directory."""
+        if self._state is _State.CLOSED:
+            raise EpisodeError("the episode is closed")
+        if not namespace_support().available:
+            raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
+        self._stop()
+        task = task if isinstance(task, Task) else load_task(task)
+        chosen = workdir or task.config.environment.workdir or task.default_workdir or str(task.path)
+        if not chosen.startswith("/"):
+            raise EpisodeError(f"workdir {chosen!r} is not an absolute path")
+        self._nsexec = self._nsexec or shared_nsexec()
+        if self.settings.state_dir not in _stale_cleaned:
+            remove_stale(self.settings.state_dir)
+            _stale_cleaned.add(self.settings.state_dir)
+        dirs = EpisodeDirs.create(self.settings.state_dir)
+        try:
+            self._run = self._start(task, chosen, dirs)
+        except BaseException:
+            dirs.remove()
+            raise
+        self._state = _State.RUNNING
+        self._start_shell()
+        return self
+
+    def _start(self, task: Task, workdir: str, dirs: EpisodeDirs) -> _Running:
+        facts = gather_host_facts()
+        hidden_top, hidden_deep = self._hidden(task, facts)
+        fresh = {p.name for p in hidden_top}
+        for top in tops_needed(task, workdir):
+            if not (Path("/") / top).is_dir() or (Path("/") / top).is_symlink():
+                fresh.add(top)
+        notes = [f"{u.instruction} at {task.dockerfile.source}:{u.line} not applied: {u.reason}"
+                 for u in (task.dockerfile.unsupported if task.dockerfile else ())]
+        if task.config.environment.effective_network_mode != "no-network":
+            notes.append("the task asks for network access; local episodes have none")
+        toolchain = _toolchain(self.settings.toolchain_dir)
+        mounts = plan_episode_view(facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh,
+                                   toolchain=toolchain)
+        for op in mounts:
+            for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
+                if folder is not None:
+                    folder.mkdir(parents=True, exist_ok=True)
+        notes += stage_environment(task, dirs, fresh, workdir)
+        if workdir == str(task.path):
+            notes.append("no WORKDIR: the agent works in an empty folder at the task's path")
+        env = {"PATH": _AGENT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", "PWD": workdir,
+               **(task.dockerfile.env_map if task.dockerfile else {})}
+        spec = SandboxSpec(
+            mounts=mounts, command=(str(facts.python_executable), "-S", "-I", "-c", _INIT), env={"PATH": _AGENT_PATH},
+            cwd=Path("/"), identity=Identity.ROOT, caps=CONTAINER_CAPS, hostname=task.name[:63] or "sequester",
+            as_pid_1=True, readonly_root=False,
+        )
+        started = start_bwrap(spec, data_files={}, keep_fds=[], stdout=None, stderr=None, stderr_reader=None)
+        try:
+            freezer = make_freezer(dirs.root.name, started.pid)
+        except BaseException:
+            started.kill()
+            raise
+        timeout = task.config.agent.timeout_sec
+        return _Running(task, workdir, dirs, started, freezer, env,
+                        time.monotonic() + timeout if timeout else None, notes=notes)
+
+    def _hidden(self, task: Task, facts: HostFacts) -> tuple[set[Path], list[tuple[Path, bool]]]:
+        """Top-level folders to give fresh, and deeper paths to cover."""
+        dirs, files = hidden_paths(Policy(), facts)
+        deep = [*dirs, *files, task.path.resolve(), self.settings.state_dir, *self.extra_hidden]
+        if facts.is_root:
+            deep += ROOT_SECRETS
+        top = {p for p in (*dirs, *files) if len(p.parts) == 2}
+        found: list[tuple[Path, bool]] = []
+        for path in dict.fromkeys(deep):
+            if len(path.parts) > 2 and (path.exists() or path.is_symlink()):
+                found.append((path, path.is_dir() and not path.is_symlink()))
+        return top, found
+
+    def _start_shell(self) -> None:
+        run = self._running()
+        if run.shell is not None:
+            run.shell.close()
+            run.shell = None
+        master, slave = Shell.make_pty()
+        control_r, control_w = os.pipe()
+        out_r, out_w = os.pipe()
+        for fd in (master, control_w, out_r):
+            os.set_inheritable(fd, False)
+        try:
+            assert self._nsexec is not None
+            pid = self._nsexec.spawn(
+                run.bwrap.pid, ["bash", "--noprofile", "--norc", "/dev/fd/3"], env=run.env, cwd=run.workdir,
+                stdin=slave, stdout=out_w, stderr=slave, extra=[control_r], ctty=True, caps=CONTAINER_CAPS,
+                seccomp_bpf=seccomp.compile_filter("agent"), seccomp_nr=seccomp.syscall_number("seccomp"),
+                cgroup=run.freezer.procs_path,
+            )
+        except BaseException:
+            for fd in (master, control_w, out_r):
+                close_fd(fd)
+            raise
+        finally:
+            for fd in (slave, control_r, out_w):
+                close_fd(fd)
+        run.shell = Shell(pid, control_w, out_r, master)
+        os.write(control_w, SHELL_SETUP.encode())
+
+    def exec(self, command: str, timeout: float | None = None) -> ExecResult:
+        """Run ``command`` in the agent's persistent shell (cwd and exports persist).
+
+        ``timeout`` defaults to the settings' ``exec_timeout``; the task's ``[agent]
+        timeout_sec`` bounds the whole episode. A command that runs over is interrupted
+        (^C), then killed; background processes keep running.
+        """
+        run = self._running()
+        limit = self.settings.exec_timeout if timeout is None else timeout
+        if limit <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if run.deadline is not None:
+            left = run.deadline - time.monotonic()
+            if left <= 0:
+                return ExecResult("", "", None, True, 0.0, "the episode's agent time ([agent] timeout_sec) is over")
+            limit = min(limit, left)
+        if run.shell is None or not run.shell.alive:
+            self._start_shell()
+            run.notes.append("the agent's shell exited and was restarted (cwd and variables were reset)")
+        assert run.shell is not None
+        result = run.shell.run(command, limit, self.settings.output_bytes)
+        if not run.shell.alive:
+            self._start_shell()
+        return result
+
+    def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
+        """Write a file in the agent's view (as its root), creating parent folders."""
+        data = content.encode() if isinstance(content, str) else content
+        self._nsexec_call().write_file(self._running().bwrap.pid, self._absolute(path), data, mode=mode)
+
+    def read_file(self, path: str) -> bytes:
+        return self._nsexec_call().read_file(self._running().bwrap.pid, self._absolute(path), limit=_READ_LIMIT)
+
+    def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
+        """Copy a host folder into the agent's view at ``dest`` (the oracle's solution)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(Path(source).resolve(), arcname=".")
+        self._nsexec_call().extract(self._running().bwrap.pid, self._absolute(dest), buf.getvalue())
+
+    def _nsexec_call(self) -> NsExec:
+        self._running()
+        assert self._nsexec is not None
+        return self._nsexec
+
+    def _absolute(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def tampering(self) -> list[str]:
+        """What the agent changed that the verifier runs on (see :mod:`.tamper`)."""
+        run = self._running()
+        changes: list[Change] = []
+        for top, root in run.dirs.layer_roots():
+            for current, folders, files in os.walk(root):
+                for name in [*folders, *files]:
+                    host = Path(current, name)
+                    rel = f"{top}/{host.relative_to(root)}"
+                    try:
+                        st = host.lstat()
+                    except OSError:
+                        continue
+                    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                        changes.append(Change(rel, "deleted"))
+                    elif not stat.S_ISDIR(st.st_mode):
+                        lower = Path("/") / rel
+                        changes.append(Change(rel, "replaced" if (lower.exists() or lower.is_symlink()) else "added"))
+        return find_tampering(changes, lambda p: (Path("/") / p).exists())
+
+    def evaluate(self, *, freeze: bool | None = None) -> v.VerifierResult:
+        """Run the task's pristine tests where only the verifier sees them; read the verdict.
+
+        ``freeze`` (default: the task's ``[verifier] freeze_agent``, else the settings)
+        stops every agent process for the duration. Raises a :class:`VerifierError` when
+        there is no verdict (the tests could not run, timed out, wrote no valid reward).
+        """
+        run = self._running()
+        task = run.task
+        started = time.monotonic()
+        findings = tuple(self.tampering())
+        wanted = freeze if freeze is not None else (
+            task.config.verifier.freeze_agent if task.config.verifier.freeze_agent is not None
+            else self.settings.freeze_agent)
+        tests = v.tests_archive(task)
+        if wanted:
+            run.freezer.freeze()
+        try:
+            report, output = self._run_verifier(run, tests)
+        finally:
+            if wanted:
+                run.freezer.thaw()
+        duration = time.monotonic() - started
+        text = output.decode(errors="replace")
+        if report is None:
+            raise v.VerifierTimeout(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed",
+                                    output=text, duration=duration)
+        if "error" in report:
+            raise v.VerifierCouldNotRun(f"the verifier could not run: {report['error']}", output=text, duration=duration)
+        exit_code = report.get("exit_code")
+        files = {name: base64.b64decode(data) for name, data in report.get("files", {}).items()}
+        try:
+            rewards = v.parse_rewards(files)
+        except v.VerifierError as exc:
+            kind = type(exc) if exit_code not in (126, 127) else v.VerifierCouldNotRun
+            raise kind(f"{exc} (the script exited {exit_code})", output=text, exit_code=exit_code,
+                       duration=duration) from None
+        script = task.test_script.read_text(errors="replace") if task.test_script else ""
+        if "ctrf.json" in script and "ctrf.json" not in files and v.primary_reward(rewards) == 0:
+            raise v.VerifierCouldNotRun(
+                "the verifier could not run: pytest wrote no report (ctrf.json), so the tests never ran; "
+                "the test script's bootstrap failed", output=text, exit_code=exit_code, duration=duration)
+        zeroed = bool(findings) and self.settings.on_tamper == "zero"
+        if zeroed:
+            rewards = {k: 0.0 for k in rewards}
+        return v.VerifierResult(rewards, text, exit_code, duration, files, findings,
+                                run.freezer.method if wanted else None, zeroed)
+
+    def _run_verifier(self, run: _Running, tests: bytes) -> tuple[dict | None, bytes]:
+        assert self._nsexec is not None
+        proc_submounts = _proc_submounts(run.bwrap.pid)
+        tests_r, tests_w = os.pipe()
+        out_r, out_w = os.pipe()
+        os.set_inheritable(out_r, False)
+        try:
+            worker = self._nsexec.request({
+                "op": "verify", "target": run.bwrap.pid, "argv": v.verifier_argv(run.task),
+                "env": v.verifier_env(run.task), "cwd": run.workdir, "caps": list(CONTAINER_CAPS),
+                "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
+                "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": proc_submounts,
+                "private_tmpfs": [f"{TOOLCHAIN_MOUNT}/cache"],
+            }, [tests_r, out_w])
+        finally:
+            close_fd(tests_r)
+            close_fd(out_w)
+        writer = threading.Thread(target=_write_and_close, args=(tests_w, tests), daemon=True)
+        writer.start()
+        output = bytearray()
+        try:
+            report = worker.report(time.monotonic() + run.task.config.verifier.timeout_sec, also=[(out_r, output)])
+            if report is None:
+                worker.kill()
+        finally:
+            writer.join()
+            close_fd(out_r)
+        limit = self.settings.output_bytes
+        if len(output) > limit:
+            output = output[: limit // 2] + b"\n[... verifier output dropped ...]\n" + output[-limit // 2:]
+        return report, bytes(output)
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        errors = []
+        for step in (run.freezer.thaw, (run.shell.close if run.shell else None), run.bwrap.kill, run.freezer.remove,
+                     run.dirs.remove):
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - keep tearing down; report at the end
+                errors.append(f"{getattr(step, '__qualname__', step)}: {exc}")
+        if errors:
+            raise SandboxError("the episode was not cleaned up completely: " + "; ".join(errors))
+
+    def close(self) -> None:
+        """Kill every process of the episode and remove its layers. Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        self._stop()
+
+    def __enter__(self) -> Episode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _proc_submounts(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/mountinfo") as f:
+        return [p for p in (line.split()[4] for line in f) if p.startswith("/proc/")]
+
+
+def _write_and_close(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+    finally:
+        close_fd(fd)

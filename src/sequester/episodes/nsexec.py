@@ -1,0 +1,199 @@
+"""Host side of the namespace helper (see :mod:`._nsexec_server`).
+
+One helper process per host process serves every episode: it is started on first use,
+dies with the host process, and forks a worker per request, so episodes never wait on
+each other. Each call passes its own pipes, reads the worker's report from its own result
+pipe, and can kill its worker on a deadline.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SandboxError
+
+__all__ = ["NsExec", "Worker", "shared_nsexec"]
+
+
+@dataclass
+class Worker:
+    """A forked worker of the helper: its pid and the pipe it reports on."""
+
+    pid: int
+    result: int
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def report(self, deadline: float | None = None, also: Sequence[tuple[int, bytearray]] = ()) -> dict[str, Any] | None:
+        """Read the worker's report (one JSON line) until end of file; ``None`` on deadline.
+
+        ``also`` are (fd, buffer) pairs drained meanwhile (e.g. the verifier's output).
+        """
+        chunks = bytearray()
+        watched = {self.result: chunks, **{fd: buf for fd, buf in also}}
+        try:
+            while self.result in watched:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                ready, _, _ = select.select(list(watched), [], [], left)
+                for fd in ready:
+                    data = os.read(fd, 1 << 16)
+                    if data:
+                        watched[fd] += data
+                    else:
+                        del watched[fd]
+            for fd, buf in also:  # whatever is left of the other pipes after the report
+                if fd in watched:
+                    _drain(fd, buf)
+        finally:
+            os.close(self.result)
+        line = bytes(chunks).split(b"\n", 1)[0]
+        if not line:
+            return {"error": "the helper's worker ended without a report"}
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"error": "the helper's worker sent an unreadable report"}
+
+
+def _drain(fd: int, buf: bytearray) -> None:
+    os.set_blocking(fd, False)
+    try:
+        while data := os.read(fd, 1 << 16):
+            buf += data
+    except (BlockingIOError, OSError):
+        pass
+    finally:
+        os.set_blocking(fd, True)
+
+
+class NsExec:
+    """Client of one helper process."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = ours
+        self._lock = threading.Lock()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-B", "-m", "sequester.episodes._nsexec_server", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            theirs.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        self._proc.kill()
+        self._proc.wait()
+
+    def request(self, message: dict[str, Any], fds: Sequence[int]) -> Worker:
+        """Send a request with its descriptors (the first is the worker's result pipe,
+        whose write end is closed here once sent)."""
+        result_r, result_w = os.pipe()
+        os.set_inheritable(result_r, False)
+        try:
+            with self._lock:
+                socket.send_fds(self._sock, [json.dumps(message).encode()], [result_w, *fds])
+                reply = self._sock.recv(1 << 16)
+        except OSError as exc:
+            os.close(result_r)
+            raise SandboxError(f"the namespace helper is gone: {exc}") from exc
+        finally:
+            os.close(result_w)
+        answer = json.loads(reply) if reply else {"error": "the namespace helper is gone"}
+        if "worker" not in answer:
+            os.close(result_r)
+            raise SandboxError(f"the namespace helper refused: {answer.get('error')}")
+        return Worker(answer["worker"], result_r)
+
+    # -- operations ------------------------------------------------------------------
+
+    def spawn(self, target: int, argv: Sequence[str], *, env: dict[str, str], cwd: str, stdin: int, stdout: int,
+              stderr: int, ctty: bool, caps: Sequence[str], seccomp_bpf: bytes, seccomp_nr: int,
+              extra: Sequence[int] = (), cgroup: str | None = None, timeout: float = 30) -> int:
+        """Start ``argv`` inside the episode of ``target``; returns its host pid.
+
+        ``extra`` descriptors become 3, 4, ... in the new process."""
+        worker = self.request({
+            "op": "spawn", "target": target, "argv": list(argv), "env": env, "cwd": cwd, "ctty": ctty,
+            "caps": list(caps), "seccomp": base64.b64encode(seccomp_bpf).decode(), "seccomp_nr": seccomp_nr,
+            "cgroup": cgroup,
+        }, [stdin, stdout, stderr, *extra])
+        report = self._finish(worker, timeout, "start a process in the episode")
+        return int(report["pid"])
+
+    def write_file(self, target: int, path: str, data: bytes, *, mode: int = 0o644, timeout: float = 60) -> None:
+        self._with_input(target, {"action": "write", "path": path, "mode": mode, "mkdirs": True}, data, timeout)
+
+    def extract(self, target: int, path: str, tar: bytes, *, timeout: float = 120) -> None:
+        self._with_input(target, {"action": "extract", "path": path}, tar, timeout)
+
+    def read_file(self, target: int, path: str, *, limit: int, timeout: float = 60) -> bytes:
+        worker = self.request({"op": "files", "target": target, "action": "read", "path": path, "limit": limit}, [])
+        return base64.b64decode(self._finish(worker, timeout, f"read {path}")["data"])
+
+    def _with_input(self, target: int, message: dict[str, Any], data: bytes, timeout: float) -> None:
+        data_r, data_w = os.pipe()
+        try:
+            worker = self.request({"op": "files", "target": target, **message}, [data_r])
+        finally:
+            os.close(data_r)
+        writer = threading.Thread(target=_write_all, args=(data_w, data), daemon=True)
+        writer.start()
+        try:
+            self._finish(worker, timeout, f"{message['action']} {message['path']}")
+        finally:
+            writer.join()
+
+    @staticmethod
+    def _finish(worker: Worker, timeout: float, what: str) -> dict[str, Any]:
+        report = worker.report(time.monotonic() + timeout)
+        if report is None:
+            worker.kill()
+            raise SandboxError(f"could not {what}: no answer within {timeout:g} s")
+        if "error" in report:
+            raise SandboxError(f"could not {what}: {report['error']}")
+        return report
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_shared: NsExec | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_nsexec() -> NsExec:
+    """The process's helper, started on first use (it is single-threaded, so it must be
+    its own process; one is enough for any number of episodes)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared._proc.poll() is not None:
+            _shared = NsExec()
+        return _shared

@@ -1,0 +1,81 @@
+"""Settings of episodes: plain frozen data, from the ``[episodes]`` table of a config file.
+
+    [episodes]
+    exec_timeout = 600          # default seconds per exec (each call may pass its own)
+    freeze_agent = false        # freeze the agent's processes while the verifier runs
+    on_tamper = "report"        # "report" | "zero": what visible tampering does to the reward
+    output_bytes = 10000000     # cap on one exec's output and on the verifier's output
+    state_dir = "/var/tmp/..."  # where episodes keep their writable layers
+    toolchain_dir = "..."       # the verifier's offline toolchain (uv and its cache)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import PolicyError
+
+__all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir"]
+
+_TAMPER_ACTIONS = ("report", "zero")
+
+
+def _user_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sequester"
+
+
+def default_state_dir() -> Path:
+    # Root's is 0700 (a kernel, which runs as nobody, cannot enter it); a user's lives in
+    # the home folder, which every sandbox hides.
+    return Path("/var/tmp/sequester-episodes") if os.getuid() == 0 else _user_cache() / "episodes"
+
+
+def default_toolchain_dir() -> Path:
+    return Path("/var/cache/sequester/verifier") if os.getuid() == 0 else _user_cache() / "verifier"
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    exec_timeout: float = 600.0
+    freeze_agent: bool = False
+    on_tamper: str = "report"
+    output_bytes: int = 10_000_000
+    state_dir: Path = dataclasses.field(default_factory=default_state_dir)
+    toolchain_dir: Path = dataclasses.field(default_factory=default_toolchain_dir)
+
+    def __post_init__(self) -> None:
+        for name in ("exec_timeout", "output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
+        if not isinstance(self.freeze_agent, bool):
+            raise PolicyError(f"episodes.freeze_agent: {self.freeze_agent!r} is not true or false")
+        if self.on_tamper not in _TAMPER_ACTIONS:
+            raise PolicyError(f"episodes.on_tamper: {self.on_tamper!r} is not one of {', '.join(_TAMPER_ACTIONS)}")
+        object.__setattr__(self, "state_dir", Path(self.state_dir))
+        object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))
+
+
+def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> EpisodeSettings:
+    table = data.get("episodes", {})
+    if not isinstance(table, Mapping):
+        raise PolicyError(f"{source}: [episodes] must be a table")
+    known = {f.name for f in dataclasses.fields(EpisodeSettings)}
+    unknown = set(table) - known
+    if unknown:
+        raise PolicyError(f"{source}: unknown key 'episodes.{sorted(unknown)[0]}'")
+    values = dict(table)
+    for key in ("state_dir", "toolchain_dir"):
+        if key in values:
+            if not isinstance(values[key], str):
+                raise PolicyError(f"{source}: episodes.{key}: {values[key]!r} is not a path")
+            values[key] = base_dir / values[key]
+    try:
+        return EpisodeSettings(**values)
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: {exc}") from None

@@ -1,0 +1,97 @@
+"""The filesystem an agent sees in an episode, as mount operations. Pure.
+
+Like a container on the host's own system:
+
+* every visible top-level folder of the host is an **overlay**: the host's folder read-only
+  beneath a per-episode writable layer, so the agent can install packages and write
+  anywhere while nothing reaches the host or the next episode;
+* top-level folders the policy hides (the caller's home; for root, everything that is not
+  the OS) and folders the task creates (``/app``) are **fresh writable folders**;
+* hidden below the top level: the task's own folder (its ``tests/`` and ``solution/``),
+  the folders of other tasks, the jobs folder (verifier outputs), the episodes' state
+  folder, root-only secrets: covered by empty read-only tmpfs (or ``/dev/null``);
+* ``/tests`` and ``/logs`` are empty **read-only mount points**: the agent can neither
+  write there nor replace them with a symlink; the verifier mounts its own over them in a
+  namespace only it has;
+* a fresh ``/proc``, ``/dev``, ``/tmp``, ``/run``, ``/dev/shm``; the CPU part of ``/sys``;
+* read-only: the host's Python installation (the episode's init runs on it) and the
+  verifier's toolchain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..sandbox.host import HostFacts
+from ..sandbox.mounts import MountKind, MountOp
+from .state import EpisodeDirs
+
+__all__ = ["plan_episode_view", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
+
+TOOLCHAIN_MOUNT = Path("/opt/sequester-verifier")
+VERIFIER_POINTS = (Path("/tests"), Path("/logs"))
+_VERIFIER_NAMES = frozenset(p.name for p in VERIFIER_POINTS)
+_REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
+
+
+def plan_episode_view(
+    facts: HostFacts,
+    dirs: EpisodeDirs,
+    *,
+    hidden_top: Iterable[Path],
+    hidden: Iterable[tuple[Path, bool]],
+    new_tops: Iterable[str] = (),
+    toolchain: Path | None = None,
+) -> tuple[MountOp, ...]:
+    """``hidden_top``: top-level folders the agent gets empty; ``hidden``: deeper paths to
+    cover, as ``(path, is_dir)`` of paths that exist; ``new_tops``: top-level folder names
+    the task needs."""
+    hidden_top = {p for p in hidden_top if len(p.parts) == 2}
+    ops: dict[tuple[MountKind, Path], tuple[int, int, MountOp]] = {}
+
+    def add(op: MountOp, rank: int) -> None:
+        ops.setdefault((op.kind, op.dest), (len(op.dest.parts), rank, op))
+
+    fresh = set(new_tops) - _VERIFIER_NAMES
+    for e in facts.entries:
+        if e.path.parent != Path("/") or e.path.name in _REPLACED or e.path in VERIFIER_POINTS:
+            continue
+        name = e.path.name
+        if e.is_symlink:
+            add(MountOp(MountKind.SYMLINK, e.path, target=e.link_target), 0)
+        elif e.path in hidden_top or name in fresh:
+            if e.is_dir or name in fresh:
+                fresh.add(name)
+        elif e.is_dir:
+            add(MountOp(MountKind.OVERLAY, e.path, source=e.path, upper=dirs.upper(name), work=dirs.work(name)), 0)
+        else:
+            add(MountOp(MountKind.READONLY, e.path, source=e.path), 0)
+    for name in sorted(fresh):
+        add(MountOp(MountKind.BIND, Path("/") / name, source=dirs.new(name)), 0)
+    for point in VERIFIER_POINTS:
+        add(MountOp(MountKind.HIDE_DIR, point, mode=0o555), 0)
+    add(MountOp(MountKind.PROC, Path("/proc")), 0)
+    add(MountOp(MountKind.DEV, Path("/dev")), 0)
+    add(MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1)
+    add(MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0)
+    add(MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0)
+    add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
+    if facts.sys_cpu is not None:
+        for parent in reversed(facts.sys_cpu.parents):
+            if len(parent.parts) > 2:
+                add(MountOp(MountKind.DIR, parent, mode=0o755), 1)
+        add(MountOp(MountKind.READONLY, facts.sys_cpu, source=facts.sys_cpu), 1)
+    for path, is_dir in hidden:
+        if len(path.parts) <= 2 or path.parts[1] in fresh:
+            continue  # a fresh top-level folder holds nothing of the host anyway
+        if is_dir:
+            add(MountOp(MountKind.HIDE_DIR, path, mode=0o755), 2)
+        else:
+            add(MountOp(MountKind.HIDE_FILE, path, source=Path("/dev/null")), 2)
+    for root in facts.python_roots:
+        add(MountOp(MountKind.READONLY, root, source=root), 3)
+    if toolchain is not None:
+        add(MountOp(MountKind.READONLY, TOOLCHAIN_MOUNT, source=toolchain), 3)
+    return tuple(op for _, _, op in sorted(ops.values(), key=lambda t: (t[0], t[1], str(t[2].dest))))
+

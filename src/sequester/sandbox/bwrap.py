@@ -1,0 +1,154 @@
+"""Start bwrap for a :class:`~.argv.SandboxSpec` and learn its sandbox's pid: kernels and
+episodes alike.
+
+bwrap reports the pid of the sandbox's init on an info pipe; we keep a pidfd on it (a pid
+could be recycled, a pidfd cannot). For the ``NOBODY`` identity, bwrap then waits until
+we have written the uid map that also maps ``nobody``. Any failure kills what started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SandboxError
+from ..guard.privileges import NOBODY
+from .argv import Identity, LaunchFds, SandboxSpec, build_argv
+from .probe import bwrap_path
+
+__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "descendants"]
+
+_ID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
+
+
+@dataclass
+class StartedBwrap:
+    popen: subprocess.Popen[bytes]
+    pid: int    # the sandbox's init, in the host's PID namespace
+    pidfd: int
+
+    def kill(self) -> None:
+        """Kill the sandbox's init (its whole PID namespace goes with it) and bwrap."""
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.kill()
+        self.popen.wait()
+        # Readable once the init has exited (it is bwrap's child, not ours).
+        select.select([self.pidfd], [], [], 5.0)
+        close_fd(self.pidfd)
+
+
+def close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from ``/proc/PID/task/*/children``."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            out.append(child)
+            out += descendants(child)
+    return out
+
+
+def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: list[int], stdout: int | None,
+                stderr: int | None, stderr_reader: int | None) -> StartedBwrap:
+    """Run bwrap for ``spec``; ``stderr_reader`` is read for bwrap's own message on failure."""
+    with ExitStack() as on_failure, ExitStack() as temporary:
+        def temp(fd: int) -> int:
+            temporary.callback(close_fd, fd)
+            return fd
+
+        data_fds = {path: temp(_data_fd(text)) for path, text in data_files.items()}
+        info_r, info_w = os.pipe()
+        temp(info_r)
+        info_w_open = [info_w]  # closed early (below), or at the end if Popen fails
+        temporary.callback(lambda: [close_fd(fd) for fd in info_w_open])
+        needs_map = spec.identity is Identity.NOBODY
+        block_r, block_w = (temp(fd) for fd in os.pipe())
+        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if needs_map else None)
+        pass_fds = [*keep_fds, *data_fds.values(), info_w, *([block_r] if needs_map else [])]
+        popen = subprocess.Popen(
+            build_argv(bwrap_path(), spec, fds), env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL,
+            stdout=stdout, stderr=stderr, start_new_session=True,
+        )
+        on_failure.callback(lambda: (popen.kill(), popen.wait()))
+        close_fd(info_w_open.pop())  # so that bwrap's exit ends our read
+        try:
+            info = json.loads(_read_all(info_r, 30) or b"null")
+        except ValueError:
+            info = None
+        if not isinstance(info, dict) or not isinstance(info.get("child-pid"), int):
+            popen.wait()
+            said = _pending_text(stderr_reader) if stderr_reader is not None else ""
+            raise SandboxError(f"bwrap failed to create the sandbox: {said or 'no message'}")
+        pid = info["child-pid"]
+        pidfd = os.pidfd_open(pid)
+        on_failure.callback(close_fd, pidfd)
+        if needs_map:
+            for name in ("uid_map", "gid_map"):
+                # setgroups stays allowed: the kernel's bootstrap clears root's groups.
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(_ID_MAP)
+            os.write(block_w, b"1")
+        on_failure.pop_all()
+    return StartedBwrap(popen, pid, pidfd)
+
+
+def _data_fd(text: str) -> int:
+    fd = os.memfd_create("sequester-data", 0)
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_all(fd: int, timeout: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SandboxError("bwrap did not report its sandbox in time")
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def _pending_text(fd: int) -> str:
+    """What is waiting in a pipe right now (a dead child's last words), without blocking."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    finally:
+        os.set_blocking(fd, True)
+    return b"".join(chunks).decode(errors="replace").strip()

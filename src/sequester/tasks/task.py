@@ -1,0 +1,143 @@
+"""A task directory in the Terminal-Bench 2 / Harbor layout, loaded and checked.
+
+::
+
+    hello/
+      instruction.md          required: what the agent is asked to do
+      task.toml               required: see :mod:`.config`
+      environment/Dockerfile  optional; environment/ is its build context
+      tests/                  required: test.sh and/or test_*.py
+      solution/solve.sh       optional: a reference solution
+
+Loading reads these files and nothing else, writes nothing, and checks everything a run
+would otherwise trip over later, so a malformed task fails here, with the file named,
+rather than halfway through an episode. A file that resolves (through a symlink) outside
+the task directory is refused: a task must not be able to pull host files into a prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import TaskError
+from .config import TaskConfig, parse_task_config
+from .dockerfile import DockerfilePlan, parse_dockerfile
+
+__all__ = ["Task", "load_task", "find_tasks"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One loaded task. ``path`` is absolute; ``name`` is its folder's name."""
+
+    name: str
+    path: Path
+    instruction: str
+    config: TaskConfig
+    dockerfile: DockerfilePlan | None = None
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def solution_dir(self) -> Path:
+        return self.path / "solution"
+
+    @property
+    def environment_dir(self) -> Path:
+        """The Dockerfile's build context (it may not exist)."""
+        return self.path / "environment"
+
+    @property
+    def test_script(self) -> Path | None:
+        """``tests/test.sh`` if the task has one, else ``None`` (its tests are ``test_*.py``)."""
+        script = self.tests_dir / "test.sh"
+        return script if script.is_file() else None
+
+    @property
+    def test_files(self) -> tuple[Path, ...]:
+        """The ``tests/test_*.py`` files, sorted."""
+        return tuple(sorted(p for p in self.tests_dir.glob("test_*.py") if p.is_file()))
+
+    @property
+    def has_solution(self) -> bool:
+        return (self.solution_dir / "solve.sh").is_file()
+
+    @property
+    def default_workdir(self) -> str | None:
+        """The Dockerfile's last ``WORKDIR``, or ``None`` (``task.toml``'s ``workdir`` is not consulted)."""
+        return self.dockerfile.workdir if self.dockerfile else None
+
+
+def _read(file: Path, root: Path) -> str:
+    """The UTF-8 text of ``file``, which must resolve inside ``root``; errors name the file."""
+    if not file.exists() and not file.is_symlink():
+        raise TaskError(f"{file}: missing")
+    real = Path(os.path.realpath(file))
+    if root not in real.parents:
+        raise TaskError(f"{file}: resolves to {real}, outside the task directory")
+    if not real.is_file():
+        raise TaskError(f"{file}: not a file")
+    try:
+        return real.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise TaskError(f"{file}: cannot be read: {exc.strerror}") from None
+
+
+def load_task(path: str | os.PathLike[str]) -> Task:
+    """Load and check the task in ``path``; a :class:`TaskError` names the offending file."""
+    task_dir = Path(os.path.abspath(path))
+    if not task_dir.is_dir():
+        raise TaskError(f"{task_dir}: not a task directory" if task_dir.exists() else f"{task_dir}: does not exist")
+    root = task_dir.resolve()
+    config = parse_task_config(_read(task_dir / "task.toml", root), str(task_dir / "task.toml"))
+    instruction = _read(task_dir / "instruction.md", root)
+    if not instruction.strip():
+        raise TaskError(f"{task_dir / 'instruction.md'}: empty")
+    tests = task_dir / "tests"
+    if not tests.is_dir():
+        raise TaskError(f"{tests}: missing" if not tests.exists() else f"{tests}: not a directory")
+    if root not in Path(os.path.realpath(tests)).parents:
+        raise TaskError(f"{tests}: resolves outside the task directory")
+    if not (tests / "test.sh").is_file() and not any(p.is_file() for p in tests.glob("test_*.py")):
+        raise TaskError(f"{tests}: has neither test.sh nor a test_*.py file")
+    dockerfile = None
+    docker_path = task_dir / "environment" / "Dockerfile"
+    if docker_path.exists() or docker_path.is_symlink():
+        dockerfile = parse_dockerfile(_read(docker_path, root), str(docker_path))
+    return Task(task_dir.name, task_dir, instruction, config, dockerfile)
+
+
+def find_tasks(paths: Iterable[str | os.PathLike[str]]) -> list[Task]:
+    """Load the tasks in ``paths``, in order: each is a task directory (it has ``task.toml``)
+    or a folder whose every immediate subfolder is one (loaded sorted by name; subfolders
+    whose names start with ``.`` or ``_`` and plain files are left out).
+
+    Two tasks with the same name are an error, even from different folders: results are
+    keyed by task name.
+    """
+    tasks: list[Task] = []
+    seen: dict[str, Path] = {}
+    for given in paths:
+        folder = Path(os.path.abspath(given))
+        if (folder / "task.toml").exists() or (folder / "instruction.md").exists():
+            found = [load_task(folder)]  # a task, possibly a broken one: its own error is clearer
+        elif folder.is_dir():
+            subfolders = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+            if not subfolders:
+                raise TaskError(f"{folder}: neither a task (no task.toml) nor a folder of tasks")
+            found = [load_task(p) for p in subfolders]
+        else:
+            raise TaskError(f"{folder}: does not exist" if not folder.exists() else f"{folder}: not a directory")
+        for task in found:
+            if task.name in seen:
+                raise TaskError(f"{task.path}: duplicate task name {task.name!r} (also {seen[task.name]})")
+            seen[task.name] = task.path
+            tasks.append(task)
+    return tasks
