@@ -18,6 +18,7 @@ a namespace only the verifier has, read the verdict strictly (:mod:`.verifier`).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import io
 import logging
@@ -55,17 +56,11 @@ __all__ = ["Episode", "EpisodeError", "ExecResult"]
 
 log = logging.getLogger("sequester.episodes")
 
-# The episode's init: PID 1 of its namespace, which the agent cannot signal; it reaps
-# orphans, so background processes the agent starts keep running until close().
-_INIT = (
-    "import os, signal\n"
-    "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])\n"
-    "while True:\n"
-    "    try:\n"
-    "        while os.waitpid(-1, os.WNOHANG)[0]: pass\n"
-    "    except ChildProcessError: pass\n"
-    "    signal.sigwait([signal.SIGCHLD])\n"
-)
+# The episode's init: PID 1 of its namespace, which the agent cannot signal (the kernel
+# ignores signals to an init that has no handler). bash reaps every orphan it adopts, so
+# background processes the agent starts keep running until close() and leave no zombies.
+# It says "r" on the ready pipe once bwrap has finished building the view.
+_INIT = 'printf r >&"$0"; eval "exec $0>&-"; while :; do sleep 86400 & wait $!; done'
 _AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _READ_LIMIT = 64 * 1024 * 1024
 _toolchain_lock = threading.Lock()
@@ -198,16 +193,26 @@ class Episode:
         env = {"PATH": _AGENT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", "PWD": workdir,
                **(task.dockerfile.env_map if task.dockerfile else {})}
         spec = SandboxSpec(
-            mounts=mounts, command=(str(facts.python_executable), "-S", "-I", "-c", _INIT), env={"PATH": _AGENT_PATH},
+            mounts=mounts, command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT), env={"PATH": _AGENT_PATH},
             cwd=Path("/"), identity=Identity.ROOT, caps=CONTAINER_CAPS, hostname=task.name[:63] or "sequester",
             as_pid_1=True, readonly_root=False,
         )
-        started = start_bwrap(spec, data_files={}, keep_fds=[], stdout=None, stderr=None, stderr_reader=None)
+        ready_r, ready_w = os.pipe()
         try:
-            freezer = make_freezer(dirs.root.name, started.pid)
+            spec = dataclasses.replace(spec, command=(*spec.command, str(ready_w)))
+            started = start_bwrap(spec, data_files={}, keep_fds=[ready_w], stdout=None, stderr=None,
+                                  stderr_reader=None)
+        finally:
+            close_fd(ready_w)
+        try:
+            if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
+                raise SandboxError("the episode's sandbox did not come up (bwrap failed to build the view)")
+            freezer = make_freezer(started.pid)
         except BaseException:
             started.kill()
             raise
+        finally:
+            close_fd(ready_r)
         timeout = task.config.agent.timeout_sec
         return _Running(task, workdir, dirs, started, freezer, env,
                         time.monotonic() + timeout if timeout else None, notes=notes)
@@ -251,7 +256,10 @@ class Episode:
             for fd in (slave, control_r, out_w):
                 close_fd(fd)
         run.shell = Shell(pid, control_w, out_r, master)
-        os.write(control_w, SHELL_SETUP.encode())
+        try:
+            os.write(control_w, SHELL_SETUP.encode())
+        except OSError:
+            run.shell.alive = False
 
     def exec(self, command: str, timeout: float | None = None) -> ExecResult:
         """Run ``command`` in the agent's persistent shell (cwd and exports persist).
@@ -433,6 +441,12 @@ class Episode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wait_readable(fd: int, timeout: float) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], timeout)[0])
 
 
 def _proc_submounts(pid: int) -> list[str]:

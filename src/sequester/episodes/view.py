@@ -83,8 +83,8 @@ def plan_episode_view(
                 add(MountOp(MountKind.DIR, parent, mode=0o755), 1)
         add(MountOp(MountKind.READONLY, facts.sys_cpu, source=facts.sys_cpu), 1)
     for path, is_dir in hidden:
-        if len(path.parts) <= 2 or path.parts[1] in fresh:
-            continue  # a fresh top-level folder holds nothing of the host anyway
+        if len(path.parts) <= 2 or path.parts[1] in fresh or path.parts[1] in _REPLACED:
+            continue  # a fresh or replaced top-level folder holds nothing of the host anyway
         if is_dir:
             add(MountOp(MountKind.HIDE_DIR, path, mode=0o755), 2)
         else:

@@ -35,15 +35,22 @@ class StartedBwrap:
     pidfd: int
 
     def kill(self) -> None:
-        """Kill the sandbox's init (its whole PID namespace goes with it) and bwrap."""
+        """Kill the sandbox's init (its whole PID namespace goes with it); bwrap reaps it
+        and exits. bwrap itself is killed only if it does not."""
         try:
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.popen.kill()
+        try:
+            bwrap_fd = os.pidfd_open(self.popen.pid)
+        except ProcessLookupError:
+            bwrap_fd = None
+        if bwrap_fd is not None:
+            exited = select.select([bwrap_fd], [], [], 5.0)[0]  # a timed wait() would poll
+            close_fd(bwrap_fd)
+            if not exited:
+                self.popen.kill()
         self.popen.wait()
-        # Readable once the init has exited (it is bwrap's child, not ours).
-        select.select([self.pidfd], [], [], 5.0)
         close_fd(self.pidfd)
 
 

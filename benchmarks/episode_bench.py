@@ -1,0 +1,129 @@
+"""Speed and memory of episodes, side by side with their references, in one run.
+
+    python benchmarks/episode_bench.py [--runs N] [--concurrency 32]
+
+* ``reset`` (view planned, files staged, sandbox up, shell ready): at most 30 ms median,
+  next to a bare bwrap start;
+* ``evaluate`` overhead beyond test.sh's own time: at most 20 ms median, next to the same
+  test.sh run by bash directly on the host;
+* N concurrent episodes of an example task (reset, oracle, evaluate, close) with no
+  failure, and the memory one episode holds (its init and shell, resident).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from sequester.agents import load_agent
+from sequester.episodes.episode import Episode
+from sequester.sandbox.bwrap import descendants
+from sequester.sandbox.probe import bwrap_path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tasks"
+TEST_SH = "echo 1 > /logs/verifier/reward.txt\n"
+
+
+def minimal_task(root: Path) -> Path:
+    task = root / "bench-task"
+    for sub in ("tests", "environment", "solution"):
+        (task / sub).mkdir(parents=True)
+    (task / "instruction.md").write_text("Nothing to do.\n")
+    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n')
+    (task / "environment" / "Dockerfile").write_text("FROM debian:12\nWORKDIR /app\n")
+    (task / "tests" / "test.sh").write_text(TEST_SH)
+    (task / "solution" / "solve.sh").write_text("true\n")
+    return task
+
+
+def rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def one_trial(task: Path) -> float:
+    with Episode() as ep:
+        ep.reset(task)
+        load_agent("oracle").run(ep.instruction, ep)
+        return ep.evaluate().reward
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="seq-ep-bench-") as tmp:
+        task = minimal_task(Path(tmp))
+        bare = [bwrap_path(), "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--tmpfs",
+                "/tmp", "--proc", "/proc", "--dev", "/dev", "/bin/true"]
+        resets, bares, evals, scripts = [], [], [], []
+        with Episode() as warm:
+            warm.reset(task)  # warm: the toolchain, the namespace helper
+        for _ in range(args.runs):
+            ep = Episode()
+            start = time.perf_counter()
+            ep.reset(task)
+            resets.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            subprocess.run(bare, check=True)
+            bares.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            assert ep.evaluate().reward == 1.0
+            evals.append(time.perf_counter() - start)
+            script = Path(tmp) / "logs"
+            script.mkdir(exist_ok=True)
+            start = time.perf_counter()
+            subprocess.run(["bash", "-c", TEST_SH.replace("/logs/verifier", str(script))], check=True)
+            scripts.append(time.perf_counter() - start)
+            pids = [ep.init_pid, *descendants(ep.init_pid)]
+            memory_mb = sum(rss_kb(p) for p in pids) / 1024
+            disk = sum(f.stat().st_size for f in ep._run.dirs.root.rglob("*") if f.is_file()) / 1024  # noqa: SLF001
+            ep.close()
+        med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
+        rows.append(("reset (sandbox up, shell ready)", f"{med(resets):.1f} ms", f"bare bwrap `true` {med(bares):.1f} ms",
+                     "≤ 30 ms", med(resets) <= 30))
+        overhead = med(evals) - med(scripts)
+        rows.append(("evaluate overhead beyond test.sh", f"{overhead:.1f} ms",
+                     f"test.sh by bash on the host {med(scripts):.1f} ms (evaluate {med(evals):.1f} ms)", "≤ 20 ms",
+                     overhead <= 20))
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            rewards = list(pool.map(one_trial, [EXAMPLES / "python-csv-stats"] * args.concurrency))
+        wall = time.perf_counter() - start
+        failures = sum(r != 1.0 for r in rewards)
+        rows.append((f"{args.concurrency} concurrent episodes (oracle, python-csv-stats)",
+                     f"{failures} failures, {wall:.1f} s wall", f"{wall / args.concurrency * 1000:.0f} ms per trial",
+                     "no failure", failures == 0))
+        rows.append(("one idle episode, resident (init, sleep, shell)", f"{memory_mb:.1f} MB",
+                     f"its writable layers on disk: {disk:.0f} KB", "report", True))
+
+    table = Table(title=f"sequester episode benchmark ({args.runs} runs, {os.cpu_count()} CPUs, uid {os.getuid()})")
+    for column in ("measure", "sequester", "reference (same run)", "target", "met"):
+        table.add_column(column)
+    for name, value, reference, target, ok in rows:
+        table.add_row(name, value, reference, target, "[green]yes[/]" if ok else "[red]NO[/]")
+    Console().print(table)
+    return 0 if all(r[4] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
