@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -23,9 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
 
+from _report import report
 from sequester.agents import load_agent
 from sequester.episodes.episode import Episode
 from sequester.sandbox.bwrap import descendants
@@ -116,13 +114,7 @@ def main() -> int:
         rows.append(("one idle episode, resident (init, sleep, shell)", f"{memory_mb:.1f} MB",
                      f"its writable layers on disk: {disk:.0f} KB", "report", True))
 
-    table = Table(title=f"sequester episode benchmark ({args.runs} runs, {os.cpu_count()} CPUs, uid {os.getuid()})")
-    for column in ("measure", "sequester", "reference (same run)", "target", "met"):
-        table.add_column(column)
-    for name, value, reference, target, ok in rows:
-        table.add_row(name, value, reference, target, "[green]yes[/]" if ok else "[red]NO[/]")
-    Console().print(table)
-    return 0 if all(r[4] for r in rows) else 1
+    return report(f"sequester episode benchmark ({args.runs} runs, {os.cpu_count()} CPUs, uid {os.getuid()})", rows)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
 
+from _report import report
 from sequester import Kernel, Limits, Policy
 from sequester.sandbox.launch import run_in_sandbox
 from sequester.sandbox.probe import bwrap_path
@@ -153,13 +152,7 @@ def main() -> int:
             rows[-1] = (*rows[-1][:2], f"{rows[-1][2]} (ratio {ratio:.3f})", *rows[-1][3:])
         full_policy.server.close()  # type: ignore[attr-defined]
 
-    table = Table(title=f"sequester kernel benchmark ({runs} runs, uid {os.getuid()})")
-    for column in ("measure", "sequester", "reference (same run)", "target", "met"):
-        table.add_column(column)
-    for name, value, reference, target, ok in rows:
-        table.add_row(name, value, reference, target, "[green]yes[/]" if ok else "[red]NO[/]")
-    Console().print(table)
-    return 0 if all(r[4] for r in rows) else 1
+    return report(f"sequester kernel benchmark ({runs} runs, uid {os.getuid()})", rows)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,18 @@ import sequester
 
 def test_exported_names():
     assert sorted(sequester.__all__) == [
-        "CellError", "CellResult", "Endpoint", "Isolation", "Kernel", "KernelClosedError", "KernelError", "Limits",
-        "Policy", "PolicyError", "SandboxError", "SandboxUnavailableError", "SequesterError", "load_policy",
-        "parse_endpoint",
+        "CellError", "CellResult", "Endpoint", "Episode", "EpisodeSettings", "ExecResult", "Isolation", "Kernel",
+        "KernelClosedError", "KernelError", "Limits", "Policy", "PolicyError", "SandboxError",
+        "SandboxUnavailableError", "SequesterError", "Task", "TaskError", "VerifierError", "VerifierResult",
+        "find_tasks", "load_agent", "load_policy", "load_task", "parse_endpoint",
     ]
     for name in sequester.__all__:
         assert getattr(sequester, name) is not None
 
 
 def test_errors_form_one_tree():
-    for name in ("PolicyError", "SandboxError", "SandboxUnavailableError", "KernelError", "KernelClosedError"):
+    for name in ("PolicyError", "SandboxError", "SandboxUnavailableError", "KernelError", "KernelClosedError",
+                 "TaskError", "VerifierError"):
         assert issubclass(getattr(sequester, name), sequester.SequesterError)
     assert issubclass(sequester.PolicyError, ValueError)
 

@@ -14,6 +14,9 @@ __all__ = [
     "CellError",
     "CellResult",
     "Endpoint",
+    "Episode",
+    "EpisodeSettings",
+    "ExecResult",
     "Isolation",
     "Kernel",
     "KernelClosedError",
@@ -24,7 +27,14 @@ __all__ = [
     "SandboxError",
     "SandboxUnavailableError",
     "SequesterError",
+    "Task",
+    "TaskError",
+    "VerifierError",
+    "VerifierResult",
+    "find_tasks",
+    "load_agent",
     "load_policy",
+    "load_task",
     "parse_endpoint",
 ]
 __version__ = "0.1.0"
@@ -45,6 +55,16 @@ _WHERE = {
     "SandboxError": "sequester.errors",
     "SandboxUnavailableError": "sequester.errors",
     "SequesterError": "sequester.errors",
+    "TaskError": "sequester.errors",
+    "Episode": "sequester.episodes.episode",
+    "ExecResult": "sequester.episodes.shell",
+    "EpisodeSettings": "sequester.episodes.settings",
+    "VerifierError": "sequester.episodes.verifier",
+    "VerifierResult": "sequester.episodes.verifier",
+    "Task": "sequester.tasks",
+    "find_tasks": "sequester.tasks",
+    "load_task": "sequester.tasks",
+    "load_agent": "sequester.agents",
 }
 
 
@@ -61,8 +81,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .agents import load_agent
+    from .episodes.episode import Episode
+    from .episodes.settings import EpisodeSettings
+    from .episodes.shell import ExecResult
+    from .episodes.verifier import VerifierError, VerifierResult
     from .errors import (KernelClosedError, KernelError, PolicyError, SandboxError, SandboxUnavailableError,
-                         SequesterError)
+                         SequesterError, TaskError)
+    from .tasks import Task, find_tasks, load_task
     from .kernel.client import Kernel
     from .kernel.results import CellError, CellResult
     from .policy import Endpoint, Isolation, Limits, Policy, load_policy, parse_endpoint

@@ -10,8 +10,14 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── SandboxUnavailableError  isolation was required but namespaces cannot be made here
     ├── SandboxError             launching or staging a sandbox failed (nothing was left running)
     ├── TaskError                a task directory is malformed; names the file and field
-    └── KernelError              misuse of a kernel or a kernel that cannot go on
-        └── KernelClosedError    the kernel was closed (or its lifetime ran out)
+    ├── KernelError              misuse of a kernel or a kernel that cannot go on
+    │   └── KernelClosedError    the kernel was closed (or its lifetime ran out)
+    ├── EpisodeError             an episode used out of order (sequester.episodes.episode)
+    └── VerifierError            no verdict (sequester.episodes.verifier); "tests ran and
+        ├── VerifierCouldNotRun      failed" is a reward of 0, never one of these
+        ├── VerifierTimeout
+        ├── RewardFileMissing
+        └── RewardInvalid
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
 from .freezer import Freezer, make_freezer
-from .nsexec import NsExec, shared_nsexec
+from .nsexec import NsExec, shared_nsexec, write_and_close
 from .settings import EpisodeSettings
 from .shell import SHELL_SETUP, ExecResult, Shell
 from .staging import stage_environment, tops_needed
@@ -396,7 +396,7 @@ class Episode:
         finally:
             close_fd(tests_r)
             close_fd(out_w)
-        writer = threading.Thread(target=_write_and_close, args=(tests_w, tests), daemon=True)
+        writer = threading.Thread(target=write_and_close, args=(tests_w, tests), daemon=True)
         writer.start()
         output = bytearray()
         try:
@@ -452,14 +452,3 @@ def _wait_readable(fd: int, timeout: float) -> bool:
 def _proc_submounts(pid: int) -> list[str]:
     with open(f"/proc/{pid}/mountinfo") as f:
         return [p for p in (line.split()[4] for line in f) if p.startswith("/proc/")]
-
-
-def _write_and_close(fd: int, data: bytes) -> None:
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except OSError:
-        pass
-    finally:
-        close_fd(fd)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import SandboxError
 
-__all__ = ["NsExec", "Worker", "shared_nsexec"]
+__all__ = ["NsExec", "Worker", "shared_nsexec", "write_and_close"]
 
 
 @dataclass
@@ -156,7 +156,7 @@ class NsExec:
             worker = self.request({"op": "files", "target": target, **message}, [data_r])
         finally:
             os.close(data_r)
-        writer = threading.Thread(target=_write_all, args=(data_w, data), daemon=True)
+        writer = threading.Thread(target=write_and_close, args=(data_w, data), daemon=True)
         writer.start()
         try:
             self._finish(worker, timeout, f"{message['action']} {message['path']}")
@@ -174,7 +174,8 @@ class NsExec:
         return report
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_and_close(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a pipe (the reader may go away), then close it."""
     try:
         view = memoryview(data)
         while view:
