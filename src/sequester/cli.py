@@ -6,13 +6,15 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from .errors import PolicyError, SequesterError
-from .policy import Policy, load_policy
+from .errors import PolicyError, SequesterError, TaskError
+from .policy import Policy, load_policy, read_config
 
 __all__ = ["main"]
 
@@ -94,6 +96,53 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .episodes.settings import settings_from_mapping
+    from .jobs import TrialResult, default_job_name, run_job
+    from .jobs.render import print_summary, trial_progress
+    from .tasks import find_tasks
+
+    settings = settings_from_mapping(*read_config(args.config))
+    overrides = {"exec_timeout": args.exec_timeout, "freeze_agent": args.freeze_agent or None,
+                 "on_tamper": args.on_tamper}
+    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    total = len(find_tasks(args.tasks))  # also: a malformed task fails here, before anything runs
+    job_name = args.job_name or default_job_name()
+    job_dir = Path(args.output).resolve() / job_name
+    finished: list[TrialResult] = []
+    try:
+        with trial_progress(total, _err, f"{args.agent} on {total} task{'s' * (total != 1)}") as advance:
+            def progress(result: TrialResult) -> None:
+                finished.append(result)
+                advance(result)
+
+            job = run_job(args.tasks, args.agent, jobs_dir=args.output, job_name=job_name,
+                          concurrency=args.concurrency, settings=settings, progress=progress)
+    except KeyboardInterrupt:
+        if job_dir.is_dir():
+            _err.print(f"interrupted: what finished is in {escape(str(job_dir))}", highlight=False, soft_wrap=True)
+        raise
+    print_summary(Console(), job, finished, job_dir)
+    return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a positive ``kind``; the error names the value."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sequester", description=__doc__)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
@@ -109,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_flags(p, overrides=True)
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("run", help="run an agent on tasks, one episode each, and score them")
+    p.add_argument("tasks", nargs="+", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
+    p.add_argument("--agent", required=True, metavar="AGENT", help="oracle, nop, script:PATH or module:Class")
+    p.add_argument("-n", "--concurrency", type=_positive(int), default=4, metavar="N",
+                   help="trials at a time (default: 4)")
+    p.add_argument("-o", "--output", default="jobs", metavar="JOBS_DIR", help="where job folders go (default: jobs)")
+    p.add_argument("--job-name", metavar="NAME", help="the job's folder name (default: the time, YYYY-MM-DD__HH-MM-SS)")
+    p.add_argument("--config", metavar="FILE", help="config file with an [episodes] table; default: the embedded one")
+    p.add_argument("--exec-timeout", type=_positive(float), metavar="S", help="default seconds per agent command")
+    p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
+    p.add_argument("--on-tamper", choices=["report", "zero"], help="what visible tampering does to the reward")
+    p.set_defaults(func=cmd_run)
     return parser
 
 
@@ -119,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="sequester: %(levelname)s: %(message)s")
     try:
         return args.func(args)
-    except PolicyError as exc:
-        _err.print(f"[red]error:[/] {exc}", highlight=False)
+    except (PolicyError, TaskError) as exc:
+        _err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except SequesterError as exc:
-        _err.print(f"[red]error:[/] {exc}", highlight=False)
+        _err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 3
     except KeyboardInterrupt:
         return 130

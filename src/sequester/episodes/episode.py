@@ -110,6 +110,7 @@ class Episode:
         self._nsexec = nsexec
         self._state = _State.NEW
         self._run: _Running | None = None
+        self._aborted = threading.Event()
 
     # -- properties --------------------------------------------------------------------
 
@@ -136,6 +137,8 @@ class Episode:
         return self._running().bwrap.pid
 
     def _running(self) -> _Running:
+        if self._aborted.is_set():
+            raise EpisodeError("the episode was aborted")
         if self._run is None:
             raise EpisodeError("the episode is not running: call reset(task) first" if self._state is not _State.CLOSED
                                else "the episode is closed")
@@ -355,24 +358,25 @@ class Episode:
                 run.freezer.thaw()
         duration = time.monotonic() - started
         text = output.decode(errors="replace")
+        seen = {"output": text, "duration": duration, "tampering": findings}
         if report is None:
             raise v.VerifierTimeout(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed",
-                                    output=text, duration=duration)
+                                    **seen)
         if "error" in report:
-            raise v.VerifierCouldNotRun(f"the verifier could not run: {report['error']}", output=text, duration=duration)
+            raise v.VerifierCouldNotRun(f"the verifier could not run: {report['error']}", **seen)
         exit_code = report.get("exit_code")
         files = {name: base64.b64decode(data) for name, data in report.get("files", {}).items()}
+        seen.update(exit_code=exit_code, files=files)
         try:
             rewards = v.parse_rewards(files)
         except v.VerifierError as exc:
             kind = type(exc) if exit_code not in (126, 127) else v.VerifierCouldNotRun
-            raise kind(f"{exc} (the script exited {exit_code})", output=text, exit_code=exit_code,
-                       duration=duration) from None
+            raise kind(f"{exc} (the script exited {exit_code})", **seen) from None
         script = task.test_script.read_text(errors="replace") if task.test_script else ""
         if "ctrf.json" in script and "ctrf.json" not in files and v.primary_reward(rewards) == 0:
             raise v.VerifierCouldNotRun(
                 "the verifier could not run: pytest wrote no report (ctrf.json), so the tests never ran; "
-                "the test script's bootstrap failed", output=text, exit_code=exit_code, duration=duration)
+                "the test script's bootstrap failed", **seen)
         zeroed = bool(findings) and self.settings.on_tamper == "zero"
         if zeroed:
             rewards = {k: 0.0 for k in rewards}
@@ -428,6 +432,15 @@ class Episode:
                 errors.append(f"{getattr(step, '__qualname__', step)}: {exc}")
         if errors:
             raise SandboxError("the episode was not cleaned up completely: " + "; ".join(errors))
+
+    def abort(self) -> None:
+        """From any thread: kill every process of the episode now (a command in flight
+        ends at once). Every later use raises :class:`EpisodeError`; :meth:`close` still
+        has to be called to clean up."""
+        self._aborted.set()
+        run = self._run
+        if run is not None:
+            run.bwrap.signal_init()
 
     def close(self) -> None:
         """Kill every process of the episode and remove its layers. Idempotent."""

@@ -33,11 +33,15 @@ VERIFIER_PATH = f"{TOOLCHAIN_MOUNT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin
 
 
 class VerifierError(SequesterError):
-    """The verifier produced no verdict. ``output`` is what it printed (kept for the host)."""
+    """The verifier produced no verdict. What it did produce is kept for the host: what it
+    printed (``output``), the files it left (``files``), and the tampering found before it
+    ran (``tampering``)."""
 
-    def __init__(self, message: str, *, output: str = "", exit_code: int | None = None, duration: float = 0.0):
+    def __init__(self, message: str, *, output: str = "", exit_code: int | None = None, duration: float = 0.0,
+                 files: dict[str, bytes] | None = None, tampering: tuple[str, ...] = ()):
         super().__init__(message)
         self.output, self.exit_code, self.duration = output, exit_code, duration
+        self.files, self.tampering = dict(files or {}), tuple(tampering)
 
 
 class VerifierCouldNotRun(VerifierError):

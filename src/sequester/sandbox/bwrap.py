@@ -13,9 +13,10 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SandboxError
@@ -33,14 +34,22 @@ class StartedBwrap:
     popen: subprocess.Popen[bytes]
     pid: int    # the sandbox's init, in the host's PID namespace
     pidfd: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reaped: bool = field(default=False, repr=False)
+
+    def signal_init(self) -> None:
+        """SIGKILL the sandbox's init, from any thread; nothing if it is already gone."""
+        with self._lock:
+            if not self._reaped:
+                try:
+                    signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def kill(self) -> None:
         """Kill the sandbox's init (its whole PID namespace goes with it); bwrap reaps it
         and exits. bwrap itself is killed only if it does not."""
-        try:
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.signal_init()
         try:
             bwrap_fd = os.pidfd_open(self.popen.pid)
         except ProcessLookupError:
@@ -51,7 +60,10 @@ class StartedBwrap:
             if not exited:
                 self.popen.kill()
         self.popen.wait()
-        close_fd(self.pidfd)
+        with self._lock:
+            if not self._reaped:
+                self._reaped = True
+                close_fd(self.pidfd)
 
 
 def close_fd(fd: int) -> None:

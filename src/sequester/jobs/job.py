@@ -1,0 +1,122 @@
+"""A job: one agent on a list of tasks, one trial each, several trials at a time.
+
+Each trial is an episode in its own processes, so trials run on threads (one
+:class:`~sequester.episodes.episode.Episode` per thread). Every episode of the job also
+hides every task of the job and the jobs folder: no agent sees another task's tests or
+solution, nor any verifier's output or result.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from datetime import datetime
+from pathlib import Path
+
+from ..agents import load_agent
+from ..episodes.settings import EpisodeSettings
+from ..errors import PolicyError
+from ..tasks import Task, find_tasks
+from .paths import JobPaths, check_name
+from .results import JobResult, TrialResult, utc_now
+from .trial import TrialCancel, new_trial_name, run_trial, settings_to_dict, write_json
+
+__all__ = ["run_job", "default_job_name"]
+
+
+def default_job_name() -> str:
+    """The local time, ``YYYY-MM-DD__HH-MM-SS`` (as Harbor names its jobs)."""
+    return datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
+
+
+def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jobs_dir: str | os.PathLike[str],
+            job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
+            progress: Callable[[TrialResult], None] | None = None) -> JobResult:
+    """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
+    them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
+
+    Bad input (no tasks, a malformed task, a bad agent spec, an existing job folder) raises
+    before anything runs. ``progress`` is called with each trial's result as it finishes.
+    On an interrupt, running trials are stopped, the job's ``result.json`` is written with
+    what finished, and the interrupt propagates.
+    """
+    settings = settings or EpisodeSettings()
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise PolicyError(f"concurrency {concurrency!r} is not a positive integer")
+    tasks = find_tasks(task_paths)
+    if not tasks:
+        raise PolicyError("no tasks given")
+    load_agent(agent_spec)  # a bad spec fails here, before any folder is made
+    job_name = default_job_name() if job_name is None else job_name
+    try:
+        check_name(job_name, "job name")
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
+    jobs_root = Path(jobs_dir).resolve()
+    for task in tasks:
+        if jobs_root == task.path.resolve() or task.path.resolve() in jobs_root.parents:
+            raise PolicyError(f"jobs folder {str(jobs_root)!r} is inside the task {str(task.path)!r}, "
+                              "which a job only reads")
+    jobs_root.mkdir(parents=True, exist_ok=True)
+    paths = JobPaths(jobs_root / job_name)
+    try:
+        paths.root.mkdir()
+    except FileExistsError:
+        raise PolicyError(f"job {job_name!r}: {paths.root} already exists; choose another job name") from None
+
+    started_at = utc_now()
+    hide = [*(task.path for task in tasks), jobs_root]
+    planned = _plan(tasks)
+    write_json(paths.config_path, {
+        "job_name": job_name, "agent": agent_spec, "jobs_dir": str(jobs_root), "concurrency": concurrency,
+        "tasks": [{"name": t.name, "path": str(t.path)} for t in tasks], "settings": settings_to_dict(settings),
+        "started_at": started_at,
+    })
+    finished: dict[str, TrialResult] = {}
+
+    def write_result(finished_at: str | None) -> JobResult:
+        in_order = [finished[name] for name, _ in planned if name in finished]
+        result = JobResult.from_trials(job_name, started_at, finished_at, len(planned), in_order)
+        write_json(paths.result_path, result.to_dict())
+        return result
+
+    write_result(None)
+    cancel = TrialCancel()
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="trial")
+    futures: dict[Future[TrialResult], str] = {}
+    try:
+        for name, task in planned:
+            futures[pool.submit(run_trial, task, agent_spec, paths.trial_dir(name), settings=settings, hide=hide,
+                                cancel=cancel)] = name
+        for future in as_completed(futures):
+            finished[futures[future]] = future.result()
+            write_result(None)
+            if progress is not None:
+                progress(finished[futures[future]])
+    except BaseException:
+        cancel.cancel()  # running trials stop at once and write their results
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        try:
+            pool.shutdown(wait=True)
+            for future, name in futures.items():
+                if name not in finished and future.done() and not future.cancelled() and future.exception() is None:
+                    finished[name] = future.result()
+        finally:
+            result = write_result(utc_now())
+    return result
+
+
+def _plan(tasks: list[Task]) -> list[tuple[str, Task]]:
+    """A unique trial name for each task, in the tasks' order."""
+    names: set[str] = set()
+    planned = []
+    for task in tasks:
+        name = new_trial_name(task.name)
+        while name in names:
+            name = new_trial_name(task.name)
+        names.add(name)
+        planned.append((name, task))
+    return planned

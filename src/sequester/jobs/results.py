@@ -1,0 +1,156 @@
+"""What a trial and a job leave behind, as plain data with ``to_dict()`` for ``result.json``.
+
+The layout mirrors Harbor's trial and job results (``task_name``, ``trial_name``,
+``verifier_result.rewards``, ``exception_info``, per-phase timings), so tools written for
+Harbor's job folders read ours with few changes. Times are ISO-8601 strings in UTC.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..episodes.verifier import primary_reward
+
+__all__ = ["TimingInfo", "ExceptionInfo", "VerifierOutcome", "TrialResult", "JobResult", "utc_now"]
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _seconds(started_at: str | None, finished_at: str | None) -> float | None:
+    if started_at is None or finished_at is None:
+        return None
+    return (datetime.fromisoformat(finished_at) - datetime.fromisoformat(started_at)).total_seconds()
+
+
+@dataclass(frozen=True)
+class TimingInfo:
+    """When one phase ran; both ``None`` for a phase that never started, ``finished_at``
+    ``None`` for one that was cut short by an exception."""
+
+    started_at: str | None = None
+    finished_at: str | None = None
+
+    @property
+    def duration_sec(self) -> float | None:
+        return _seconds(self.started_at, self.finished_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"started_at": self.started_at, "finished_at": self.finished_at}
+
+
+@dataclass(frozen=True)
+class ExceptionInfo:
+    """Why a trial has no verdict: the error's class name, message and traceback."""
+
+    exception_type: str
+    exception_message: str
+    exception_traceback: str
+    occurred_at: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> ExceptionInfo:
+        return cls(type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), utc_now())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"exception_type": self.exception_type, "exception_message": self.exception_message,
+                "exception_traceback": self.exception_traceback, "occurred_at": self.occurred_at}
+
+
+@dataclass(frozen=True)
+class VerifierOutcome:
+    """The verdict: every reward the verifier wrote (``reward.txt`` gives ``{"reward": x}``)."""
+
+    rewards: dict[str, float]
+
+    @property
+    def reward(self) -> float:
+        return primary_reward(self.rewards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rewards": dict(self.rewards)}
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One agent on one task. Exactly one of ``verifier_result`` and ``exception_info`` is
+    set: a trial either produced a verdict or says why it did not."""
+
+    task_name: str
+    trial_name: str
+    trial_uri: str
+    agent_info: dict[str, Any]
+    verifier_result: VerifierOutcome | None
+    exception_info: ExceptionInfo | None
+    started_at: str
+    finished_at: str
+    environment_setup: TimingInfo = TimingInfo()
+    agent_execution: TimingInfo = TimingInfo()
+    verifier: TimingInfo = TimingInfo()
+    tampering: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    source: str | None = None
+
+    @property
+    def reward(self) -> float | None:
+        """The primary reward, or ``None`` without a verdict."""
+        return self.verifier_result.reward if self.verifier_result is not None else None
+
+    @property
+    def duration_sec(self) -> float | None:
+        return _seconds(self.started_at, self.finished_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task_name": self.task_name, "trial_name": self.trial_name, "trial_uri": self.trial_uri,
+            "source": self.source, "agent_info": dict(self.agent_info),
+            "verifier_result": self.verifier_result.to_dict() if self.verifier_result else None,
+            "exception_info": self.exception_info.to_dict() if self.exception_info else None,
+            "started_at": self.started_at, "finished_at": self.finished_at,
+            "environment_setup": self.environment_setup.to_dict(), "agent_execution": self.agent_execution.to_dict(),
+            "verifier": self.verifier.to_dict(), "tampering": list(self.tampering), "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A job's totals. ``n_trials`` counts the trials that finished (with or without a
+    verdict); ``mean_reward`` averages the primary reward of those with a verdict only, so
+    an error is never silently scored as 0 (it is counted in ``n_errors`` instead)."""
+
+    job_name: str
+    started_at: str
+    finished_at: str | None
+    n_total_trials: int
+    n_trials: int
+    n_errors: int
+    mean_reward: float | None
+    reward_counts: dict[str, int]
+    errors: list[dict[str, str]]
+    trials: list[str]
+
+    @classmethod
+    def from_trials(cls, job_name: str, started_at: str, finished_at: str | None, n_total_trials: int,
+                    trials: list[TrialResult]) -> JobResult:
+        rewards = [t.reward for t in trials if t.reward is not None]
+        errors = [{"trial_name": t.trial_name, "exception_type": t.exception_info.exception_type,
+                   "exception_message": t.exception_info.exception_message}
+                  for t in trials if t.exception_info is not None]
+        counts = Counter(str(r) for r in rewards)
+        return cls(job_name, started_at, finished_at, n_total_trials, len(trials), len(errors),
+                   sum(rewards) / len(rewards) if rewards else None,
+                   dict(sorted(counts.items(), key=lambda kv: -float(kv[0]))), errors,
+                   [t.trial_name for t in trials])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_name": self.job_name, "started_at": self.started_at, "finished_at": self.finished_at,
+            "n_total_trials": self.n_total_trials, "n_trials": self.n_trials, "n_errors": self.n_errors,
+            "mean_reward": self.mean_reward, "reward_counts": dict(self.reward_counts),
+            "errors": [dict(e) for e in self.errors], "trials": list(self.trials),
+        }

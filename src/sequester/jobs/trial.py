@@ -1,0 +1,323 @@
+"""One trial: one agent on one task, in its own episode, with everything it did kept on disk.
+
+The template (as in Harbor's trial): set up the environment (``Episode.reset``), run the
+agent, run the verifier, and, whatever happened, close the episode and write
+``result.json``. Each phase is timed. The agent gets the episode through a recording
+proxy, so every command it ran is in ``agent/commands.jsonl`` with its output, and it
+cannot reset, evaluate or close the episode itself: those steps are the trial's.
+
+A trial never raises for what happens inside it (a broken task, a crashing agent, a
+verifier without a verdict): that is its ``exception_info``. Only an interrupt
+(``KeyboardInterrupt``, ``SystemExit``) propagates, after ``result.json`` is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import string
+import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..agents import load_agent
+from ..episodes.episode import Episode, EpisodeError, ExecResult
+from ..episodes.settings import EpisodeSettings
+from ..episodes.verifier import VerifierError
+from ..errors import SequesterError
+from ..tasks import Task
+from .paths import TEST_STDOUT, TrialPaths
+from .results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
+
+__all__ = ["run_trial", "new_trial_name", "settings_to_dict", "write_json", "TrialCancel", "TrialCancelled"]
+
+log = logging.getLogger("sequester.jobs")
+
+_ALPHABET = string.ascii_lowercase + string.digits
+
+
+class TrialCancelled(SequesterError):
+    """The trial was stopped from outside (the job was interrupted) before it had a verdict."""
+
+
+def new_trial_name(task_name: str) -> str:
+    """``<task>__<6 random lowercase letters and digits>``: unique enough to run a task
+    many times into one job folder, readable enough to find it by task."""
+    return f"{task_name}__{''.join(secrets.choice(_ALPHABET) for _ in range(6))}"
+
+
+def settings_to_dict(settings: EpisodeSettings) -> dict[str, Any]:
+    return {f.name: (str(value) if isinstance(value := getattr(settings, f.name), Path) else value)
+            for f in dataclasses.fields(settings)}
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a result)."""
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(temp, path)
+
+
+class TrialCancel:
+    """Stops running trials from another thread (the job's, on Ctrl-C): the agents' next
+    ``exec`` is refused, and each running episode is aborted, which ends the command in
+    flight at once instead of after its timeout."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._episodes: set[Episode] = set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._event.set()
+            for episode in self._episodes:
+                episode.abort()
+
+    def check(self) -> None:
+        if self.cancelled:
+            raise TrialCancelled("the job was interrupted")
+
+    @contextlib.contextmanager
+    def watching(self, episode: Episode) -> Iterator[None]:
+        """While inside, :meth:`cancel` aborts ``episode``."""
+        with self._lock:
+            self._episodes.add(episode)
+            if self.cancelled:
+                episode.abort()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._episodes.discard(episode)
+
+
+class _TrialLog:
+    """``trial.log``: the trial's own steps, plus every log record emitted on its thread
+    while it runs (the episode's, the agent's), so concurrent trials do not mix."""
+
+    def __init__(self, path: Path):
+        self._file = path.open("a", encoding="utf-8")
+        self._handler = logging.StreamHandler(self._file)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        thread = threading.get_ident()
+        self._handler.addFilter(lambda record: record.thread == thread)
+
+    def write(self, message: str) -> None:
+        self._file.write(f"{utc_now()} {message}\n")
+        self._file.flush()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        root = logging.getLogger()
+        root.addHandler(self._handler)
+        try:
+            yield
+        finally:
+            root.removeHandler(self._handler)
+            self._file.close()
+
+
+class _RecordingEpisode:
+    """What the agent gets instead of the :class:`Episode`: every attribute is the
+    episode's, but each ``exec`` is appended to ``agent/commands.jsonl`` (and, readable, to
+    ``agent/agent.log``), and ``reset``/``evaluate``/``close`` are refused: an agent that
+    could run the verifier could search for the reward instead of solving the task."""
+
+    def __init__(self, episode: Episode, paths: TrialPaths, cancel: TrialCancel | None):
+        self._episode, self._paths, self._cancel = episode, paths, cancel
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # before __init__ ran (copy, pickle), or the episode's internals
+            raise AttributeError(name)
+        return getattr(self._episode, name)
+
+    def exec(self, command: str, timeout: float | None = None) -> ExecResult:
+        if self._cancel is not None:
+            self._cancel.check()
+        limit = self._episode.settings.exec_timeout if timeout is None else timeout
+        entry: dict[str, Any] = {"command": command, "timeout": limit, "started_at": utc_now()}
+        self._transcript(f"$ {command}    # timeout {limit:g} s")
+        try:
+            result = self._episode.exec(command, timeout)
+        except BaseException as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            self._record(entry)
+            self._transcript(f"[raised {entry['error']}]")
+            raise
+        entry.update(result.to_dict())
+        self._record(entry)
+        status = "timed out" if result.timed_out else f"exit {result.exit_code}"
+        note = f"; {result.note}" if result.note else ""
+        self._transcript(f"{result.stdout}{result.stderr}[{status}, {result.duration:.2f} s{note}]")
+        return result
+
+    def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
+        self._transcript(f"[write_file {path} ({len(content)} {'bytes' if isinstance(content, bytes) else 'chars'})]")
+        self._episode.write_file(path, content, mode)
+
+    def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
+        self._transcript(f"[upload_dir {source} -> {dest}]")
+        self._episode.upload_dir(source, dest)
+
+    def reset(self, *args: object, **kwargs: object) -> None:
+        raise EpisodeError("an agent may not reset its episode: the trial does")
+
+    def evaluate(self, *args: object, **kwargs: object) -> None:
+        raise EpisodeError("an agent may not run the verifier: the trial does, after the agent")
+
+    def close(self) -> None:
+        raise EpisodeError("an agent may not close its episode: the trial does")
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        with self._paths.commands_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def _transcript(self, text: str) -> None:
+        with self._paths.agent_log_path.open("a", encoding="utf-8") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+
+
+class _Phases:
+    """Times the phases of a trial; a phase cut short by an exception still gets its end."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, TimingInfo] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, trial_log: _TrialLog) -> Iterator[None]:
+        started = utc_now()
+        self.timings[name] = TimingInfo(started, None)
+        trial_log.write(f"{name}: started")
+        try:
+            yield
+        finally:
+            self.timings[name] = TimingInfo(started, utc_now())
+            trial_log.write(f"{name}: ended after {self.timings[name].duration_sec:.2f} s")
+
+    def get(self, name: str) -> TimingInfo:
+        return self.timings.get(name, TimingInfo())
+
+
+def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
+              cancel: TrialCancel | None = None) -> TrialResult:
+    """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
+    episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
+    exist; its name is the trial's name). Returns the result it wrote to ``result.json``."""
+    paths = TrialPaths(trial_dir)
+    paths.mkdir()
+    started_at = utc_now()
+    paths.commands_path.touch()
+    paths.agent_log_path.touch()
+    write_json(paths.config_path, {
+        "trial_name": trial_dir.name, "task": {"name": task.name, "path": str(task.path)}, "agent": agent_spec,
+        "settings": settings_to_dict(settings), "hide": [str(p) for p in hide],
+    })
+    trial_log = _TrialLog(paths.trial_log_path)
+    phase = _Phases()
+    agent_info: dict[str, Any] = {"name": agent_spec}
+    verdict: VerifierOutcome | None = None
+    error: ExceptionInfo | None = None
+    tampering: list[str] = []
+    notes: list[str] = []
+    episode: Episode | None = None
+    with trial_log.capture():
+        try:
+            agent = load_agent(agent_spec)
+            agent_info = {"name": str(agent.name)}
+            trial_log.write(f"task {task.name} ({task.path}), agent {agent_info['name']}")
+            with contextlib.ExitStack() as watch:
+                with phase("environment_setup", trial_log):
+                    if cancel is not None:
+                        cancel.check()
+                    episode = Episode(settings, hide=hide)
+                    episode.reset(task)
+                    if cancel is not None:
+                        watch.enter_context(cancel.watching(episode))
+                        cancel.check()
+                with phase("agent_execution", trial_log):
+                    agent.run(episode.instruction, _RecordingEpisode(episode, paths, cancel))  # type: ignore[arg-type]
+                    if cancel is not None:
+                        cancel.check()
+                with phase("verifier", trial_log):
+                    verdict, more = _verify(episode, paths, tampering)
+                    notes += more
+                trial_log.write(f"rewards {verdict.rewards}" + (f", tampering: {tampering}" if tampering else ""))
+        except BaseException as exc:
+            if cancel is not None and cancel.cancelled and not isinstance(exc, TrialCancelled):
+                stopped = TrialCancelled(f"the job was interrupted ({type(exc).__name__}: {exc})")
+                error = ExceptionInfo(type(stopped).__name__, str(stopped),
+                                      "".join(traceback.format_exception(exc)), utc_now())
+            else:
+                error = ExceptionInfo.from_exception(exc)
+            trial_log.write(f"error: {error.exception_traceback}")
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if episode is not None:
+                notes = _episode_notes(episode) + notes
+                try:
+                    episode.close()
+                except Exception as exc:  # noqa: BLE001 - the verdict stands; say so
+                    notes.append(f"closing the episode failed: {exc}")
+                    log.warning("%s: closing the episode failed: %s", trial_dir.name, exc)
+            result = TrialResult(
+                task_name=task.name, trial_name=trial_dir.name, trial_uri=trial_dir.resolve().as_uri(),
+                agent_info=agent_info, verifier_result=verdict if error is None else None, exception_info=error,
+                started_at=started_at, finished_at=utc_now(), environment_setup=phase.get("environment_setup"),
+                agent_execution=phase.get("agent_execution"), verifier=phase.get("verifier"),
+                tampering=tampering, notes=notes, source=str(task.path),
+            )
+            write_json(paths.result_path, result.to_dict())
+    return result
+
+
+def _verify(episode: Episode, paths: TrialPaths, tampering: list[str]) -> tuple[VerifierOutcome, list[str]]:
+    """Run the verifier; keep what it printed and left (and the tampering found), also when
+    it gives no verdict."""
+    try:
+        found = episode.evaluate()
+    except VerifierError as exc:
+        tampering += exc.tampering
+        _keep(paths, exc.output, exc.files)
+        raise
+    tampering += found.tampering
+    notes = _keep(paths, found.output, found.files)
+    if found.reward_zeroed:
+        notes.append("the rewards were set to 0 because of the tampering found (on_tamper = \"zero\")")
+    if found.frozen:
+        notes.append(f"the agent's processes were frozen while the verifier ran ({found.frozen})")
+    return VerifierOutcome(dict(found.rewards)), notes
+
+
+def _keep(paths: TrialPaths, output: str, files: dict[str, bytes]) -> list[str]:
+    paths.test_stdout_path.write_text(output, encoding="utf-8")
+    notes = []
+    for name, data in files.items():
+        if name == TEST_STDOUT:
+            notes.append(f"the verifier's own /logs/verifier/{TEST_STDOUT} was not kept (the captured output was)")
+            continue
+        try:
+            target = paths.verifier_file(name)
+        except ValueError as exc:
+            notes.append(f"not kept: {exc}")
+            continue
+        target.write_bytes(data)
+    return notes
+
+
+def _episode_notes(episode: Episode) -> list[str]:
+    try:
+        return episode.notes
+    except EpisodeError:  # the episode never started
+        return []

@@ -1,0 +1,321 @@
+"""Jobs and ``sequester run``: real episodes on the example tasks, no mocks of sequester's parts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from sequester.jobs import JobPaths, TrialPaths, run_job
+
+from conftest import requires_root
+
+pytestmark = requires_root
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tasks"
+TASK_NAMES = sorted(p.name for p in EXAMPLES.iterdir() if (p / "task.toml").is_file())
+
+
+def sequester(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sequester.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def flat(text: str) -> str:
+    """Console output with rich's line wrapping undone."""
+    return " ".join(text.split())
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """Every file and symlink under ``root``, with its content hash and mode."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            out[rel] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[rel] = f"{hashlib.sha256(path.read_bytes()).hexdigest()} {path.stat().st_mode:o}"
+        else:
+            out[rel] = f"dir {path.stat().st_mode:o}"
+    return out
+
+
+def trial_results(job_dir: Path) -> dict[str, dict]:
+    """task name -> the trial's result.json."""
+    job = json.loads(JobPaths(job_dir).result_path.read_text())
+    results = [json.loads(TrialPaths(job_dir / name).result_path.read_text()) for name in job["trials"]]
+    return {r["task_name"]: r for r in results}
+
+
+def broken_task(tmp_path: Path, test_sh: str, name: str = "no-reward") -> Path:
+    """A copy of python-csv-stats whose tests/test.sh is ``test_sh``."""
+    task = tmp_path / "tasks" / name
+    shutil.copytree(EXAMPLES / "python-csv-stats", task)
+    (task / "tests" / "test.sh").write_text(test_sh)
+    return task
+
+
+@pytest.fixture(scope="module")
+def oracle_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, dict[str, str], dict[str, str]]:
+    """The oracle on every example, one at a time; the examples' hashes before and after."""
+    before = tree_hashes(EXAMPLES)
+    seen = []
+    jobs = tmp_path_factory.mktemp("jobs")
+    result = run_job([EXAMPLES], "oracle", jobs_dir=jobs, job_name="oracle", concurrency=1, progress=seen.append)
+    assert [r.trial_name for r in seen] == result.trials
+    return jobs / "oracle", result, before, tree_hashes(EXAMPLES)
+
+
+def test_oracle_scores_one_on_every_example(oracle_job):
+    job_dir, result, _, _ = oracle_job
+    assert (result.n_total_trials, result.n_trials, result.n_errors) == (len(TASK_NAMES), len(TASK_NAMES), 0)
+    assert result.mean_reward == 1.0 and result.reward_counts == {"1.0": len(TASK_NAMES)}
+    on_disk = json.loads((job_dir / "result.json").read_text())
+    assert on_disk == result.to_dict()
+    assert on_disk["finished_at"] and on_disk["errors"] == []
+    assert sorted(name.split("__")[0] for name in on_disk["trials"]) == TASK_NAMES
+    config = json.loads((job_dir / "config.json").read_text())
+    assert config["agent"] == "oracle" and config["concurrency"] == 1
+    assert [t["name"] for t in config["tasks"]] == TASK_NAMES
+
+
+def test_every_trial_folder_holds_its_record(oracle_job):
+    job_dir, result, _, _ = oracle_job
+    for name in result.trials:
+        paths = TrialPaths(job_dir / name)
+        trial = json.loads(paths.result_path.read_text())
+        assert trial["trial_name"] == name and name.startswith(trial["task_name"] + "__")
+        assert re.fullmatch(r"[a-z0-9]{6}", name.split("__")[1])
+        assert trial["verifier_result"] == {"rewards": {"reward": 1.0}} and trial["exception_info"] is None
+        assert trial["agent_info"] == {"name": "oracle"} and trial["source"] == str(EXAMPLES / trial["task_name"])
+        assert trial["tampering"] == [] and isinstance(trial["notes"], list)
+        for phase in ("environment_setup", "agent_execution", "verifier"):
+            assert trial[phase]["started_at"] <= trial[phase]["finished_at"]
+        assert trial["started_at"] <= trial["environment_setup"]["started_at"] <= trial["verifier"]["finished_at"]
+        assert trial["trial_uri"] == paths.root.as_uri()
+        assert paths.test_stdout_path.stat().st_size > 0
+        assert paths.verifier_file("reward.txt").read_text().strip() == "1"
+        commands = [json.loads(line) for line in paths.commands_path.read_text().splitlines()]
+        assert [c["command"] for c in commands] == ["bash /solution/solve.sh"]
+        assert commands[0]["exit_code"] == 0 and commands[0]["timed_out"] is False
+        assert set(commands[0]) >= {"command", "timeout", "stdout", "stderr", "exit_code", "timed_out", "duration"}
+        assert "$ bash /solution/solve.sh" in paths.agent_log_path.read_text()
+        assert "verifier: ended" in paths.trial_log_path.read_text()
+    pinned = next(n for n in result.trials if n.startswith("pinned-pytest__"))
+    assert json.loads(TrialPaths(job_dir / pinned).verifier_file("ctrf.json").read_text())
+
+
+def test_source_tasks_are_byte_identical_after_a_job(oracle_job):
+    _, _, before, after = oracle_job
+    assert before == after and len(before) > 20
+
+
+def test_concurrent_trials_give_the_same_rewards(oracle_job, tmp_path):
+    _, serial, _, _ = oracle_job
+    before = tree_hashes(EXAMPLES)
+    result = run_job([EXAMPLES], "oracle", jobs_dir=tmp_path, job_name="parallel", concurrency=3)
+    assert (result.n_trials, result.n_errors, result.reward_counts) == (serial.n_trials, 0, serial.reward_counts)
+    serial_rewards = {t: r["verifier_result"]["rewards"] for t, r in trial_results(oracle_job[0]).items()}
+    parallel_rewards = {t: r["verifier_result"]["rewards"] for t, r in trial_results(tmp_path / "parallel").items()}
+    assert parallel_rewards == serial_rewards
+    assert tree_hashes(EXAMPLES) == before
+
+
+def test_cli_nop_scores_zero_and_exits_0(tmp_path):
+    r = sequester("run", str(EXAMPLES), "--agent", "nop", "-n", "3", "-o", str(tmp_path), "--job-name", "nop")
+    assert r.returncode == 0, r.stderr
+    job = json.loads((tmp_path / "nop" / "result.json").read_text())
+    assert (job["n_trials"], job["n_errors"], job["mean_reward"]) == (len(TASK_NAMES), 0, 0.0)
+    assert job["reward_counts"] == {"0.0": len(TASK_NAMES)}
+    assert all(r["verifier_result"]["rewards"]["reward"] == 0.0 for r in trial_results(tmp_path / "nop").values())
+    assert all(TrialPaths(tmp_path / "nop" / n).commands_path.read_text() == "" for n in job["trials"])
+    assert "mean reward 0.000" in flat(r.stdout) and str(tmp_path / "nop") in r.stdout.replace("\n", "")
+    for name in TASK_NAMES:
+        assert name in r.stdout
+
+
+def test_cli_default_job_dir_and_name(tmp_path):
+    task = EXAMPLES / "python-csv-stats"
+    r = sequester("run", str(task), "--agent", "oracle", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    assert len(job_dir.name) == len("YYYY-MM-DD__HH-MM-SS") and job_dir.name[4] == "-" and "__" in job_dir.name
+    assert json.loads((job_dir / "result.json").read_text())["mean_reward"] == 1.0
+
+
+def test_no_reward_file_is_an_error_and_keeps_the_output(tmp_path):
+    task = broken_task(tmp_path, "#!/bin/bash\necho 'ran the tests, wrote nothing'\nexit 0\n")
+    r = sequester("run", str(task), "--agent", "oracle", "-o", str(tmp_path / "jobs"), "--job-name", "j")
+    assert r.returncode == 1, r.stderr
+    assert "RewardFileMissing" in flat(r.stdout)
+    job = json.loads((tmp_path / "jobs" / "j" / "result.json").read_text())
+    assert (job["n_trials"], job["n_errors"], job["mean_reward"], job["reward_counts"]) == (1, 1, None, {})
+    assert job["errors"][0]["exception_type"] == "RewardFileMissing"
+    trial = json.loads(TrialPaths(tmp_path / "jobs" / "j" / job["trials"][0]).result_path.read_text())
+    assert trial["verifier_result"] is None
+    info = trial["exception_info"]
+    assert info["exception_type"] == "RewardFileMissing" and "reward" in info["exception_message"]
+    assert "Traceback" in info["exception_traceback"] and info["occurred_at"]
+    assert trial["verifier"]["started_at"] and trial["verifier"]["finished_at"]
+    out = TrialPaths(tmp_path / "jobs" / "j" / job["trials"][0]).test_stdout_path.read_text()
+    assert "ran the tests, wrote nothing" in out
+
+
+def test_existing_job_name_exits_2(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", "nop", "-o", str(tmp_path),
+                  "--job-name", "taken")
+    assert r.returncode == 2
+    assert "'taken'" in flat(r.stderr) and "already exists" in flat(r.stderr)
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+
+
+def test_bad_agent_spec_exits_2_naming_it(tmp_path):
+    for spec in ("no_such_module_xyz:Agent", "gpt", "script:/nonexistent/agent.sh"):
+        r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", spec, "-o", str(tmp_path))
+        assert r.returncode == 2 and repr(spec) in flat(r.stderr), (spec, r.stderr)
+    assert not any(tmp_path.iterdir())  # nothing was made
+
+
+def test_bad_task_exits_2_naming_the_file(tmp_path):
+    task = broken_task(tmp_path, "")
+    (task / "instruction.md").write_text("   \n")
+    r = sequester("run", str(task), "--agent", "nop", "-o", str(tmp_path / "jobs"))
+    assert r.returncode == 2 and "instruction.md: empty" in flat(r.stderr)
+    r = sequester("run", str(tmp_path / "nowhere"), "--agent", "nop", "-o", str(tmp_path / "jobs"))
+    assert r.returncode == 2 and "does not exist" in flat(r.stderr)
+    (task / "instruction.md").write_text("Do it.\n")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("timeout_sec = 60.0", 'timeout_sec = "abc"'))
+    r = sequester("run", str(task), "--agent", "nop", "-o", str(tmp_path / "jobs"))
+    assert r.returncode == 2 and "[verifier] timeout_sec: 'abc'" in flat(r.stderr)
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_config_file_and_flags_set_the_episode_settings(tmp_path):
+    config = tmp_path / "episodes.toml"
+    config.write_text('[episodes]\nexec_timeout = 45\non_tamper = "zero"\n')
+    r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", "oracle", "--config", str(config),
+                  "--freeze-agent", "-o", str(tmp_path), "--job-name", "c")
+    assert r.returncode == 0, r.stderr
+    (trial,) = trial_results(tmp_path / "c").values()
+    settings = json.loads(TrialPaths(tmp_path / "c" / trial["trial_name"]).config_path.read_text())["settings"]
+    assert (settings["exec_timeout"], settings["on_tamper"], settings["freeze_agent"]) == (45, "zero", True)
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["settings"] == settings
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+    assert any("frozen" in n for n in trial["notes"]), trial["notes"]
+    config.write_text('[episodes]\non_tamper = "sometimes"\n')
+    r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", "oracle", "--config", str(config),
+                  "-o", str(tmp_path))
+    assert r.returncode == 2 and "episodes.on_tamper: 'sometimes'" in flat(r.stderr)
+
+
+def test_script_agent_is_recorded(tmp_path):
+    script = tmp_path / "agent.sh"
+    solve = (EXAMPLES / "python-csv-stats" / "solution" / "solve.sh").read_text()
+    script.write_text(solve + "\necho marker-from-the-agent > /app/agent-was-here.txt\n")
+    r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", f"script:{script}", "-o", str(tmp_path),
+                  "--job-name", "s")
+    assert r.returncode == 0, r.stderr
+    (trial,) = trial_results(tmp_path / "s").values()
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+    assert trial["agent_info"] == {"name": f"script:{script}"}
+    paths = TrialPaths(tmp_path / "s" / trial["trial_name"])
+    (command,) = [json.loads(line) for line in paths.commands_path.read_text().splitlines()]
+    assert command["command"] == script.read_text() and command["exit_code"] == 0
+    assert '"rows": 24' in command["stdout"] and command["timeout"] == 600
+
+
+def test_tampering_is_reported_and_can_zero_the_reward(tmp_path):
+    script = tmp_path / "agent.sh"
+    solve = (EXAMPLES / "python-csv-stats" / "solution" / "solve.sh").read_text()
+    script.write_text(solve + "\necho 'export X=1' > /etc/profile.d/zz-agent.sh\n")
+    task = EXAMPLES / "python-csv-stats"
+    for action, reward in (("report", 1.0), ("zero", 0.0)):
+        r = sequester("run", str(task), "--agent", f"script:{script}", "-o", str(tmp_path), "--job-name", action,
+                      "--on-tamper", action, "--exec-timeout", "30")
+        assert r.returncode == 0, r.stderr
+        (trial,) = trial_results(tmp_path / action).values()
+        assert trial["verifier_result"]["rewards"]["reward"] == reward
+        assert any("profile.d/zz-agent.sh" in t for t in trial["tampering"]), trial["tampering"]
+        assert "! 1" in r.stdout
+        config = json.loads(TrialPaths(tmp_path / action / trial["trial_name"]).config_path.read_text())
+        assert config["settings"]["on_tamper"] == action and config["settings"]["exec_timeout"] == 30
+    assert any("set to 0" in n for n in trial["notes"])
+
+
+def test_agent_cannot_run_the_verifier(tmp_path):
+    (tmp_path / "peek_agent.py").write_text(
+        "class Peek:\n"
+        "    name = 'peek'\n"
+        "    def run(self, instruction, episode):\n"
+        "        episode.exec('true')\n"
+        "        episode.evaluate()\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "sequester.cli", "run", str(EXAMPLES / "python-csv-stats"),
+                        "--agent", "peek_agent:Peek", "-o", str(tmp_path / "jobs"), "--job-name", "p"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr
+    (trial,) = trial_results(tmp_path / "jobs" / "p").values()
+    assert trial["exception_info"]["exception_type"] == "EpisodeError"
+    assert "verifier" in trial["exception_info"]["exception_message"]
+    assert trial["verifier"] == {"started_at": None, "finished_at": None}
+
+
+def test_interrupt_stops_trials_and_writes_the_results(tmp_path):
+    script = tmp_path / "agent.sh"
+    script.write_text("sleep 100\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sequester.cli", "run", str(EXAMPLES), "--agent", f"script:{script}", "-n", "2",
+         "-o", str(tmp_path), "--job-name", "i"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 30
+    while sum("sleep 100" in p.read_text() for p in tmp_path.glob("i/*/agent/agent.log")) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - started < 10, err
+    assert "interrupted" in err
+    job = json.loads((tmp_path / "i" / "result.json").read_text())
+    assert job["finished_at"] and job["n_total_trials"] == len(TASK_NAMES) and job["n_trials"] == 2
+    assert [e["exception_type"] for e in job["errors"]] == ["TrialCancelled"] * 2
+    for name in job["trials"]:
+        assert json.loads(TrialPaths(tmp_path / "i" / name).result_path.read_text())["exception_info"]
+
+
+def test_agents_see_no_other_task_and_no_job_output(tmp_path):
+    """Under /var/tmp, which episodes show, with a visible control file next to them."""
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sequester-jobs-test-"))
+    try:
+        base.chmod(0o755)
+        for name in ("c-word-count", "python-csv-stats"):
+            shutil.copytree(EXAMPLES / name, base / "tasks" / name)
+        (base / "control.txt").write_text("control-visible\n")
+        (base / "jobs" / "earlier").mkdir(parents=True)
+        (base / "jobs" / "earlier" / "result.json").write_text("{}")
+        script = tmp_path / "agent.sh"
+        script.write_text(f"cat {base}/control.txt; ls -AR {base}/jobs {base}/tasks; "
+                          f"cat {base}/tasks/*/tests/test.sh {base}/tasks/*/solution/solve.sh; true\n")
+        result = run_job([base / "tasks"], f"script:{script}", jobs_dir=base / "jobs", job_name="j", concurrency=2)
+        assert result.n_errors == 0
+        for name in result.trials:
+            (command,) = [json.loads(line) for line in
+                          TrialPaths(base / "jobs" / "j" / name).commands_path.read_text().splitlines()]
+            assert "control-visible" in command["stdout"], command
+            for secret in ("test.sh", "test_outputs.py", "solve.sh", "result.json", "earlier", "__", "reward"):
+                assert secret not in command["stdout"], (secret, command["stdout"])
+    finally:
+        shutil.rmtree(base)
