@@ -84,6 +84,15 @@ def test_workdir_comes_from_the_dockerfile_and_can_be_overridden(episode):
     assert r.stdout == "/srv/elsewhere\n", r
 
 
+def test_without_workdir_the_agent_works_at_the_task_path_without_its_files(tmp_path, episode):
+    task = make_task(tmp_path, dockerfile="FROM debian:12\n", files={"tests/secret.txt": "nope"})
+    episode.reset(task)
+    assert episode.workdir == str(task)
+    r = episode.exec("pwd; ls -A; echo made > here.txt; cat here.txt")
+    assert r.stdout == f"{task}\nmade\n", r
+    assert not (task / "here.txt").exists()  # the host's task folder is untouched
+
+
 def test_bad_task_is_a_clear_error(tmp_path, episode):
     task = make_task(tmp_path)
     (task / "instruction.md").unlink()

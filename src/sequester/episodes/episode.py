@@ -184,8 +184,12 @@ class Episode:
         if task.config.environment.effective_network_mode != "no-network":
             notes.append("the task asks for network access; local episodes have none")
         toolchain = _toolchain(self.settings.toolchain_dir)
+        # Without a WORKDIR the agent works at the task's own path: an empty writable folder
+        # there, instead of the read-only one that hides the task.
+        scratch = (Path(workdir),) if workdir == str(task.path) else ()
+        hidden_deep = [(p, d) for p, d in hidden_deep if p not in scratch]
         mounts = plan_episode_view(facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh,
-                                   toolchain=toolchain)
+                                   toolchain=toolchain, scratch=scratch)
         for op in mounts:
             for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
                 if folder is not None:

@@ -43,10 +43,11 @@ def plan_episode_view(
     hidden: Iterable[tuple[Path, bool]],
     new_tops: Iterable[str] = (),
     toolchain: Path | None = None,
+    scratch: Iterable[Path] = (),
 ) -> tuple[MountOp, ...]:
     """``hidden_top``: top-level folders the agent gets empty; ``hidden``: deeper paths to
     cover, as ``(path, is_dir)`` of paths that exist; ``new_tops``: top-level folder names
-    the task needs."""
+    the task needs; ``scratch``: deeper folders the agent gets empty and writable."""
     hidden_top = {p for p in hidden_top if len(p.parts) == 2}
     ops: dict[tuple[MountKind, Path], tuple[int, int, MountOp]] = {}
 
@@ -89,6 +90,8 @@ def plan_episode_view(
             add(MountOp(MountKind.HIDE_DIR, path, mode=0o755), 2)
         else:
             add(MountOp(MountKind.HIDE_FILE, path, source=Path("/dev/null")), 2)
+    for path in scratch:
+        add(MountOp(MountKind.TMPFS, path, mode=0o755), 2)
     for root in facts.python_roots:
         add(MountOp(MountKind.READONLY, root, source=root), 3)
     if toolchain is not None:
