@@ -46,6 +46,17 @@ with Kernel(Policy()) as k:
     out["ctypes"] = r.error.type if r.error else "imported"
 layer = run_in_sandbox(Policy(), ["sh", "-c", f"umount -l {home}; cat {home}/secret.txt || echo HIDDEN"])
 out["umount"] = layer.stdout + layer.stderr
+
+from sequester import Episode, load_agent
+task = sys.argv[3]
+for agent in ("oracle", "nop"):
+    with Episode() as ep:
+        ep.reset(task)
+        if agent == "oracle":
+            out["agent_view"] = ep.exec(f"id -u; ls -A {home} 2>&1; cat {data}/secret.txt 2>&1").stdout
+        load_agent(agent).run(ep.instruction, ep)
+        out[agent] = ep.evaluate().reward
+        out["frozen"] = ep.evaluate(freeze=True).frozen
 print(json.dumps(out))
 '''
 
@@ -65,13 +76,15 @@ def unprivileged():
     site = Path(tempfile.mkdtemp(prefix="seq-site-", dir="/var/tmp"))
     try:
         _copy_packages(site)
+        shutil.copytree(Path(__file__).resolve().parent.parent / "examples" / "tasks" / "python-csv-stats",
+                        site / "task")
         (site / "harness.py").write_text(HARNESS)
         for root, dirs, files in os.walk(site):
             os.chmod(root, 0o755)
             for f in files:
-                os.chmod(Path(root, f), 0o755 if f == "bwrap" else 0o644)
+                os.chmod(Path(root, f), 0o755 if f in ("bwrap", "uv", "uvx") or f.endswith(".sh") else 0o644)
         proc = subprocess.run(
-            [str(SYSTEM_PYTHON), str(site / "harness.py"), str(home), str(data)],
+            [str(SYSTEM_PYTHON), str(site / "harness.py"), str(home), str(data), str(site / "task")],
             user=USER, group=entry.pw_gid, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=120,
             env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"},
         )
@@ -94,6 +107,12 @@ def _copy_packages(site: Path) -> None:
     libs = bw.parent / f"{bw.name}.libs"
     if libs.exists():
         shutil.copytree(libs, site / libs.name)
+    import uv  # the verifier's toolchain: the package, and its binaries where it looks for them
+
+    shutil.copytree(Path(uv.__file__).parent, site / "uv", ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "bin").mkdir()
+    for name in ("uv", "uvx"):
+        shutil.copy(Path(uv.find_uv_bin()).with_name(name), site / "bin" / name)
 
 
 def test_control_the_user_can_read_its_own_secrets(unprivileged):
@@ -119,6 +138,16 @@ def test_user_kernel_processes(unprivileged):
     assert out["proc"] == [1, 2]
     assert out["fork"] == "PermissionError: process creation is blocked by the sandbox policy"
     assert out["ctypes"] == "ImportError"
+
+
+def test_user_episode_scores_and_hides_the_users_files(unprivileged):
+    entry, out = unprivileged
+    assert (out["oracle"], out["nop"]) == (1.0, 0.0)
+    lines = out["agent_view"].splitlines()
+    assert lines[0] == "0"  # root in its own user namespace
+    assert "data secret" not in out["agent_view"]  # the user's top-level folder: absent
+    assert lines[1] == "" or "cannot access" in lines[1]  # its home: empty or absent
+    assert out["frozen"] == "SIGSTOP"  # no cgroup for an ordinary user: signals
 
 
 def test_user_flow_hidden_tmpfs_cannot_be_unmounted(unprivileged):

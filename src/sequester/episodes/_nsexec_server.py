@@ -1,7 +1,7 @@
 """The namespace helper process: enters an episode's namespaces from trusted code.
 
 Started once per host process by :class:`sequester.episodes.nsexec.NsExec` with
-``python -I -m sequester.episodes._nsexec_server FD``. It is single-threaded (so it can
+``python -s -B -P -m sequester.episodes._nsexec_server FD``. It is single-threaded (so it can
 fork safely and join user namespaces) and imports everything it will ever need up front:
 once a worker has joined an episode's mount namespace, every path it opens belongs to the
 agent's view, so it must not load any more code from disk.
@@ -67,21 +67,29 @@ def _die_with_parent(parent: int | None) -> None:
 
 
 def _enter(target: int, *, user: str, pid: bool, cgroup: str | None) -> None:
-    """Join ``target``'s namespaces. Mount first: its owner is an ancestor of the
-    agent's user namespace, where host privileges still count; the user namespace last."""
+    """Join ``target``'s namespaces. First the parent of the agent's user namespace (the
+    one bwrap made, which owns the episode's other namespaces): there we hold every
+    capability, as root or as the user who made it, which joining the others needs. Then
+    the mount, network, IPC and UTS namespaces (and PID, for children); last, for
+    ``user="agent"``, the agent's own user namespace."""
     if cgroup:
         with open(cgroup, "w") as f:
             f.write(str(os.getpid()))
     fds = {name: os.open(f"/proc/{target}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
            for name in ("mnt", "net", "ipc", "uts", "pid", "user")}
     try:
-        user_fd = fds["user"] if user == "agent" else fcntl.ioctl(fds["user"], NS_GET_PARENT)
+        parent = fcntl.ioctl(fds["user"], NS_GET_PARENT)
+        try:
+            _check(_libc.setns(parent, CLONE_NEWUSER), "setns(user)")
+        finally:
+            os.close(parent)
         order = [("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)]
         if pid:
             order.append(("pid", CLONE_NEWPID))
+        if user == "agent":
+            order.append(("user", CLONE_NEWUSER))
         for name, flag in order:
             _check(_libc.setns(fds[name], flag), f"setns({name})")
-        _check(_libc.setns(user_fd, CLONE_NEWUSER), "setns(user)")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -91,6 +99,25 @@ def _restrict(bpf: bytes, nr: int, caps: list[str]) -> None:
     """The agent's restrictions: seccomp (while we may still load it), then capabilities."""
     seccomp.load_filter(bpf, nr)
     privileges.keep_capabilities(caps)
+
+
+def _extract(data: bytes, dest: str, policy: str) -> None:
+    """Unpack a tar with tarfile's extraction filters (``data``: no links out, no special
+    files, no setuid bits; ``tar``: the same minus the mode cleaning). Pythons before
+    3.11.4 lack the filters: there, members that leave ``dest`` or are devices are refused."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter=policy)
+            return
+        for member in tar.getmembers():
+            name = os.path.normpath(member.name)
+            if name.startswith(("/", "..")) or member.isdev() or (
+                    (member.issym() or member.islnk()) and os.path.normpath(
+                        os.path.join(os.path.dirname(name), member.linkname)).startswith(("/", ".."))):
+                raise OSError(errno.EPERM, f"refusing to unpack {member.name!r}")
+            if policy == "data":
+                member.mode &= 0o755
+        tar.extractall(dest)
 
 
 def _report(fd: int, message: dict[str, Any]) -> None:
@@ -195,8 +222,7 @@ def op_files(req: dict[str, Any], fds: list[int]) -> None:
         _report(result, {"data": base64.b64encode(data).decode()})
     elif action == "extract":
         os.makedirs(path, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(_read_all(fds[1])), mode="r:") as tar:
-            tar.extractall(path, filter="tar")
+        _extract(_read_all(fds[1]), path, "tar")
         _report(result, {"ok": True})
     else:
         raise ValueError(f"unknown file action {action!r}")
@@ -215,8 +241,7 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
             _check(_libc.mount(b"tmpfs", point.encode(), b"tmpfs", 0, b"mode=0755"), f"mount tmpfs on {point}")
     os.mkdir("/logs/verifier", 0o777)
     os.chmod("/logs/verifier", 0o777)
-    with tarfile.open(fileobj=io.BytesIO(_read_all(tests)), mode="r:") as tar:
-        tar.extractall("/tests", filter="data")
+    _extract(_read_all(tests), "/tests", "data")
     os.close(tests)
     init = os.fork()
     if init == 0:

@@ -38,7 +38,7 @@ from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
 from ..sandbox.host import HostFacts, gather_host_facts
 from ..sandbox.launch import ROOT_SECRETS
-from ..sandbox.mounts import hidden_paths
+from ..sandbox.mounts import SYSTEM_DIRS, hidden_paths
 from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
@@ -225,12 +225,19 @@ class Episode:
                         time.monotonic() + timeout if timeout else None, notes=notes)
 
     def _hidden(self, task: Task, facts: HostFacts) -> tuple[set[Path], list[tuple[Path, bool]]]:
-        """Top-level folders to give fresh, and deeper paths to cover."""
+        """Top-level folders to give fresh, and deeper paths to cover.
+
+        Whoever the caller, an agent's world is the operating system's folders (root's
+        rule, :data:`SYSTEM_DIRS`) plus fresh ones: other users' and other programs' data
+        (``/home``, ``/srv``, ``/mnt``, ...) is not part of a task's environment. Below
+        those, the caller's own hidden paths (its home and folders, for an ordinary user).
+        """
         dirs, files = hidden_paths(Policy(), facts)
+        top = {e.path for e in facts.entries
+               if e.path.parent == Path("/") and not e.is_symlink and e.path.name not in SYSTEM_DIRS}
         deep = [*dirs, *files, task.path.resolve(), self.settings.state_dir, *self.extra_hidden]
         if facts.is_root:
             deep += ROOT_SECRETS
-        top = {p for p in (*dirs, *files) if len(p.parts) == 2}
         found: list[tuple[Path, bool]] = []
         for path in dict.fromkeys(deep):
             if len(path.parts) > 2 and (path.exists() or path.is_symlink()):

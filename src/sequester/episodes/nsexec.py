@@ -93,7 +93,9 @@ class NsExec:
         self._lock = threading.Lock()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-m", "sequester.episodes._nsexec_server", str(theirs.fileno())],
+                # -s -P: no user site, no cwd on sys.path; PYTHONPATH still counts (it may be
+                # how this process found sequester).
+                [sys.executable, "-s", "-B", "-P", "-m", "sequester.episodes._nsexec_server", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:

@@ -52,17 +52,17 @@ class EpisodeDirs:
 
 
 def _rmtree(path: Path) -> None:
-    def allow(func, target, _exc):  # type: ignore[no-untyped-def]
-        # overlayfs leaves its work/work folder at mode 000; the agent may chmod things too.
-        try:
-            os.chmod(os.path.dirname(target), stat.S_IRWXU)
-            os.chmod(target, stat.S_IRWXU)
-        except OSError:
-            pass
-        func(target)
-
-    if path.exists():
-        shutil.rmtree(path, onerror=allow)
+    """Remove an episode's folder, whatever modes the agent or overlayfs left inside
+    (overlayfs leaves ``work/work`` at mode 000)."""
+    if not path.exists():
+        return
+    for root, dirs, _ in os.walk(path):  # top-down: a folder is opened up before it is entered
+        for name in dirs:
+            try:
+                os.chmod(os.path.join(root, name), stat.S_IRWXU, follow_symlinks=False)
+            except OSError:
+                pass
+    shutil.rmtree(path)
 
 
 def remove_stale(base: Path) -> list[Path]:

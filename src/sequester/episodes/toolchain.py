@@ -46,15 +46,17 @@ def ensure_toolchain(folder: Path) -> Path | None:
         return folder
     try:
         import uv
-    except ImportError:
-        log.warning("the verifier toolchain needs the 'uv' package (pip install uv); TB2-style test scripts will not run")
+
+        uv_bin = Path(uv.find_uv_bin())
+    except Exception as exc:  # noqa: BLE001 - ImportError, or uv's own "binary not found"
+        log.warning("the verifier toolchain needs the 'uv' package (pip install uv): %s; "
+                    "TB2-style test scripts will not run", exc)
         return None
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".toolchain-", dir=folder.parent))
     try:
         (staging / "bin").mkdir()
         (staging / "cache").mkdir()
-        uv_bin = Path(uv.find_uv_bin())
         for name in ("uv", "uvx"):
             source = uv_bin.with_name(name)
             if source.exists():
