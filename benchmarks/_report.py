@@ -5,6 +5,18 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+def rss_kb(pid: int) -> int:
+    """Resident memory of a process, in KiB (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 Row = tuple[str, str, str, str, bool]  # measure, sequester, reference (same run), target, met
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-from _report import report
+from _report import report, rss_kb
 from sequester.agents import load_agent
 from sequester.episodes.episode import Episode
 from sequester.sandbox.bwrap import descendants
@@ -43,16 +43,6 @@ def minimal_task(root: Path) -> Path:
     (task / "tests" / "test.sh").write_text(TEST_SH)
     (task / "solution" / "solve.sh").write_text("true\n")
     return task
-
-
-def rss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def one_trial(task: Path) -> float:

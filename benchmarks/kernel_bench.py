@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 
-from _report import report
+from _report import report, rss_kb
 from sequester import Kernel, Limits, Policy
 from sequester.sandbox.launch import run_in_sandbox
 from sequester.sandbox.probe import bwrap_path
@@ -59,17 +59,6 @@ def full_policy(tmp: Path) -> Policy:
         env=("BENCH_API_KEY",),
         limits=Limits(),
     )
-
-
-def rss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def kernel_rss_mb(kernel: Kernel) -> float:

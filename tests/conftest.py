@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+
+from sequester import check
 
 HELPERS = Path(__file__).parent / "helpers"
 sys.path.insert(0, str(HELPERS))
@@ -18,38 +19,12 @@ sys.path.insert(0, str(HELPERS))
 @pytest.fixture
 def tagged_service() -> Iterator:
     """Factory: a loopback TCP service that greets each client with a tag, then echoes."""
-    servers = []
+    with ExitStack() as stack:
+        yield lambda tag, host="127.0.0.1": stack.enter_context(check.tagged_service(tag, host, echo=True))
 
-    def start(tag: bytes, host: str = "127.0.0.1") -> int:
-        server = socket.create_server((host, 0))
-        server.settimeout(0.2)
-        stop = threading.Event()
 
-        def serve() -> None:
-            while not stop.is_set():
-                try:
-                    client, _ = server.accept()
-                except OSError:
-                    continue
-                with client:
-                    client.sendall(tag)
-                    client.settimeout(2)
-                    try:
-                        while data := client.recv(4096):
-                            client.sendall(data)
-                    except OSError:
-                        pass
-
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
-        servers.append((server, stop, thread))
-        return server.getsockname()[1]
-
-    yield start
-    for server, stop, thread in servers:
-        stop.set()
-        thread.join()
-        server.close()
-
+# A folder sandboxes show (part of the OS for root's rule, not scratch space like /tmp or
+# /var/tmp): where tests put host files a sandbox could see unless told otherwise.
+VISIBLE_DIR = "/opt"
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -392,3 +393,14 @@ def _cmdline(pid):
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_host_scratch_space_is_not_in_the_view(episode):
+    marker = Path(tempfile.mkdtemp(prefix="seq-scratch-", dir="/var/tmp"))
+    try:
+        episode.reset(EXAMPLES / "python-csv-stats")
+        assert marker.name not in episode.exec("ls -A /var/tmp").stdout
+        assert episode.exec("echo x > /var/tmp/mine && cat /var/tmp/mine").stdout == "x\n"  # writable, private
+        assert not Path("/var/tmp/mine").exists()
+    finally:
+        marker.rmdir()

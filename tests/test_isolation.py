@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import requires_root
+from conftest import VISIBLE_DIR, requires_root
 from probes import probe
 
 from sequester import Isolation, Kernel, Policy
@@ -32,8 +32,8 @@ def kernel():
 
 @pytest.fixture
 def secret_dir():
-    """A folder with a secret file, outside /tmp (the sandbox replaces /tmp anyway)."""
-    path = Path(tempfile.mkdtemp(prefix="seq-secret-", dir="/var/tmp"))
+    """A folder with a secret file where a sandbox would otherwise see it."""
+    path = Path(tempfile.mkdtemp(prefix="seq-secret-", dir=VISIBLE_DIR))
     path.chmod(0o755)  # readable by anyone (a kernel started by root runs as nobody)
     (path / "secret.txt").write_text("top secret")
     yield path
@@ -337,3 +337,12 @@ def test_isolation_false_runs_unconfined_with_a_warning(caplog):
         assert k.mode is Isolation.OFF
         assert k.run("import subprocess\nsubprocess.run(['true']).returncode").value == "0"
     assert "NO isolation" in caplog.text
+
+
+def test_host_scratch_space_is_hidden(kernel):
+    marker = Path(tempfile.mkdtemp(prefix="seq-scratch-", dir="/var/tmp"))
+    try:
+        assert marker.name in os.listdir("/var/tmp")  # control
+        assert probe(kernel, "import os, json\nprint(json.dumps(os.listdir('/var/tmp')))") == []
+    finally:
+        marker.rmdir()

@@ -18,7 +18,7 @@ import pytest
 
 from sequester.jobs import JobPaths, TrialPaths, run_job
 
-from conftest import requires_root
+from conftest import VISIBLE_DIR, requires_root
 
 pytestmark = requires_root
 
@@ -297,8 +297,8 @@ def test_interrupt_stops_trials_and_writes_the_results(tmp_path):
 
 
 def test_agents_see_no_other_task_and_no_job_output(tmp_path):
-    """Under /var/tmp, which episodes show, with a visible control file next to them."""
-    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sequester-jobs-test-"))
+    """Where episodes would show them, with a visible control file next to them."""
+    base = Path(tempfile.mkdtemp(dir=VISIBLE_DIR, prefix="sequester-jobs-test-"))
     try:
         base.chmod(0o755)
         for name in ("c-word-count", "python-csv-stats"):

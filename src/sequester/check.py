@@ -22,7 +22,7 @@ from .sandbox.host import gather_host_facts
 from .sandbox.mounts import hidden_paths, mount_backs
 from .sandbox.probe import namespace_support
 
-__all__ = ["Finding", "CheckReport", "run_check"]
+__all__ = ["Finding", "CheckReport", "run_check", "tagged_service"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,10 @@ class CheckReport:
 
 
 @contextmanager
-def _tagged_service(tag: bytes) -> Iterator[int]:
-    """A loopback TCP service on the host that greets every client with ``tag``."""
-    server = socket.create_server(("127.0.0.1", 0))
+def tagged_service(tag: bytes, host: str = "127.0.0.1", *, echo: bool = False) -> Iterator[int]:
+    """A TCP service on the host (yields its port) that greets every client with ``tag``
+    and, with ``echo``, then sends back what it receives. Used as evidence by ``check``."""
+    server = socket.create_server((host, 0))
     server.settimeout(0.2)
     stop = threading.Event()
 
@@ -57,6 +58,12 @@ def _tagged_service(tag: bytes) -> Iterator[int]:
                 continue
             with client:
                 client.sendall(tag)
+                client.settimeout(2)
+                try:
+                    while echo and (data := client.recv(4096)):
+                        client.sendall(data)
+                except OSError:
+                    pass
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -124,7 +131,7 @@ def run_check(policy: Policy) -> CheckReport:
     support = namespace_support()
     findings.append(Finding("user namespaces available", support.available, support.detail))
     facts = gather_host_facts()
-    with _tagged_service(b"allowed") as allowed_port, _tagged_service(b"other") as other_port:
+    with tagged_service(b"allowed") as allowed_port, tagged_service(b"other") as other_port:
         probe_policy = policy.with_overrides(allow=[f"127.0.0.1:{allowed_port}"])
         with Kernel(probe_policy) as kernel:
             mode = kernel.mode

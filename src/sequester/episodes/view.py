@@ -13,7 +13,7 @@ Like a container on the host's own system:
 * ``/tests`` and ``/logs`` are empty **read-only mount points**: the agent can neither
   write there nor replace them with a symlink; the verifier mounts its own over them in a
   namespace only it has;
-* a fresh ``/proc``, ``/dev``, ``/tmp``, ``/run``, ``/dev/shm``; the CPU part of ``/sys``;
+* a fresh ``/proc``, ``/dev``, ``/tmp``, ``/var/tmp``, ``/run``, ``/dev/shm``; the CPU part of ``/sys``;
 * read-only: the host's Python installation (the episode's init runs on it) and the
   verifier's toolchain.
 """
@@ -77,6 +77,8 @@ def plan_episode_view(
     add(MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1)
     add(MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0)
     add(MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0)
+    # The host's scratch space holds anything anyone left there (task copies included).
+    add(MountOp(MountKind.TMPFS, Path("/var/tmp"), mode=0o1777), 2)
     add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
     if facts.sys_cpu is not None:
         for parent in reversed(facts.sys_cpu.parents):

@@ -43,6 +43,7 @@ class HostFacts:
     package_root: Path
     entries: tuple[DirEntry, ...]
     sys_cpu: Path | None = Path("/sys/devices/system/cpu")
+    var_tmp: bool = False  # /var/tmp is a folder under a visible /var
 
     @property
     def is_root(self) -> bool:
@@ -144,4 +145,5 @@ def gather_host_facts() -> HostFacts:
         package_root=_package_root(),
         entries=_entries(uid),
         sys_cpu=Path("/sys/devices/system/cpu") if os.path.isdir("/sys/devices/system/cpu") else None,
+        var_tmp=os.path.isdir("/var/tmp") and not os.path.islink("/var/tmp") and not os.path.islink("/var"),
     )

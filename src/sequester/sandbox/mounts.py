@@ -15,7 +15,7 @@ simply not there. Then, in words:
 * mounted back read-only on top: the Python installation, sequester's own source and the
   policy's ``readonly`` paths;
 * replaced: a fresh ``/proc`` (own PID namespace), a minimal ``/dev``, an empty ``/run``
-  (host sockets live there), a ``/sys`` with only the CPU topology, and ``/tmp`` as a
+  (host sockets live there), an empty ``/var/tmp``, a ``/sys`` with only the CPU topology, and ``/tmp`` as a
   size-capped tmpfs holding the working directory ``/tmp/workspace``;
 * the assembled root itself is made read-only at the end.
 
@@ -149,6 +149,9 @@ def _plan(policy: Policy, facts: HostFacts, data_files: tuple[tuple[Path, str], 
     add(MountOp(MountKind.PROC, Path("/proc")), 0)
     add(MountOp(MountKind.DEV, Path("/dev")), 0)
     add(MountOp(MountKind.DIR, Path("/run"), mode=0o755), 0)
+    if facts.var_tmp:
+        # The host's scratch space: anything anyone left there, readable by all.
+        add(MountOp(MountKind.HIDE_DIR, Path("/var/tmp"), mode=0o755), 2)
     add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
     add(MountOp(MountKind.TMPFS, Path("/tmp"), size=workspace_bytes, mode=0o1777), 0)
     add(MountOp(MountKind.DIR, WORKSPACE, mode=0o755), 1)
