@@ -404,3 +404,29 @@ def test_host_scratch_space_is_not_in_the_view(episode):
         assert not Path("/var/tmp/mine").exists()
     finally:
         marker.rmdir()
+
+
+SYSCALL_PROBE = r"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+# x86_64 numbers: keyctl(KEYCTL_GET_KEYRING_ID, @u), bpf(BPF_PROG_LOAD, NULL), io_uring_setup(1, NULL),
+# unshare(CLONE_NEWNS), mount(NULL, "/", NULL, 0, NULL), add_key
+print(json.dumps({"keyctl": call(250, 0, -4, 0), "bpf": call(321, 5, 0, 0), "io_uring": call(425, 1, 0),
+                  "unshare": call(272, 0x20000), "mount": call(165, 0, 0, 0, 0, 0)}))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="syscall numbers are x86_64's")
+def test_agent_seccomp_refuses_kernel_attack_surface(episode, tmp_path):
+    probe_file = tmp_path / "probe.py"
+    probe_file.write_text(SYSCALL_PROBE)
+    control = json.loads(subprocess.run([sys.executable, str(probe_file)], capture_output=True, text=True).stdout)
+    assert control["keyctl"] == "ok" and control["io_uring"] != "EPERM"  # the host may use them
+    episode.reset(EXAMPLES / "python-csv-stats")
+    episode.write_file("/tmp/probe.py", SYSCALL_PROBE)
+    seen = json.loads(episode.exec("python3 /tmp/probe.py").stdout)
+    assert seen == {"keyctl": "EPERM", "bpf": "EPERM", "io_uring": "EPERM", "unshare": "EPERM", "mount": "EPERM"}
