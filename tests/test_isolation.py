@@ -93,7 +93,7 @@ def test_source_is_read_only_and_workspace_writable(kernel, secret_dir):
         seen = probe(k, f'''
 import json, os
 out = {{}}
-for d in [{str(package_root)!r}, {str(secret_dir)!r}, "/usr", "/etc", "/"]:
+for d in [{str(package_root)!r}, {str(secret_dir)!r}, "/usr", "/etc", "/", "/root", "/var/tmp", "/run", "/sys"]:
     try:
         open(os.path.join(d, "planted.py"), "w").write("x"); out[d] = "WROTE"
     except OSError as e:

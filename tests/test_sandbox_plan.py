@@ -122,6 +122,8 @@ def test_argv_root_flow_waits_for_the_uid_map_and_keeps_only_bootstrap_caps():
     assert argv[argv.index("--info-fd") + 1] == "5"
     assert "--disable-userns" not in argv  # done by the kernel itself (max_user_namespaces=0)
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--cap-add"] == list(ROOT_BOOTSTRAP_CAPS)
+    # DAC keeps nobody from writing the folders bwrap made: no read-only remounts needed.
+    assert "--remount-ro" not in argv
     with pytest.raises(ValueError):
         build_argv("bwrap", spec, LaunchFds())
 

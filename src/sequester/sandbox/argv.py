@@ -137,11 +137,15 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     for op in spec.mounts:
         argv += _mount_args(op, fds)
     # Read-only last: bwrap must first create the mount points of the mount-backs
-    # inside the assembled root and inside hidden folders.
-    for op in spec.mounts:
-        if op.kind is MountKind.HIDE_DIR:
-            argv += ["--remount-ro", str(op.dest)]
-    if spec.readonly_root:
-        argv += ["--remount-ro", "/"]
+    # inside the assembled root and inside hidden folders. Not needed for NOBODY: every
+    # folder bwrap makes belongs to the namespace's root (0755), which nobody cannot
+    # write to, and the kernel checks it holds no capability before it runs anything.
+    # (Each remount is a mount syscall, and they are most of a sandbox's start-up.)
+    if spec.identity is not Identity.NOBODY:
+        for op in spec.mounts:
+            if op.kind is MountKind.HIDE_DIR:
+                argv += ["--remount-ro", str(op.dest)]
+        if spec.readonly_root:
+            argv += ["--remount-ro", "/"]
     argv += ["--chdir", str(spec.cwd), "--", *spec.command]
     return argv
