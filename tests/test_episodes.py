@@ -313,6 +313,14 @@ def test_tampering_is_reported_and_can_zero_the_reward(tmp_path):
             assert result.reward == expected
 
 
+@pytest.mark.skipif(not Path("/bin").is_symlink(), reason="a merged-/usr system: /bin is a symlink")
+def test_replacing_a_top_level_symlink_is_reported(tmp_path, episode):
+    episode.reset(make_task(tmp_path))
+    assert episode.tampering() == []
+    episode.exec("rm /bin && mkdir /bin && printf '#!/usr/bin/sh\\nexit 0\\n' > /bin/bash && chmod +x /bin/bash")
+    assert any("/bin" in t and "symlink" in t for t in episode.evaluate().tampering)
+
+
 def test_concurrent_episodes_have_private_tests(tmp_path):
     tasks = [make_task(tmp_path, f"task{i}", f"cat /tests/secret > /logs/verifier/seen\necho 1 > /logs/verifier/reward.txt\n",
                        files={"tests/secret": f"secret-{i}"}) for i in range(6)]

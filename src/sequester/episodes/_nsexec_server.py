@@ -220,6 +220,14 @@ def op_files(req: dict[str, Any], fds: list[int]) -> None:
         if len(data) > req["limit"]:
             raise OSError(errno.EFBIG, f"{path} is larger than {req['limit']} bytes")
         _report(result, {"data": base64.b64encode(data).decode()})
+    elif action == "list":
+        entries = []
+        for name in sorted(os.listdir(path))[:10000]:
+            full = os.path.join(path, name)
+            st = os.lstat(full)
+            kind = "link" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "other"
+            entries.append([name, kind, os.readlink(full) if kind == "link" else None])
+        _report(result, {"entries": entries})
     elif action == "extract":
         os.makedirs(path, exist_ok=True)
         _extract(_read_all(fds[1]), path, "tar")

@@ -38,7 +38,7 @@ from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
 from ..sandbox.host import HostFacts, gather_host_facts
 from ..sandbox.launch import ROOT_SECRETS
-from ..sandbox.mounts import SYSTEM_DIRS, hidden_paths
+from ..sandbox.mounts import SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
@@ -89,6 +89,7 @@ class _Running:
     deadline: float | None
     shell: Shell | None = None
     notes: list[str] = field(default_factory=list)
+    symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
 
 
 def _toolchain(folder: Path) -> Path | None:
@@ -222,7 +223,8 @@ class Episode:
             close_fd(ready_r)
         timeout = task.config.agent.timeout_sec
         return _Running(task, workdir, dirs, started, freezer, env,
-                        time.monotonic() + timeout if timeout else None, notes=notes)
+                        time.monotonic() + timeout if timeout else None, notes=notes,
+                        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK))
 
     def _hidden(self, task: Task, facts: HostFacts) -> tuple[set[Path], list[tuple[Path, bool]]]:
         """Top-level folders to give fresh, and deeper paths to cover.
@@ -343,7 +345,20 @@ class Episode:
                     elif not stat.S_ISDIR(st.st_mode):
                         lower = Path("/") / rel
                         changes.append(Change(rel, "replaced" if (lower.exists() or lower.is_symlink()) else "added"))
-        return find_tampering(changes, lambda p: (Path("/") / p).exists())
+        findings = find_tampering(changes, lambda p: (Path("/") / p).exists())
+        return findings + self._top_level_changes(run)
+
+    def _top_level_changes(self, run: _Running) -> list[str]:
+        """The view's root is a tmpfs of the sandbox's own (not on the host's disk): ask
+        inside whether the agent replaced one of its symlinks (``/bin`` -> ``usr/bin``)."""
+        assert self._nsexec is not None
+        now = {name: (kind, target) for name, kind, target in self._nsexec.list_dir(run.bwrap.pid, "/")}
+        found = []
+        for op in run.symlinks:
+            kind, target = now.get(op.dest.name, (None, None))
+            if kind != "link" or target != op.target:
+                found.append(f"replaced /{op.dest.name} (a symlink to {op.target}) at the top of the tree")
+        return found
 
     def evaluate(self, *, freeze: bool | None = None) -> v.VerifierResult:
         """Run the task's pristine tests where only the verifier sees them; read the verdict.
