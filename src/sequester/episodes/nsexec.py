@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SandboxError
+from ..sandbox.bwrap import read_pending
 
 __all__ = ["NsExec", "Worker", "shared_nsexec", "write_and_close"]
 
@@ -61,7 +62,7 @@ class Worker:
                         del watched[fd]
             for fd, buf in also:  # whatever is left of the other pipes after the report
                 if fd in watched:
-                    _drain(fd, buf)
+                    buf += read_pending(fd)
         finally:
             os.close(self.result)
         line = bytes(chunks).split(b"\n", 1)[0]
@@ -71,17 +72,6 @@ class Worker:
             return json.loads(line)
         except ValueError:
             return {"error": "the helper's worker sent an unreadable report"}
-
-
-def _drain(fd: int, buf: bytearray) -> None:
-    os.set_blocking(fd, False)
-    try:
-        while data := os.read(fd, 1 << 16):
-            buf += data
-    except (BlockingIOError, OSError):
-        pass
-    finally:
-        os.set_blocking(fd, True)
 
 
 class NsExec:

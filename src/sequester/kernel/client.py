@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import KernelClosedError, KernelError, SandboxError
 from ..policy import Isolation, Policy
+from ..sandbox.bwrap import read_pending
 from ..sandbox.launch import KernelProcess, launch_kernel
 from .protocol import MessageReader, ProtocolError, write_message
 from .results import CellError, CellResult
@@ -49,10 +50,11 @@ class _State(enum.Enum):
 class _CellFailure(Exception):
     """The kernel must be killed to recover from this cell."""
 
-    def __init__(self, error: CellError, *, timed_out: bool = False):
+    def __init__(self, error: CellError, *, timed_out: bool = False, stdout: str = "", stderr: str = ""):
         super().__init__(str(error))
         self.error = error
         self.timed_out = timed_out
+        self.stdout, self.stderr = stdout, stderr  # what the cell wrote before it failed
 
 
 class Kernel:
@@ -146,7 +148,7 @@ class Kernel:
             _verify(process.mode, report)
         except _CellFailure as failure:
             self._kill()
-            said = getattr(failure, "stderr", "").strip()
+            said = failure.stderr.strip()
             raise SandboxError(f"the kernel did not start: {failure.error}" + (f"\n{said}" if said else "")) from None
         except BaseException:
             self._kill()
@@ -200,7 +202,7 @@ class Kernel:
 
     def _recover(self, failure: _CellFailure, started: float, lifetime_hit: bool) -> CellResult:
         """Kill the kernel; restart it unless its lifetime is over."""
-        out, err = getattr(failure, "stdout", ""), getattr(failure, "stderr", "")
+        out, err = failure.stdout, failure.stderr
         error = failure.error
         if lifetime_hit and failure.timed_out:
             self.close()
@@ -233,9 +235,7 @@ class Kernel:
                 return b"".join(chunks[name]).decode("utf-8", "replace")
 
             def fail(error: CellError, timed_out: bool = False) -> _CellFailure:
-                failure = _CellFailure(error, timed_out=timed_out)
-                failure.stdout, failure.stderr = text("stdout"), text("stderr")  # type: ignore[attr-defined]
-                return failure
+                return _CellFailure(error, timed_out=timed_out, stdout=text("stdout"), stderr=text("stderr"))
 
             def take(name: str, data: bytes) -> None:
                 nonlocal size
@@ -271,7 +271,8 @@ class Kernel:
                             raise fail(CellError("KernelError", f"the kernel broke the protocol: {exc}")) from None
                         if messages:
                             for out_fd, name in names.items():
-                                for data in _pending(out_fd):
+                                # Written before the result message: already in the pipe.
+                                if data := read_pending(out_fd):
                                     take(name, data)
                             return messages[0], text("stdout"), text("stderr")
                         continue
@@ -279,20 +280,6 @@ class Kernel:
                         sel.unregister(fd)
                         continue
                     take(names[fd], data)
-
-
-def _pending(fd: int) -> list[bytes]:
-    """What is already in a pipe. Output written before the result message is there."""
-    out: list[bytes] = []
-    os.set_blocking(fd, False)
-    try:
-        while data := os.read(fd, 65536):
-            out.append(data)
-    except (BlockingIOError, OSError):
-        pass
-    finally:
-        os.set_blocking(fd, True)
-    return out
 
 
 def _death_reason(process: KernelProcess) -> str:

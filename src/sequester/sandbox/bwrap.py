@@ -24,7 +24,7 @@ from ..guard.privileges import NOBODY
 from .argv import Identity, LaunchFds, SandboxSpec, build_argv
 from .probe import bwrap_path
 
-__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "descendants"]
+__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "descendants", "read_pending"]
 
 _ID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
 
@@ -121,7 +121,7 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
             info = None
         if not isinstance(info, dict) or not isinstance(info.get("child-pid"), int):
             popen.wait()
-            said = _pending_text(stderr_reader) if stderr_reader is not None else ""
+            said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
             raise SandboxError(f"bwrap failed to create the sandbox: {said or 'no message'}")
         pid = info["child-pid"]
         pidfd = os.pidfd_open(pid)
@@ -159,15 +159,16 @@ def _read_all(fd: int, timeout: float) -> bytes:
         data += chunk
 
 
-def _pending_text(fd: int) -> str:
-    """What is waiting in a pipe right now (a dead child's last words), without blocking."""
+def read_pending(fd: int) -> bytes:
+    """What is already in a pipe, without waiting for more (a dead child's last words,
+    output written before a message that says it is all there)."""
     os.set_blocking(fd, False)
     chunks = []
     try:
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
-    except BlockingIOError:
+    except OSError:  # BlockingIOError: nothing more for now
         pass
     finally:
         os.set_blocking(fd, True)
-    return b"".join(chunks).decode(errors="replace").strip()
+    return b"".join(chunks)
