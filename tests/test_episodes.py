@@ -17,7 +17,7 @@ import pytest
 from sequester.agents import load_agent
 from sequester.episodes.episode import Episode, EpisodeError
 from sequester.episodes.settings import EpisodeSettings
-from sequester.episodes.verifier import (RewardFileMissing, RewardInvalid, VerifierCouldNotRun, VerifierTimeout)
+from sequester.episodes.verifier import RewardFileMissing, RewardInvalid, VerifierCouldNotRun
 from sequester.errors import TaskError
 from sequester.tasks import find_tasks
 
@@ -224,11 +224,14 @@ def test_episode_time_bounds_every_exec(tmp_path, episode):
     ('reward.json:{"reward": NaN}', RewardInvalid), ("none:", RewardFileMissing),
 ])
 def test_rewards_are_read_strictly(tmp_path, episode, content, error):
+    """An invalid or missing reward is the agent's 0 with the reason (its programs, run by
+    the tests, could have caused it), never an error a trainer would drop."""
     name, _, value = content.partition(":")
     script = "true\n" if name == "none" else f"printf '%s' '{value}' > /logs/verifier/{name}\n"
     episode.reset(make_task(tmp_path, test_sh=script))
-    with pytest.raises(error):
-        episode.evaluate()
+    result = episode.evaluate()
+    assert result.rewards == {"reward": 0.0}
+    assert result.zero_reason and ("neither" if error is RewardFileMissing else "") in result.zero_reason
 
 
 def test_reward_json_wins_and_is_a_flat_dict(tmp_path, episode):
@@ -245,20 +248,33 @@ def test_tests_that_fail_are_a_zero_not_an_error(tmp_path, episode):
 
 
 def test_a_failed_bootstrap_is_an_error_not_a_zero(tmp_path, episode):
-    # TB2's script writes 0 whenever uvx fails; without a ctrf report the tests never ran.
+    # TB2's script writes 0 whenever uvx fails; the runner saw uvx start but never pytest.
     script = ("uvx -p 3.99 -w pytest==8.4.1 pytest --ctrf /logs/verifier/ctrf.json /tests -rA\n"
               "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
     episode.reset(make_task(tmp_path, test_sh=script))
-    with pytest.raises(VerifierCouldNotRun, match="bootstrap") as err:
+    with pytest.raises(VerifierCouldNotRun, match="never started pytest") as err:
         episode.evaluate()
-    assert err.value.output  # uv's own message is kept for the host
+    assert "3.99" in err.value.output  # uv's own message is kept for the host
 
 
-def test_verifier_timeout(tmp_path, episode):
+def test_an_agent_that_kills_pytest_gets_a_zero_not_an_error(tmp_path, episode):
+    """The agent's program, run by the tests, kills pytest: no ctrf.json is written, but
+    the runner had said pytest started, so this is the agent's 0, not a void."""
+    tests = "import os, signal, subprocess\ndef test_it():\n    subprocess.run(['/app/solve'])\n"
+    script = ("uvx -p 3.11 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json "
+              "/tests/test_outputs.py -rA\n"
+              "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    episode.reset(make_task(tmp_path, test_sh=script, files={"tests/test_outputs.py": tests}))
+    episode.exec("printf '#!/bin/sh\\nkill -9 $PPID\\n' > /app/solve && chmod +x /app/solve")
+    result = episode.evaluate()
+    assert result.reward == 0.0 and "ctrf.json" not in result.files
+
+
+def test_verifier_timeout_is_the_agents_zero(tmp_path, episode):
     episode.reset(make_task(tmp_path, test_sh="sleep 30\necho 1 > /logs/verifier/reward.txt\n", verifier_timeout=1))
     started = time.monotonic()
-    with pytest.raises(VerifierTimeout):
-        episode.evaluate()
+    result = episode.evaluate()
+    assert result.reward == 0.0 and "ran over its 1 s" in result.zero_reason
     assert time.monotonic() - started < 5
 
 
@@ -281,7 +297,8 @@ def test_verifier_environment_is_scrubbed_and_private(tmp_path, episode):
     env = result.files["env.txt"].decode()
     for name in ("PYTEST_ADDOPTS", "PYTHONPATH", "LD_PRELOAD", "BASH_ENV", "INJECTED"):
         assert name not in env
-    assert "FROM_IMAGE=yes" in env and "UV_OFFLINE=1" in env
+    assert "FROM_IMAGE=yes" in env and "UV_OFFLINE=1" in env and "UV_NO_CONFIG=1" in env
+    assert "PATH=/opt/sequester-verifier/bin:" in env  # the runner's tools first
     # The verifier's own PID namespace: it sees its processes, not the agent's sleep.
     assert int(result.files["procs.txt"]) < 6
 
@@ -300,17 +317,18 @@ def test_freeze_stops_the_agent_during_the_verify_window(tmp_path, episode):
     assert int(episode.exec("wc -l < /app/ticks").stdout) > count  # thawed afterwards
 
 
-def test_tampering_is_reported_and_can_zero_the_reward(tmp_path):
+def test_tampering_is_reported_but_decides_nothing(tmp_path):
+    """Tampering with what a naive verifier would run (a shadowing python3, a preload)
+    is listed, and the verdict is the tests' own: the runner never runs the agent's."""
     task = make_task(tmp_path)
-    for setting, expected in (("report", 1.0), ("zero", 0.0)):
-        with Episode(EpisodeSettings(on_tamper=setting)) as ep:
-            ep.reset(task)
-            ep.exec("printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/python3; chmod +x /usr/local/bin/python3; "
-                    "echo /lib/x86_64-linux-gnu/libc.so.6 > /etc/ld.so.preload")
-            result = ep.evaluate()
-            assert any("python3" in t and "shadows" in t for t in result.tampering)
-            assert any("ld.so.preload" in t for t in result.tampering)
-            assert result.reward == expected
+    with Episode() as ep:
+        ep.reset(task)
+        ep.exec("printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/python3; chmod +x /usr/local/bin/python3; "
+                "echo /lib/x86_64-linux-gnu/libc.so.6 > /etc/ld.so.preload")
+        result = ep.evaluate()
+        assert any("python3" in t for t in result.tampering)
+        assert any("ld.so.preload" in t for t in result.tampering)
+        assert result.reward == 1.0  # make_task's default test.sh writes 1
 
 
 @pytest.mark.skipif(not Path("/bin").is_symlink(), reason="a merged-/usr system: /bin is a symlink")

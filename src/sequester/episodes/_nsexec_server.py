@@ -237,30 +237,44 @@ def op_files(req: dict[str, Any], fds: list[int]) -> None:
 
 
 def op_verify(req: dict[str, Any], fds: list[int]) -> None:
-    result, tests, output = fds[:3]
+    result, tests, output, runner_pipe = fds[:4]
     _enter(req["target"], user="parent", pid=False, cgroup=None)
     _die_with_parent(os.getppid())
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
     _check(_libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    _check_runner(req["runner"])
     for point in (b"/tests", b"/logs"):
         _check(_libc.mount(b"tmpfs", point, b"tmpfs", 0, b"mode=0755,size=1g"), f"mount tmpfs on {point.decode()}")
-    for point in req.get("private_tmpfs", []):  # e.g. the toolchain's cache: writable, but ours alone
-        if os.path.isdir(point):
-            _check(_libc.mount(b"tmpfs", point.encode(), b"tmpfs", 0, b"mode=0755"), f"mount tmpfs on {point}")
+    run = req["runner"]["run"]
+    _check(_libc.mount(b"tmpfs", run.encode(), b"tmpfs", 0, b"mode=0755,size=2g"), f"mount tmpfs on {run}")
+    for folder in ("home/.local/bin", "cache", "tools"):
+        os.makedirs(f"{run}/{folder}", 0o755)
+    with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
+        f.write(req["runner"]["home_env"])
     os.mkdir("/logs/verifier", 0o777)
     os.chmod("/logs/verifier", 0o777)
     _extract(_read_all(tests), "/tests", "data")
     os.close(tests)
     init = os.fork()
     if init == 0:
-        _verifier_init(req, result, output)
-    os.close(output)
-    os.close(result)
+        _verifier_init(req, result, output, runner_pipe)
+    for fd in (output, result, runner_pipe):
+        os.close(fd)
     _, status = os.waitpid(init, 0)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def _verifier_init(req: dict[str, Any], result: int, output: int) -> None:
+def _check_runner(runner: dict[str, Any]) -> None:
+    """The runner's tree must be the host's folder, mounted read-only where its programs
+    expect it: the agent could never write either, so fail closed if anything else is
+    there."""
+    path = runner["mount"]
+    st, vfs = os.stat(path), os.statvfs(path)
+    if (st.st_dev, st.st_ino) != (runner["dev"], runner["ino"]) or not vfs.f_flag & os.ST_RDONLY:
+        raise OSError(errno.EPERM, f"the verifier's runner is not mounted read-only at {path}")
+
+
+def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int) -> None:
     """PID 1 of the verifier's namespace: run the script, reap, read the verdict, report."""
     try:
         _die_with_parent(None)
@@ -275,7 +289,8 @@ def _verifier_init(req: dict[str, Any], result: int, output: int) -> None:
                 os.dup2(null, 0)
                 os.dup2(output, 1)
                 os.dup2(output, 2)
-                for fd in (null, output, result):
+                os.dup2(runner_pipe, req["runner_fd"])
+                for fd in {null, output, result, runner_pipe} - {0, 1, 2, req["runner_fd"]}:
                     os.close(fd)
                 try:
                     os.chdir(req["cwd"])
@@ -287,6 +302,7 @@ def _verifier_init(req: dict[str, Any], result: int, output: int) -> None:
                 os.write(2, f"sequester: the verifier could not start: {exc}\n".encode())
                 os._exit(127)
         os.close(output)
+        os.close(runner_pipe)
         status = None
         while True:  # reap everything; note the script's own status
             try:

@@ -17,7 +17,6 @@ a namespace only the verifier has, read the verdict strictly (:mod:`.verifier`).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import enum
 import io
@@ -25,6 +24,7 @@ import logging
 import tarfile
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Iterable
@@ -49,8 +49,9 @@ from .shell import SHELL_SETUP, ExecResult, Shell
 from .staging import stage_environment, tops_needed
 from .state import EpisodeDirs, remove_stale
 from .tamper import Change, find_tampering
-from .toolchain import ensure_toolchain
-from .view import TOOLCHAIN_MOUNT, plan_episode_view
+from ..verifier import ensure_runner
+from .evaluation import judge, run_tests
+from .view import plan_episode_view
 
 __all__ = ["Episode", "EpisodeError", "ExecResult"]
 
@@ -63,8 +64,8 @@ log = logging.getLogger("sequester.episodes")
 _INIT = 'printf r >&"$0"; eval "exec $0>&-"; while :; do sleep 86400 & wait $!; done'
 _AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _READ_LIMIT = 64 * 1024 * 1024
-_toolchain_lock = threading.Lock()
-_toolchains: dict[Path, Path | None] = {}
+_runner_lock = threading.Lock()
+_runners: dict[Path, Path | None] = {}
 _stale_cleaned: set[Path] = set()
 
 
@@ -90,13 +91,20 @@ class _Running:
     shell: Shell | None = None
     notes: list[str] = field(default_factory=list)
     symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
+    runner: Path | None = None  # the verifier's runner tree on the host
 
 
-def _toolchain(folder: Path) -> Path | None:
-    with _toolchain_lock:
-        if folder not in _toolchains:
-            _toolchains[folder] = ensure_toolchain(folder)
-        return _toolchains[folder]
+def _runner(folder: Path) -> Path | None:
+    """The verifier's runner tree (built once per process and folder); ``None`` when it
+    cannot be built: episodes still start, and their evaluations say why they cannot run."""
+    with _runner_lock:
+        if folder not in _runners:
+            try:
+                _runners[folder] = ensure_runner(folder)
+            except SequesterError as exc:
+                log.error("the verifier's runner could not be built in %s: %s", folder, exc)
+                _runners[folder] = None
+        return _runners[folder]
 
 
 class Episode:
@@ -184,13 +192,13 @@ class Episode:
                  for u in (task.dockerfile.unsupported if task.dockerfile else ())]
         if task.config.environment.effective_network_mode != "no-network":
             notes.append("the task asks for network access; local episodes have none")
-        toolchain = _toolchain(self.settings.toolchain_dir)
+        runner = _runner(self.settings.toolchain_dir)
         # Without a WORKDIR the agent works at the task's own path: an empty writable folder
         # there, instead of the read-only one that hides the task.
         scratch = (Path(workdir),) if workdir == str(task.path) else ()
         hidden_deep = [(p, d) for p, d in hidden_deep if p not in scratch]
         mounts = plan_episode_view(facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh,
-                                   toolchain=toolchain, scratch=scratch)
+                                   toolchain=runner, scratch=scratch)
         for op in mounts:
             for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
                 if folder is not None:
@@ -206,25 +214,37 @@ class Episode:
             as_pid_1=True, readonly_root=False,
         )
         ready_r, ready_w = os.pipe()
+        # The init (and so every agent process) must hold nothing of the host's: not its
+        # stdout or stderr, which would let `echo ... > /proc/1/fd/1` forge the operator's
+        # output or truncate its log. bwrap's own error messages go to a pipe read until
+        # the view is up; after that, writes to it fail.
+        err_r, err_w = os.pipe()
+        os.set_inheritable(err_r, False)
         try:
             spec = dataclasses.replace(spec, command=(*spec.command, str(ready_w)))
-            started = start_bwrap(spec, data_files={}, keep_fds=[ready_w], stdout=None, stderr=None,
-                                  stderr_reader=None)
+            started = start_bwrap(spec, data_files={}, keep_fds=[ready_w], stdout=subprocess.DEVNULL, stderr=err_w,
+                                  stderr_reader=err_r)
+        except BaseException:
+            close_fd(err_r)
+            raise
         finally:
             close_fd(ready_w)
+            close_fd(err_w)
         try:
             if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
-                raise SandboxError("the episode's sandbox did not come up (bwrap failed to build the view)")
+                said = _pending(err_r).decode(errors="replace").strip()
+                raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}")
             freezer = make_freezer(started.pid)
         except BaseException:
             started.kill()
             raise
         finally:
             close_fd(ready_r)
+            close_fd(err_r)
         timeout = task.config.agent.timeout_sec
         return _Running(task, workdir, dirs, started, freezer, env,
                         time.monotonic() + timeout if timeout else None, notes=notes,
-                        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK))
+                        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner)
 
     def _hidden(self, task: Task, facts: HostFacts) -> tuple[set[Path], list[tuple[Path, bool]]]:
         """Top-level folders to give fresh, and deeper paths to cover.
@@ -361,85 +381,33 @@ class Episode:
         return found
 
     def evaluate(self, *, freeze: bool | None = None) -> v.VerifierResult:
-        """Run the task's pristine tests where only the verifier sees them; read the verdict.
+        """Run the task's pristine tests where only the verifier sees them, through the
+        runner the agent cannot write (:mod:`sequester.verifier`); read the verdict.
 
         ``freeze`` (default: the task's ``[verifier] freeze_agent``, else the settings)
-        stops every agent process for the duration. Raises a :class:`VerifierError` when
-        there is no verdict (the tests could not run, timed out, wrote no valid reward).
+        stops every agent process first, before anything of the evaluation happens.
+        Returns a :class:`VerifierResult` (a 0 with ``zero_reason`` when the agent made
+        the tests end without a valid reward); raises :class:`VerifierCouldNotRun` only
+        for what the agent cannot cause (see :mod:`.evaluation`).
         """
         run = self._running()
         task = run.task
-        started = time.monotonic()
-        findings = tuple(self.tampering())
         wanted = freeze if freeze is not None else (
             task.config.verifier.freeze_agent if task.config.verifier.freeze_agent is not None
             else self.settings.freeze_agent)
-        tests = v.tests_archive(task)
+        assert self._nsexec is not None
         if wanted:
             run.freezer.freeze()
         try:
-            report, output = self._run_verifier(run, tests)
+            ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner,
+                           output_limit=self.settings.output_bytes)
         finally:
             if wanted:
                 run.freezer.thaw()
-        duration = time.monotonic() - started
-        text = output.decode(errors="replace")
-        seen = {"output": text, "duration": duration, "tampering": findings}
-        if report is None:
-            raise v.VerifierTimeout(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed",
-                                    **seen)
-        if "error" in report:
-            raise v.VerifierCouldNotRun(f"the verifier could not run: {report['error']}", **seen)
-        exit_code = report.get("exit_code")
-        files = {name: base64.b64decode(data) for name, data in report.get("files", {}).items()}
-        seen.update(exit_code=exit_code, files=files)
-        try:
-            rewards = v.parse_rewards(files)
-        except v.VerifierError as exc:
-            kind = type(exc) if exit_code not in (126, 127) else v.VerifierCouldNotRun
-            raise kind(f"{exc} (the script exited {exit_code})", **seen) from None
-        script = task.test_script.read_text(errors="replace") if task.test_script else ""
-        if "ctrf.json" in script and "ctrf.json" not in files and v.primary_reward(rewards) == 0:
-            raise v.VerifierCouldNotRun(
-                "the verifier could not run: pytest wrote no report (ctrf.json), so the tests never ran; "
-                "the test script's bootstrap failed", **seen)
-        zeroed = bool(findings) and self.settings.on_tamper == "zero"
-        if zeroed:
-            rewards = {k: 0.0 for k in rewards}
-        return v.VerifierResult(rewards, text, exit_code, duration, files, findings,
-                                run.freezer.method if wanted else None, zeroed)
-
-    def _run_verifier(self, run: _Running, tests: bytes) -> tuple[dict | None, bytes]:
-        assert self._nsexec is not None
-        proc_submounts = _proc_submounts(run.bwrap.pid)
-        tests_r, tests_w = os.pipe()
-        out_r, out_w = os.pipe()
-        os.set_inheritable(out_r, False)
-        try:
-            worker = self._nsexec.request({
-                "op": "verify", "target": run.bwrap.pid, "argv": v.verifier_argv(run.task),
-                "env": v.verifier_env(run.task), "cwd": run.workdir, "caps": list(CONTAINER_CAPS),
-                "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
-                "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": proc_submounts,
-                "private_tmpfs": [f"{TOOLCHAIN_MOUNT}/cache"],
-            }, [tests_r, out_w])
-        finally:
-            close_fd(tests_r)
-            close_fd(out_w)
-        writer = threading.Thread(target=write_and_close, args=(tests_w, tests), daemon=True)
-        writer.start()
-        output = bytearray()
-        try:
-            report = worker.report(time.monotonic() + run.task.config.verifier.timeout_sec, also=[(out_r, output)])
-            if report is None:
-                worker.kill()
-        finally:
-            writer.join()
-            close_fd(out_r)
-        limit = self.settings.output_bytes
-        if len(output) > limit:
-            output = output[: limit // 2] + b"\n[... verifier output dropped ...]\n" + output[-limit // 2:]
-        return report, bytes(output)
+        # Information only, and only once the verdict is in: nothing of it decides the
+        # reward, and the agent learns of the evaluation from nothing done before it.
+        findings = tuple(self.tampering())
+        return judge(task, ev, tampering=findings, frozen=run.freezer.method if wanted else None)
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -488,6 +456,9 @@ def _wait_readable(fd: int, timeout: float) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
 
 
-def _proc_submounts(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/mountinfo") as f:
-        return [p for p in (line.split()[4] for line in f) if p.startswith("/proc/")]
+def _pending(fd: int, limit: int = 4096) -> bytes:
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return b""

@@ -23,9 +23,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SandboxError
-from ..sandbox.bwrap import read_pending
 
-__all__ = ["NsExec", "Worker", "shared_nsexec", "write_and_close"]
+__all__ = ["NsExec", "Worker", "HeadTail", "shared_nsexec", "write_and_close"]
+
+
+class HeadTail:
+    """A bounded buffer: the first half of ``limit`` bytes and the last half, with a
+    marker where the middle was dropped. Memory stays at ``limit`` whatever is written."""
+
+    _MARK = b"\n[... output dropped ...]\n"
+
+    def __init__(self, limit: int):
+        self.limit = max(int(limit), 2)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def __iadd__(self, data: bytes) -> HeadTail:
+        room = self.limit // 2 - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            extra = len(self.tail) - (self.limit - self.limit // 2)
+            if extra > 0:
+                del self.tail[:extra]
+                self.dropped += extra
+        return self
+
+    def bytes(self) -> bytes:
+        return bytes(self.head) + (self._MARK if self.dropped else b"") + bytes(self.tail)
 
 
 @dataclass
@@ -41,13 +69,14 @@ class Worker:
         except ProcessLookupError:
             pass
 
-    def report(self, deadline: float | None = None, also: Sequence[tuple[int, bytearray]] = ()) -> dict[str, Any] | None:
+    def report(self, deadline: float | None = None,
+               also: Sequence[tuple[int, bytearray | HeadTail]] = ()) -> dict[str, Any] | None:
         """Read the worker's report (one JSON line) until end of file; ``None`` on deadline.
 
         ``also`` are (fd, buffer) pairs drained meanwhile (e.g. the verifier's output).
         """
-        chunks = bytearray()
-        watched = {self.result: chunks, **{fd: buf for fd, buf in also}}
+        chunks = HeadTail(1 << 22)  # a report is small; the worker is trusted, but bound it anyway
+        watched: dict[int, bytearray | HeadTail] = {self.result: chunks, **{fd: buf for fd, buf in also}}
         try:
             while self.result in watched:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -62,10 +91,10 @@ class Worker:
                         del watched[fd]
             for fd, buf in also:  # whatever is left of the other pipes after the report
                 if fd in watched:
-                    buf += read_pending(fd)
+                    buf += _drain(fd, 1 << 20)
         finally:
             os.close(self.result)
-        line = bytes(chunks).split(b"\n", 1)[0]
+        line = chunks.bytes().split(b"\n", 1)[0]
         if not line:
             return {"error": "the helper's worker ended without a report"}
         try:
@@ -169,6 +198,21 @@ class NsExec:
         if "error" in report:
             raise SandboxError(f"could not {what}: {report['error']}")
         return report
+
+
+def _drain(fd: int, limit: int) -> bytes:
+    """What is already in a pipe, at most ``limit`` bytes, without waiting for more."""
+    os.set_blocking(fd, False)
+    chunks, size = [], 0
+    try:
+        while size < limit and (chunk := os.read(fd, min(65536, limit - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError:  # BlockingIOError: nothing more for now
+        pass
+    finally:
+        os.set_blocking(fd, True)
+    return b"".join(chunks)
 
 
 def write_and_close(fd: int, data: bytes) -> None:

@@ -3,10 +3,9 @@
     [episodes]
     exec_timeout = 600          # default seconds per exec (each call may pass its own)
     freeze_agent = false        # freeze the agent's processes while the verifier runs
-    on_tamper = "report"        # "report" | "zero": what visible tampering does to the reward
     output_bytes = 10000000     # cap on one exec's output and on the verifier's output
     state_dir = "/var/tmp/..."  # where episodes keep their writable layers
-    toolchain_dir = "..."       # the verifier's offline toolchain (uv and its cache)
+    toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from typing import Any
 from ..errors import PolicyError
 
 __all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir"]
-
-_TAMPER_ACTIONS = ("report", "zero")
 
 
 def _user_cache() -> Path:
@@ -43,7 +40,6 @@ def default_toolchain_dir() -> Path:
 class EpisodeSettings:
     exec_timeout: float = 600.0
     freeze_agent: bool = False
-    on_tamper: str = "report"
     output_bytes: int = 10_000_000
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     toolchain_dir: Path = dataclasses.field(default_factory=default_toolchain_dir)
@@ -55,8 +51,6 @@ class EpisodeSettings:
                 raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
         if not isinstance(self.freeze_agent, bool):
             raise PolicyError(f"episodes.freeze_agent: {self.freeze_agent!r} is not true or false")
-        if self.on_tamper not in _TAMPER_ACTIONS:
-            raise PolicyError(f"episodes.on_tamper: {self.on_tamper!r} is not one of {', '.join(_TAMPER_ACTIONS)}")
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))
 
@@ -67,6 +61,9 @@ def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str =
         raise PolicyError(f"{source}: [episodes] must be a table")
     known = {f.name for f in dataclasses.fields(EpisodeSettings)}
     unknown = set(table) - known
+    if "on_tamper" in unknown:
+        raise PolicyError(f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "
+                          "(the verifier's runner is out of the agent's reach); the report stays in the results")
     if unknown:
         raise PolicyError(f"{source}: unknown key 'episodes.{sorted(unknown)[0]}'")
     values = dict(table)

@@ -21,15 +21,22 @@ from typing import Any
 
 from ..errors import SequesterError
 from ..tasks import Task
-from .toolchain import PINNED, verifier_tool_env
-from .view import TOOLCHAIN_MOUNT
+from ..verifier import layout
+from ..verifier.environment import runner_env
+from ..verifier.tree import PINNED
 
 __all__ = [
     "VerifierError", "VerifierCouldNotRun", "VerifierTimeout", "RewardFileMissing", "RewardInvalid",
     "VerifierResult", "tests_archive", "verifier_argv", "verifier_env", "parse_rewards", "primary_reward",
+    "uses_pytest",
 ]
 
-VERIFIER_PATH = f"{TOOLCHAIN_MOUNT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+RUNNER_FD = 3  # in the test script: the pipe on which the runner reports that pytest started
+# pytest's configuration files, in the order it looks for them in a folder. When the
+# task's tests have none, the staged /tests gets an empty .pytest.ini: pytest then takes
+# /tests as its root and looks no further up (the view's root folder is the agent's, and
+# a pytest.ini + conftest.py there would configure the verifier's pytest).
+PYTEST_CONFIGS = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
 
 class VerifierError(SequesterError):
@@ -70,7 +77,11 @@ class VerifierResult:
     files: dict[str, bytes] = field(default_factory=dict)
     tampering: tuple[str, ...] = ()
     frozen: str | None = None  # how the agent was frozen during the run, if it was
-    reward_zeroed: bool = False  # on_tamper = "zero" applied
+    # Why the reward is 0 without the tests saying so: the agent caused the verifier to
+    # end without a valid verdict (a timeout, no reward file, an invalid one). Trainers
+    # drop errored trials, so such an end is the agent's 0, never an error.
+    zero_reason: str | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def reward(self) -> float:
@@ -78,7 +89,8 @@ class VerifierResult:
 
 
 def tests_archive(task: Task) -> bytes:
-    """An uncompressed tar of the task's tests folder (its real path, read only)."""
+    """An uncompressed tar of the task's tests folder (its real path, read only), plus
+    the ``.pytest.ini`` that pins pytest's root to ``/tests`` when the task has none."""
     root = task.tests_dir.resolve(strict=True)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -88,13 +100,31 @@ def tests_archive(task: Task) -> bytes:
                 path = Path(current, name)
                 if path.is_symlink() or path.is_dir() or path.is_file():
                     tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
+        if not any(_configures_pytest(root / name) for name in PYTEST_CONFIGS):
+            data = b"# sequester: pytest's root is /tests (see sequester.episodes.verifier)\n[pytest]\n"
+            info = tarfile.TarInfo(".pytest.ini")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
 
+def _configures_pytest(path: Path) -> bool:
+    """Whether pytest takes ``path`` as its configuration file (its own rules)."""
+    if path.name in ("pytest.ini", ".pytest.ini"):
+        return path.is_file()
+    try:
+        text = path.read_text(errors="replace") if path.is_file() else ""
+    except OSError:
+        return False
+    section = {"pyproject.toml": "[tool.pytest.ini_options]", "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}
+    return section[path.name] in text
+
+
 def verifier_argv(task: Task) -> list[str]:
-    """``bash /tests/test.sh``; without one, pytest (pinned) on the staged tests."""
+    """The tree's ``bash /tests/test.sh``; without one, pinned pytest on the staged tests."""
+    bash = str(layout.BIN / "bash")
     if task.test_script is not None:
-        return ["bash", "/tests/test.sh"]
+        return [bash, "/tests/test.sh"]
     pytest = next(p for p in PINNED if p.startswith("pytest=="))
     script = (
         f"uvx -p python3 -w {pytest} pytest /tests -rA\n"
@@ -104,29 +134,24 @@ def verifier_argv(task: Task) -> list[str]:
         'case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;'
         ' *) echo "sequester: pytest could not run the tests (exit $rc)" >&2;; esac\n'
     )
-    return ["bash", "-c", script]
+    return [bash, "-c", script]
 
 
 def verifier_env(task: Task) -> dict[str, str]:
-    """A scrubbed environment: none of the agent shell's variables (PYTHONPATH,
-    PYTEST_ADDOPTS, LD_PRELOAD, BASH_ENV, ...), only the image's own (Dockerfile ENV), the
-    task's ``[verifier] env``, and what the toolchain needs."""
-    env = {"PATH": VERIFIER_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
-    if task.dockerfile is not None:
-        env.update(task.dockerfile.env_map)
-        env["PATH"] = _with_toolchain(env.get("PATH", VERIFIER_PATH))
-    env.update(task.config.verifier.env)
-    env.update(verifier_tool_env(str(TOOLCHAIN_MOUNT)))
-    for name in ("BASH_ENV", "ENV", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONSTARTUP", "PYTEST_ADDOPTS",
-                 "PYTEST_PLUGINS", "PYTHONHOME"):
-        if name not in task.config.verifier.env:  # only the task itself may set these
-            env.pop(name, None)
-    return env
+    """The runner's environment (see :func:`sequester.verifier.environment.runner_env`):
+    the image's own variables (Dockerfile ENV), the task's ``[verifier] env``, and the
+    runner's; nothing of the agent shell's."""
+    image = task.dockerfile.env_map if task.dockerfile is not None else {}
+    return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD)
 
 
-def _with_toolchain(path: str) -> str:
-    entries = [p for p in path.split(":") if p and p != f"{TOOLCHAIN_MOUNT}/bin"]
-    return ":".join([f"{TOOLCHAIN_MOUNT}/bin", *entries])
+def uses_pytest(task: Task) -> bool:
+    """Whether the task's verifier runs pytest (TB2's form, or no test.sh at all): then a
+    run in which the runner never started pytest is a failed bootstrap, not a verdict."""
+    if task.test_script is None:
+        return True
+    text = task.test_script.read_text(errors="replace")
+    return "pytest" in text
 
 
 def _number(value: Any, where: str) -> float:

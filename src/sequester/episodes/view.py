@@ -15,7 +15,7 @@ Like a container on the host's own system:
   namespace only it has;
 * a fresh ``/proc``, ``/dev``, ``/tmp``, ``/var/tmp``, ``/run``, ``/dev/shm``; the CPU part of ``/sys``;
 * read-only: the host's Python installation (the episode's init runs on it) and the
-  verifier's toolchain.
+  verifier's runner (:mod:`sequester.verifier`: the verifier mounts its own copy).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from pathlib import Path
 
 from ..sandbox.host import HostFacts
 from ..sandbox.mounts import MountKind, MountOp
+from ..verifier.layout import RUNNER_MOUNT
 from .state import EpisodeDirs
 
 __all__ = ["plan_episode_view", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
 
-TOOLCHAIN_MOUNT = Path("/opt/sequester-verifier")
+TOOLCHAIN_MOUNT = Path(str(RUNNER_MOUNT))  # the verifier's runner tree, read-only everywhere
 VERIFIER_POINTS = (Path("/tests"), Path("/logs"))
 _VERIFIER_NAMES = frozenset(p.name for p in VERIFIER_POINTS)
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})

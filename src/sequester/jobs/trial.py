@@ -293,8 +293,9 @@ def _verify(episode: Episode, paths: TrialPaths, tampering: list[str]) -> tuple[
         raise
     tampering += found.tampering
     notes = _keep(paths, found.output, found.files)
-    if found.reward_zeroed:
-        notes.append("the rewards were set to 0 because of the tampering found (on_tamper = \"zero\")")
+    if found.zero_reason:
+        notes.append(f"reward 0 for the agent: {found.zero_reason}")
+    notes += found.notes
     if found.frozen:
         notes.append(f"the agent's processes were frozen while the verifier ran ({found.frozen})")
     return VerifierOutcome(dict(found.rewards)), notes

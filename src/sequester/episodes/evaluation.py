@@ -1,0 +1,137 @@
+"""One evaluation: run the pristine tests through the runner, read what it left, decide.
+
+Called by :meth:`.episode.Episode.evaluate` (which freezes and thaws the agent around it).
+The namespace helper stages and runs everything (see :mod:`._nsexec_server`); here:
+the request, the bounded reading of the verifier's output, and who is to blame when
+there is no verdict:
+
+============================================  ==========================================
+what happened                                  result
+============================================  ==========================================
+the tests wrote a valid reward                 that reward
+the verifier ran over ``timeout_sec``          0 for the agent (its programs were under test)
+no reward file, or an invalid one              0 for the agent (its programs can kill or
+                                               overwrite the test script's; a task whose
+                                               own script never writes one shows up as 0
+                                               for the oracle too)
+``uvx`` started but pytest never did           :class:`VerifierCouldNotRun`: the runner's
+                                               bootstrap failed (a Python or pinned package
+                                               the runner lacks); the agent cannot cause it
+the namespace helper could not stage or start  :class:`VerifierCouldNotRun` (the harness)
+============================================  ==========================================
+
+An error is the harness's or the task's, never the agent's doing: trainers drop errored
+trials, so nothing an agent does may turn its failing trial into one.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..guard import seccomp
+from ..sandbox.argv import CONTAINER_CAPS
+from ..sandbox.bwrap import close_fd
+from ..tasks import Task
+from ..verifier import layout
+from . import verifier as v
+from .nsexec import HeadTail, NsExec, write_and_close
+
+__all__ = ["Evaluation", "run_tests", "judge"]
+
+_RUNNER_SAID_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What one run of the verifier produced, as the host read it."""
+
+    report: dict[str, Any] | None  # None: it ran over its time and was killed
+    output: bytes                  # head and tail, at most the configured cap
+    runner_said: tuple[str, ...]   # how far the runner got: "uvx", "pytest"
+    duration: float
+
+
+def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner: Path | None,
+              output_limit: int) -> Evaluation:
+    started = time.monotonic()
+    if runner is None:
+        return Evaluation({"error": "the verifier's runner could not be built (see the log)"}, b"", (), 0.0)
+    st = os.stat(runner)
+    tests = v.tests_archive(task)
+    tests_r, tests_w = os.pipe()
+    out_r, out_w = os.pipe()
+    said_r, said_w = os.pipe()
+    for fd in (out_r, said_r, tests_w):
+        os.set_inheritable(fd, False)
+    try:
+        worker = nsexec.request({
+            "op": "verify", "target": init_pid, "argv": v.verifier_argv(task), "env": v.verifier_env(task),
+            "cwd": workdir, "caps": list(CONTAINER_CAPS),
+            "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
+            "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": _proc_submounts(init_pid),
+            "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "dev": st.st_dev,
+                       "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text()},
+            "runner_fd": v.RUNNER_FD,
+        }, [tests_r, out_w, said_w])
+    except BaseException:
+        for fd in (tests_w, out_r, said_r):
+            close_fd(fd)
+        raise
+    finally:
+        for fd in (tests_r, out_w, said_w):
+            close_fd(fd)
+    writer = threading.Thread(target=write_and_close, args=(tests_w, tests), daemon=True)
+    writer.start()
+    # Bounded while it streams: the agent's programs run inside the tests and can write
+    # without end to the verifier's output; the host keeps the head and the tail.
+    output, said = HeadTail(output_limit), HeadTail(_RUNNER_SAID_LIMIT)
+    try:
+        report = worker.report(time.monotonic() + task.config.verifier.timeout_sec,
+                               also=[(out_r, output), (said_r, said)])
+        if report is None:
+            worker.kill()
+    finally:
+        writer.join()
+        close_fd(out_r)
+        close_fd(said_r)
+    marks = tuple(dict.fromkeys(said.bytes().decode(errors="replace").split()))
+    return Evaluation(report, output.bytes(), marks, time.monotonic() - started)
+
+
+def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str | None,
+          notes: tuple[str, ...] = ()) -> v.VerifierResult:
+    """The verdict of one evaluation (see the table above), or :class:`VerifierCouldNotRun`."""
+    text = ev.output.decode(errors="replace")
+    seen: dict[str, Any] = {"output": text, "duration": ev.duration, "tampering": tampering}
+
+    def zero(reason: str, exit_code: int | None = None, files: dict[str, bytes] | None = None) -> v.VerifierResult:
+        return v.VerifierResult({"reward": 0.0}, text, exit_code, ev.duration, dict(files or {}), tampering, frozen,
+                                zero_reason=reason, notes=notes)
+
+    if ev.report is None:
+        return zero(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed")
+    if "error" in ev.report:
+        raise v.VerifierCouldNotRun(f"the verifier could not run: {ev.report['error']}", **seen)
+    exit_code = ev.report.get("exit_code")
+    files = {name: base64.b64decode(data) for name, data in ev.report.get("files", {}).items()}
+    seen.update(exit_code=exit_code, files=files)
+    if "uvx" in ev.runner_said and "pytest" not in ev.runner_said:
+        raise v.VerifierCouldNotRun(
+            "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
+            f"test script asks for; the script exited {exit_code})", **seen)
+    try:
+        rewards = v.parse_rewards(files)
+    except v.VerifierError as exc:
+        return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
+    return v.VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
+
+
+def _proc_submounts(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/mountinfo") as f:
+        return [p for p in (line.split()[4] for line in f) if p.startswith("/proc/")]

@@ -1,0 +1,78 @@
+"""Byte-level edits of ELF files for the verifier's runner. Pure.
+
+The runner's programs must load nothing the agent could have written. Their interpreter
+and library search path are set with patchelf (see :mod:`.tree`); what is left are the
+absolute paths compiled into the dynamic loader and the C library, which they read at
+run time whatever the search path says:
+
+* the loader reads ``/etc/ld.so.preload`` (libraries to inject into every program) and
+  ``/etc/ld.so.cache`` (where to find a library), and falls back to the system folders
+  (``/lib/x86_64-linux-gnu/`` ...) for anything its search path lacks;
+* the C library loads character-set converters (``gconv`` modules: native code) and
+  locale data from ``/usr/lib/...``.
+
+In the agent's view all of these are the agent's to write (``/etc`` and ``/usr`` are
+writable overlays in root mode, and so is the root folder itself). :func:`redirect_paths`
+rewrites each such string in place, same length, to a path below ``/proc`` that cannot
+exist (procfs has no such entries, and nobody can create any: the verifier mounts a
+fresh one). Strings too short for that become ``/`` followed by NUL: the root folder,
+which the loader cannot read as a library. So the runner's loader preloads nothing,
+reads no cache, and stops with an error for a library missing from the tree instead of
+taking one from the view; its C library loads no converter and no locale from the view.
+An empty string would not do: code that appends ``/name`` to it would look at the
+agent-writable root folder.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ELF_MAGIC", "LOADER_PATHS", "LIBC_PATHS", "redirect_paths", "replacement", "is_elf"]
+
+ELF_MAGIC = b"\x7fELF"
+
+# Read by glibc's dynamic loader (rtld) at every program start, and its built-in search
+# folders (the fallback after the search path).
+LOADER_PATHS = (
+    b"/etc/ld.so.preload", b"/etc/ld.so.cache",
+    b"/lib/x86_64-linux-gnu/", b"/usr/lib/x86_64-linux-gnu/", b"/lib64/", b"/usr/lib64/",
+    b"/lib/aarch64-linux-gnu/", b"/usr/lib/aarch64-linux-gnu/", b"/lib/", b"/usr/lib/",
+)
+# Code and parsed data glibc's C library loads by absolute path.
+LIBC_PATHS = (
+    b"/usr/lib/x86_64-linux-gnu/gconv/gconv-modules.cache", b"/usr/lib/x86_64-linux-gnu/gconv",
+    b"/usr/lib/aarch64-linux-gnu/gconv/gconv-modules.cache", b"/usr/lib/aarch64-linux-gnu/gconv",
+    b"/usr/lib64/gconv/gconv-modules.cache", b"/usr/lib64/gconv",
+    b"/usr/lib/locale/locale-archive", b"/usr/lib/locale",
+)
+_PROC = b"/proc/"
+
+
+def is_elf(head: bytes) -> bool:
+    return head[:4] == ELF_MAGIC
+
+
+def replacement(path: bytes) -> bytes:
+    """The same-length stand-in for ``path``: ``/proc/////`` for a folder (what is
+    appended lands in /proc), ``/proc/xxxx`` for a file, ``/`` + NULs when too short."""
+    if len(path) <= len(_PROC):
+        return b"/" + b"\0" * (len(path) - 1)
+    fill = b"/" if path.endswith(b"/") or b"." not in path.rsplit(b"/", 1)[-1] else b"x"
+    return _PROC + fill * (len(path) - len(_PROC))
+
+
+def redirect_paths(data: bytes, paths: tuple[bytes, ...]) -> tuple[bytes, list[bytes]]:
+    """``data`` with every NUL-delimited occurrence of each of ``paths`` replaced by
+    :func:`replacement`. Only whole C strings are touched: the byte before an occurrence
+    must be NUL (or the start) and the one after it NUL, so ``/lib/`` inside
+    ``/usr/lib/`` is left alone. Returns the new bytes and the paths found."""
+    out = bytearray(data)
+    found: list[bytes] = []
+    for path in paths:
+        needle, new = path + b"\0", replacement(path)
+        start = 0
+        while (i := out.find(needle, start)) >= 0:
+            if i == 0 or out[i - 1] == 0:
+                out[i:i + len(path)] = new
+                if path not in found:
+                    found.append(path)
+            start = i + 1
+    return bytes(out), found

@@ -1,0 +1,28 @@
+"""Where the runner's tree appears in a view, and its folders. Pure.
+
+The tree is built once per machine on the host (:mod:`.tree`) and mounted read-only at
+:data:`RUNNER_MOUNT` in the verifier's private mount namespace, from the host folder
+itself, after the agent's namespace was copied: nothing the agent did in its view can
+stand at these paths for the verifier. Its programs are patched to load their dynamic
+loader and libraries from here, so they run only where the tree is mounted at this path.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+__all__ = ["RUNNER_MOUNT", "BIN", "LIB", "LIBEXEC", "PYTHONS", "WHEELS", "ETC", "RUN", "RUN_HOME", "RUN_CACHE",
+           "RUN_TOOLS", "LOADER_NAME"]
+
+RUNNER_MOUNT = PurePosixPath("/opt/sequester-verifier")
+BIN = RUNNER_MOUNT / "bin"          # first on the runner's PATH: shell, core tools, uv, python
+LIB = RUNNER_MOUNT / "lib"          # the loader and every library the tree's programs load
+LIBEXEC = RUNNER_MOUNT / "libexec"  # the real binaries behind the wrappers in bin/
+PYTHONS = RUNNER_MOUNT / "python"   # uv's managed installations: cpython-X.Y.Z-linux-ARCH-gnu/
+WHEELS = RUNNER_MOUNT / "wheels"    # the pinned wheels uv installs from, offline
+ETC = RUNNER_MOUNT / "etc"          # the runner's own configuration files
+RUN = RUNNER_MOUNT / "run"          # an empty folder: a private tmpfs at verify time
+RUN_HOME = RUN / "home"             # HOME of the test script's own shell
+RUN_CACHE = RUN / "cache"           # uv's cache (its tool environments)
+RUN_TOOLS = RUN / "tools"
+LOADER_NAME = "ld-linux.so"

@@ -1,0 +1,83 @@
+"""The runner's Pythons import from their own files first, whatever the view holds.
+
+``site`` is frozen into the interpreter (3.11+), so its code cannot be changed on disk;
+what it runs from disk is ``sitecustomize``, found on ``sys.path`` as it stands while
+``site`` runs: the Python's standard library and the running environment's
+site-packages only. The runner's environment never holds ``PYTHONPATH`` (a task's
+``PYTHONPATH=/app`` would put the agent's folder ahead of the standard library at that
+moment); it passes it as ``SEQUESTER_PYTHONPATH`` instead, and the tree's
+``sitecustomize`` (written here into each Python's standard library):
+
+* puts a finder first on ``sys.meta_path`` that looks for every top-level module on the
+  ``sys.path`` entries of the tree, of the running environment (the uv tool environment
+  pytest runs in) and of ``/tests`` before all others: the working folder (``python -m``
+  adds ``/app``, after ``site`` ran) and the task's ``PYTHONPATH`` stay importable for
+  the tests, but a module the agent planted there cannot shadow the standard library,
+  pytest or its plugins;
+* appends the task's ``PYTHONPATH`` entries to ``sys.path`` and puts ``PYTHONPATH`` back
+  in the environment, so the programs the tests start get it as the task wrote it.
+
+No user site: the runner's virtual environments disable it, and the ``python3`` in the
+tree's ``bin/`` runs with ``-s`` (its ``.pth`` files, the agent's to write, would run
+before ``sitecustomize``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .layout import RUNNER_MOUNT
+
+__all__ = ["SITECUSTOMIZE", "write_sitecustomize", "PYTHONPATH_VAR", "RUNNER_FD_VAR"]
+
+PYTHONPATH_VAR = "SEQUESTER_PYTHONPATH"
+RUNNER_FD_VAR = "SEQUESTER_RUNNER_FD"  # the pipe on which the runner says how far it got
+
+SITECUSTOMIZE = f'''"""sequester verifier runner: import from the runner's own files first (see
+sequester/verifier/pysite.py)."""
+
+import os
+import sys
+from importlib.machinery import PathFinder as _PathFinder
+
+
+class _TrustedFirst:
+    trusted = ({str(RUNNER_MOUNT)!r}, sys.prefix, sys.base_prefix, sys.exec_prefix, "/tests")
+
+    @classmethod
+    def _ours(cls, entry):
+        path = os.path.abspath(entry) if isinstance(entry, str) and entry else ""
+        return bool(path) and any(path == t or path.startswith(t.rstrip("/") + "/") for t in cls.trusted)
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if path is not None:
+            return None  # a submodule: its package's own __path__ decides
+        return _PathFinder.find_spec(name, [p for p in sys.path if cls._ours(p)], target)
+
+    @classmethod
+    def invalidate_caches(cls):
+        pass
+
+
+sys.meta_path.insert(0, _TrustedFirst)
+_extra = os.environ.pop({PYTHONPATH_VAR!r}, None)
+if _extra is not None:
+    sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
+    os.environ["PYTHONPATH"] = _extra
+del _extra
+# Tell the host that the tests' pytest started (its bootstrap worked): written on a pipe
+# the agent's programs can add to but never take back.
+_fd, _argv = os.environ.get({RUNNER_FD_VAR!r}, ""), getattr(sys, "orig_argv", [])
+if _fd.isdigit() and ((len(_argv) > 1 and os.path.basename(_argv[1]) in ("pytest", "py.test"))
+                      or _argv[1:3] == ["-m", "pytest"]):
+    try:
+        os.write(int(_fd), b"pytest\\n")
+    except OSError:
+        pass
+del _fd, _argv
+'''
+
+
+def write_sitecustomize(stdlib: Path) -> None:
+    (stdlib / "sitecustomize.py").write_text(SITECUSTOMIZE)

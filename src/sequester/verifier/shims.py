@@ -1,0 +1,75 @@
+"""The runner's ``bin/``: small scripts in front of the real programs in ``libexec/``.
+
+The test script's own shell runs with ``HOME`` in a private folder (so it sources
+nothing the agent left in its home, such as the ``~/.local/bin/env`` that Terminal-Bench
+scripts source after installing uv); the programs that run the tests (``uvx``, ``uv``,
+``python3``) get the agent's ``HOME`` back, so the programs the tests start see the
+home they expect. ``curl`` reads no ``.curlrc`` of the agent's. ``apt-get``/``apt``
+answer as an offline apt would: ``update`` does nothing, installing what the runner
+already provides succeeds, anything else fails (exit 100).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from . import layout
+from .pythons import HostPython
+
+__all__ = ["write_shims"]
+
+_HEAD = f"#!{layout.BIN}/bash\n# sequester verifier runner\n"
+_AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUESTER_AGENT_HOME\n'
+
+_APT = _HEAD + f'''cmd=; pkgs=()
+for a in "$@"; do
+  case "$a" in -*) ;; *) if [ -z "$cmd" ]; then cmd=$a; else pkgs+=("$a"); fi ;; esac
+done
+case "$cmd" in
+  update) echo "sequester: apt-get update skipped (the verifier has no package sources)"; exit 0 ;;
+  install)
+    for p in "${{pkgs[@]}}"; do
+      if [ ! -x "{layout.BIN}/$p" ]; then
+        echo "E: Unable to locate package $p (the verifier installs no packages)" >&2; exit 100
+      fi
+    done
+    echo "sequester: ${{pkgs[*]}} provided by the verifier"; exit 0 ;;
+  *) echo "E: apt-get $cmd is not available in the verifier" >&2; exit 100 ;;
+esac
+'''
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text(_HEAD + body)
+    os.chmod(path, 0o755)
+
+
+def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], has_uvx: bool) -> None:
+    bin_dir = root / "bin"
+    for name in tools:
+        if name == "curl":
+            _script(bin_dir / "curl", f'CURL_HOME={layout.RUN_HOME}; export CURL_HOME\nexec {layout.LIBEXEC}/curl "$@"\n')
+        else:
+            os.symlink(f"../libexec/{name}", bin_dir / name)
+    os.symlink("bash", bin_dir / "sh")
+    _script(bin_dir / "uv", _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
+    uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
+    # Tell the host uvx started (see sequester.episodes.evaluation: a run where uvx
+    # started and pytest never did is a failed bootstrap, not the agent's 0).
+    said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'
+    _script(bin_dir / "uvx", said + _AGENT_HOME + f'exec {uvx} "$@"\n')
+    for i, py in enumerate(pythons):
+        real = layout.PYTHONS / py.dir_name / "bin" / f"python{py.short}"
+        names = [f"python{py.short}"] + (["python3", "python"] if i == 0 else [])
+        for name in names:
+            # By absolute path: Python finds its standard library next to the binary it
+            # was started as, never at the build's compiled-in prefix (a path of the view).
+            _script(bin_dir / name, _AGENT_HOME + f'exec {real} -s "$@"\n')
+    (bin_dir / "apt-get").write_text(_APT)
+    os.chmod(bin_dir / "apt-get", 0o755)
+    os.symlink("apt-get", bin_dir / "apt")
+    # What TB2 scripts source after the uv installer: put the runner's tools first again.
+    (root / "etc" / "uv-env").write_text(f'export PATH="{layout.BIN}:$PATH"\n')
+    (root / "etc" / "pytest.ini").write_text("[pytest]\n")

