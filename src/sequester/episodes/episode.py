@@ -23,7 +23,6 @@ import io
 import logging
 import tarfile
 import os
-import stat
 import subprocess
 import threading
 import time
@@ -48,9 +47,10 @@ from .settings import EpisodeSettings
 from .shell import SHELL_SETUP, ExecResult, Shell
 from .staging import stage_environment, tops_needed
 from .state import EpisodeDirs, remove_stale
-from .tamper import Change, find_tampering
+from .layers import report_episode, view_points
 from ..verifier import ensure_runner
 from .evaluation import judge, run_tests
+from .separate import evaluate_separately
 from .view import plan_episode_view
 
 __all__ = ["Episode", "EpisodeError", "ExecResult"]
@@ -92,6 +92,7 @@ class _Running:
     notes: list[str] = field(default_factory=list)
     symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
     runner: Path | None = None  # the verifier's runner tree on the host
+    view_points: frozenset = frozenset()  # where the view's own mounts are (not the agent's changes)
 
 
 def _runner(folder: Path) -> Path | None:
@@ -155,9 +156,10 @@ class Episode:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None) -> Episode:
+    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None, shell: bool = True) -> Episode:
         """Start the episode on ``task`` (a loaded task or its folder), replacing any
-        earlier one. ``workdir`` overrides the task's working directory."""
+        earlier one. ``workdir`` overrides the task's working directory; ``shell=False``
+        starts no agent shell (a separate verifier's environment)."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
         if not namespace_support().available:
@@ -178,7 +180,8 @@ class Episode:
             dirs.remove()
             raise
         self._state = _State.RUNNING
-        self._start_shell()
+        if shell:
+            self._start_shell()
         return self
 
     def _start(self, task: Task, workdir: str, dirs: EpisodeDirs) -> _Running:
@@ -244,7 +247,8 @@ class Episode:
         timeout = task.config.agent.timeout_sec
         return _Running(task, workdir, dirs, started, freezer, env,
                         time.monotonic() + timeout if timeout else None, notes=notes,
-                        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner)
+                        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner,
+                        view_points=view_points(op.dest for op in mounts))
 
     def _hidden(self, task: Task, facts: HostFacts) -> tuple[set[Path], list[tuple[Path, bool]]]:
         """Top-level folders to give fresh, and deeper paths to cover.
@@ -348,25 +352,11 @@ class Episode:
     # -- evaluation --------------------------------------------------------------------
 
     def tampering(self) -> list[str]:
-        """What the agent changed that the verifier runs on (see :mod:`.tamper`)."""
+        """Every change the agent's layers hold in the folders a verifier on the agent's
+        system would have trusted (see :mod:`.layers`): information only, bounded, and it
+        never raises for anything the agent left."""
         run = self._running()
-        changes: list[Change] = []
-        for top, root in run.dirs.layer_roots():
-            for current, folders, files in os.walk(root):
-                for name in [*folders, *files]:
-                    host = Path(current, name)
-                    rel = f"{top}/{host.relative_to(root)}"
-                    try:
-                        st = host.lstat()
-                    except OSError:
-                        continue
-                    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                        changes.append(Change(rel, "deleted"))
-                    elif not stat.S_ISDIR(st.st_mode):
-                        lower = Path("/") / rel
-                        changes.append(Change(rel, "replaced" if (lower.exists() or lower.is_symlink()) else "added"))
-        findings = find_tampering(changes, lambda p: (Path("/") / p).exists())
-        return findings + self._top_level_changes(run)
+        return report_episode(run.dirs, known=run.view_points) + self._top_level_changes(run)
 
     def _top_level_changes(self, run: _Running) -> list[str]:
         """The view's root is a tmpfs of the sandbox's own (not on the host's disk): ask
@@ -380,12 +370,16 @@ class Episode:
                 found.append(f"replaced /{op.dest.name} (a symlink to {op.target}) at the top of the tree")
         return found
 
-    def evaluate(self, *, freeze: bool | None = None) -> v.VerifierResult:
+    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> v.VerifierResult:
         """Run the task's pristine tests where only the verifier sees them, through the
         runner the agent cannot write (:mod:`sequester.verifier`); read the verdict.
 
         ``freeze`` (default: the task's ``[verifier] freeze_agent``, else the settings)
         stops every agent process first, before anything of the evaluation happens.
+        ``verifier_env`` (default: the settings, else the task's ``[verifier]
+        environment_mode``, else ``"shared"``): ``"separate"`` runs the tests in a fresh
+        view of the task's pristine environment holding only the task's ``artifacts``
+        from the agent's final state (see :mod:`.separate`).
         Returns a :class:`VerifierResult` (a 0 with ``zero_reason`` when the agent made
         the tests end without a valid reward); raises :class:`VerifierCouldNotRun` only
         for what the agent cannot cause (see :mod:`.evaluation`).
@@ -395,19 +389,31 @@ class Episode:
         wanted = freeze if freeze is not None else (
             task.config.verifier.freeze_agent if task.config.verifier.freeze_agent is not None
             else self.settings.freeze_agent)
+        mode = verifier_env or self.settings.verifier_env or task.config.verifier.environment_mode or "shared"
+        if mode not in ("shared", "separate"):
+            raise ValueError(f"verifier_env: {mode!r} is not 'shared' or 'separate'")
         assert self._nsexec is not None
-        if wanted:
-            run.freezer.freeze()
+        notes: tuple[str, ...] = ()
+        frozen = None
+        if wanted:  # first: nothing of the evaluation happens while an agent process runs
+            outcome = run.freezer.freeze()
+            frozen, notes = outcome.method, (outcome.note,)
         try:
-            ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner,
-                           output_limit=self.settings.output_bytes)
+            if mode == "separate":
+                ev, more = evaluate_separately(self, run.bwrap.pid)
+                notes += more
+            else:
+                ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner,
+                               output_limit=self.settings.output_bytes)
         finally:
             if wanted:
                 run.freezer.thaw()
+                if not outcome.held and run.shell is not None:
+                    run.shell.alive = False  # its processes were killed: the next exec starts a new one
         # Information only, and only once the verdict is in: nothing of it decides the
         # reward, and the agent learns of the evaluation from nothing done before it.
         findings = tuple(self.tampering())
-        return judge(task, ev, tampering=findings, frozen=run.freezer.method if wanted else None)
+        return judge(task, ev, tampering=findings, frozen=frozen, notes=notes)
 
     # -- teardown ------------------------------------------------------------------------
 

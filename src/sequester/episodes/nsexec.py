@@ -176,6 +176,40 @@ class NsExec:
         worker = self.request({"op": "files", "target": target, "action": "read", "path": path, "limit": limit}, [])
         return base64.b64decode(self._finish(worker, timeout, f"read {path}")["data"])
 
+    def extract_artifacts(self, target: int, tar: bytes, *, timeout: float = 300) -> None:
+        """Unpack artifacts at ``/`` of the view: links are kept, nothing is written through one."""
+        self._with_input(target, {"action": "extract", "path": "/", "policy": "artifacts"}, tar, timeout)
+
+    def pack(self, target: int, paths: Sequence[str], exclude: dict[str, list[str]], *, limit: int,
+             timeout: float = 300) -> tuple[bytes, list[str]]:
+        """A tar of ``paths`` in the view (at most ``limit`` bytes) and the paths missing."""
+        data_r, data_w = os.pipe()
+        os.set_inheritable(data_r, False)
+        try:
+            worker = self.request({"op": "files", "target": target, "action": "pack", "path": "/",
+                                   "paths": list(paths), "exclude": exclude}, [data_w])
+        finally:
+            os.close(data_w)
+        data = bytearray()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([data_r], [], [], left)[0]:
+                    worker.kill()
+                    raise SandboxError(f"could not pack the artifacts: no end within {timeout:g} s")
+                chunk = os.read(data_r, 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+                if len(data) > limit:
+                    worker.kill()
+                    raise SandboxError(f"the artifacts are larger than {limit} bytes")
+        finally:
+            os.close(data_r)
+        report = self._finish(worker, timeout, "pack the artifacts")
+        return bytes(data), list(report.get("missing", []))
+
     def _with_input(self, target: int, message: dict[str, Any], data: bytes, timeout: float) -> None:
         data_r, data_w = os.pipe()
         try:

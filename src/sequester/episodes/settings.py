@@ -3,6 +3,7 @@
     [episodes]
     exec_timeout = 600          # default seconds per exec (each call may pass its own)
     freeze_agent = false        # freeze the agent's processes while the verifier runs
+    verifier_env = "shared"     # or "separate": the tests run in a fresh view holding only the task's artifacts
     output_bytes = 10000000     # cap on one exec's output and on the verifier's output
     state_dir = "/var/tmp/..."  # where episodes keep their writable layers
     toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
@@ -41,6 +42,7 @@ class EpisodeSettings:
     exec_timeout: float = 600.0
     freeze_agent: bool = False
     output_bytes: int = 10_000_000
+    verifier_env: str | None = None  # "shared" | "separate"; None: the task's environment_mode, else shared
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     toolchain_dir: Path = dataclasses.field(default_factory=default_toolchain_dir)
 
@@ -49,6 +51,8 @@ class EpisodeSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
+        if self.verifier_env not in (None, "shared", "separate"):
+            raise PolicyError(f"episodes.verifier_env: {self.verifier_env!r} is not 'shared' or 'separate'")
         if not isinstance(self.freeze_agent, bool):
             raise PolicyError(f"episodes.freeze_agent: {self.freeze_agent!r} is not true or false")
         object.__setattr__(self, "state_dir", Path(self.state_dir))

@@ -9,14 +9,17 @@ is removed the next time episodes start.
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EpisodeDirs", "remove_stale"]
+from .remove import RemovalError, remove_tree
+
+__all__ = ["EpisodeDirs", "remove_stale", "RemovalError"]
+
+log = logging.getLogger("sequester.episodes")
 
 
 @dataclass(frozen=True)
@@ -48,25 +51,19 @@ class EpisodeDirs:
         return out
 
     def remove(self) -> None:
-        _rmtree(self.root)
-
-
-def _rmtree(path: Path) -> None:
-    """Remove an episode's folder, whatever modes the agent or overlayfs left inside
-    (overlayfs leaves ``work/work`` at mode 000)."""
-    if not path.exists():
-        return
-    for root, dirs, _ in os.walk(path):  # top-down: a folder is opened up before it is entered
-        for name in dirs:
-            try:
-                os.chmod(os.path.join(root, name), stat.S_IRWXU, follow_symlinks=False)
-            except OSError:
-                pass
-    shutil.rmtree(path)
+        """Remove the episode's folder and everything the agent left in it (see
+        :func:`~.remove.remove_tree`: no recursion, no symlink followed, modes opened up).
+        Raises :class:`~.remove.RemovalError` only for what truly cannot go (a mount point
+        still mounted), after removing everything else."""
+        remove_tree(self.root)
 
 
 def remove_stale(base: Path) -> list[Path]:
-    """Remove episode folders whose owning process is gone. Returns what was removed."""
+    """Remove episode folders whose owning process is gone. Returns what was removed.
+
+    Never raises because of one folder: whatever an agent left in a layer (which made
+    ``shutil.rmtree`` raise and then failed every later job of that user), the folder is
+    logged and the others are still removed; it is tried again next time."""
     removed = []
     try:
         names = os.listdir(base)
@@ -76,7 +73,11 @@ def remove_stale(base: Path) -> list[Path]:
         pid_text = name.split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
             continue
-        _rmtree(base / name)
+        try:
+            remove_tree(base / name)
+        except Exception as exc:  # noqa: BLE001 - one bad folder must not fail a later job
+            log.warning("could not remove the stale episode folder %s: %s", base / name, exc)
+            continue
         removed.append(base / name)
     return removed
 

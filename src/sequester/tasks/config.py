@@ -72,9 +72,14 @@ class VerifierConfig:
     timeout_sec: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
     freeze_agent: bool | None = None
+    # Harbor's (schema 1.4): "shared" runs the tests in the agent's environment,
+    # "separate" in a fresh one holding only the task's artifacts; None: the run decides.
+    environment_mode: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout_sec", _positive(self.timeout_sec, "[verifier] timeout_sec"))
+        if self.environment_mode not in (None, "shared", "separate"):
+            raise TaskError(f"[verifier] environment_mode: {self.environment_mode!r} is not 'shared' or 'separate'")
         if self.freeze_agent is not None and not isinstance(self.freeze_agent, bool):
             raise TaskError(f"[verifier] freeze_agent: {self.freeze_agent!r} is not true or false")
         if not isinstance(self.env, Mapping):
@@ -85,6 +90,41 @@ class VerifierConfig:
             if not isinstance(value, str):
                 raise TaskError(f"[verifier] env.{name}: {value!r} is not a string")
         object.__setattr__(self, "env", dict(self.env))
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A path of the agent's final state that a separate verifier gets (Harbor's
+    ``artifacts = ["/app/out.txt", {source = "/app/build", exclude = ["*.o"]}]``)."""
+
+    source: str
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.startswith("/") or ".." in self.source.split("/"):
+            raise TaskError(f"artifacts: {self.source!r} is not an absolute path without '..'")
+        if not all(isinstance(p, str) and p for p in self.exclude):
+            raise TaskError(f"artifacts: exclude of {self.source!r} must be a list of patterns")
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
+
+def _artifacts(value: Any) -> tuple[Artifact, ...]:
+    if not isinstance(value, list):
+        raise TaskError(f"artifacts: {value!r} is not a list")
+    out = []
+    for entry in value:
+        if isinstance(entry, str):
+            out.append(Artifact(entry))
+        elif isinstance(entry, dict):
+            unknown = set(entry) - {"source", "destination", "exclude", "service"}
+            if unknown or "source" not in entry:
+                raise TaskError(f"artifacts: {entry!r} needs 'source' (and may have 'exclude')")
+            if entry.get("service") not in (None, "main"):
+                raise TaskError(f"artifacts: {entry['source']!r}: compose services are not supported")
+            out.append(Artifact(entry["source"], tuple(entry.get("exclude", ()))))
+        else:
+            raise TaskError(f"artifacts: {entry!r} is not a path or a table")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -160,6 +200,7 @@ class TaskConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     metadata: dict[str, Any] = field(default_factory=dict)
     schema_version: str | None = None
+    artifacts: tuple[Artifact, ...] = ()
 
 
 def parse_size_mb(value: Any, key: str) -> int:
@@ -220,11 +261,13 @@ def config_from_mapping(data: Mapping[str, Any]) -> TaskConfig:
     )
     return TaskConfig(
         verifier=VerifierConfig(timeout_sec=verifier.get("timeout_sec", 600.0), env=verifier.get("env", {}),
-                                freeze_agent=verifier.get("freeze_agent")),
+                                freeze_agent=verifier.get("freeze_agent"),
+                                environment_mode=verifier.get("environment_mode")),
         agent=AgentConfig(timeout_sec=agent.get("timeout_sec")),
         environment=environment,
         metadata=dict(metadata),
         schema_version=_version(data),
+        artifacts=_artifacts(data.get("artifacts", [])),
     )
 
 

@@ -80,4 +80,6 @@ del _fd, _argv
 
 
 def write_sitecustomize(stdlib: Path) -> None:
-    (stdlib / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    target = stdlib / "sitecustomize.py"
+    target.unlink(missing_ok=True)  # never write through whatever was there
+    target.write_text(SITECUSTOMIZE)

@@ -66,15 +66,16 @@ def _candidates(short: str) -> list[str]:
     for folder in ("/usr/local/bin", "/usr/bin"):
         found.append(f"{folder}/python{short}")
     for root in (os.environ.get("PYENV_ROOT"), Path.home() / ".pyenv", "/root/.pyenv", "/opt/pyenv"):
-        if root and Path(root, "versions").is_dir():
-            try:
-                versions = sorted(Path(root, "versions").iterdir(), reverse=True)
-            except OSError:
-                continue
-            found += [str(v / "bin" / f"python{short}") for v in versions if v.name.startswith(short + ".")]
-    uv_dir = Path.home() / ".local" / "share" / "uv" / "python"
-    if uv_dir.is_dir():
+        try:  # another user's folders may not even be searchable: then they are not ours to use
+            versions = sorted(Path(root, "versions").iterdir(), reverse=True) if root else []
+        except OSError:
+            continue
+        found += [str(v / "bin" / f"python{short}") for v in versions if v.name.startswith(short + ".")]
+    try:
+        uv_dir = Path.home() / ".local" / "share" / "uv" / "python"
         found += [str(p / "bin" / f"python{short}") for p in sorted(uv_dir.glob(f"cpython-{short}.*"), reverse=True)]
+    except OSError:
+        pass
     return [p for p in found if os.access(p, os.X_OK)]
 
 
@@ -104,7 +105,10 @@ def copy_python(py: HostPython, dest: Path) -> list[Path]:
         os.symlink(binary.name, dest / "bin" / alias)
     elves = [binary]
     stdlib = dest / "lib" / f"python{py.short}"
-    shutil.copytree(py.stdlib, stdlib, symlinks=True, ignore=lambda d, names: [n for n in names if n in _SKIP])
+    # Links are copied as what they point to: a link of the host's standard library (Debian's
+    # sitecustomize.py -> /etc/python3.11/...) would point into the agent's view.
+    shutil.copytree(py.stdlib, stdlib, symlinks=False, ignore_dangling_symlinks=True,
+                    ignore=lambda d, names: [n for n in names if n in _SKIP])
     (stdlib / "site-packages").mkdir()
     for so in sorted(py.libdir.glob(f"libpython{py.short}*.so*")):
         if so.is_file():

