@@ -153,19 +153,16 @@ def test_cli_default_job_dir_and_name(tmp_path):
     assert json.loads((job_dir / "result.json").read_text())["mean_reward"] == 1.0
 
 
-def test_no_reward_file_is_an_error_and_keeps_the_output(tmp_path):
+def test_no_reward_file_is_the_agents_zero_and_keeps_the_output(tmp_path):
+    """Trainers drop errors: a run the agent could have cut short is its 0, with the reason."""
     task = broken_task(tmp_path, "#!/bin/bash\necho 'ran the tests, wrote nothing'\nexit 0\n")
     r = sequester("run", str(task), "--agent", "oracle", "-o", str(tmp_path / "jobs"), "--job-name", "j")
-    assert r.returncode == 1, r.stderr
-    assert "RewardFileMissing" in flat(r.stdout)
+    assert r.returncode == 0, r.stderr
     job = json.loads((tmp_path / "jobs" / "j" / "result.json").read_text())
-    assert (job["n_trials"], job["n_errors"], job["mean_reward"], job["reward_counts"]) == (1, 1, None, {})
-    assert job["errors"][0]["exception_type"] == "RewardFileMissing"
+    assert (job["n_trials"], job["n_errors"], job["mean_reward"]) == (1, 0, 0.0)
     trial = json.loads(TrialPaths(tmp_path / "jobs" / "j" / job["trials"][0]).result_path.read_text())
-    assert trial["verifier_result"] is None
-    info = trial["exception_info"]
-    assert info["exception_type"] == "RewardFileMissing" and "reward" in info["exception_message"]
-    assert "Traceback" in info["exception_traceback"] and info["occurred_at"]
+    assert trial["verifier_result"]["rewards"] == {"reward": 0.0} and trial["exception_info"] is None
+    assert any("reward 0 for the agent" in n and "neither" in n for n in trial["notes"]), trial["notes"]
     assert trial["verifier"]["started_at"] and trial["verifier"]["finished_at"]
     out = TrialPaths(tmp_path / "jobs" / "j" / job["trials"][0]).test_stdout_path.read_text()
     assert "ran the tests, wrote nothing" in out
@@ -205,20 +202,22 @@ def test_bad_task_exits_2_naming_the_file(tmp_path):
 
 def test_config_file_and_flags_set_the_episode_settings(tmp_path):
     config = tmp_path / "episodes.toml"
-    config.write_text('[episodes]\nexec_timeout = 45\non_tamper = "zero"\n')
+    config.write_text('[episodes]\nexec_timeout = 45\nverifier_env = "separate"\n')
     r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", "oracle", "--config", str(config),
                   "--freeze-agent", "-o", str(tmp_path), "--job-name", "c")
     assert r.returncode == 0, r.stderr
     (trial,) = trial_results(tmp_path / "c").values()
     settings = json.loads(TrialPaths(tmp_path / "c" / trial["trial_name"]).config_path.read_text())["settings"]
-    assert (settings["exec_timeout"], settings["on_tamper"], settings["freeze_agent"]) == (45, "zero", True)
+    assert (settings["exec_timeout"], settings["verifier_env"], settings["freeze_agent"]) == (45, "separate", True)
     assert json.loads((tmp_path / "c" / "config.json").read_text())["settings"] == settings
-    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
-    assert any("frozen" in n for n in trial["notes"]), trial["notes"]
-    config.write_text('[episodes]\non_tamper = "sometimes"\n')
-    r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", "oracle", "--config", str(config),
-                  "-o", str(tmp_path))
-    assert r.returncode == 2 and "episodes.on_tamper: 'sometimes'" in flat(r.stderr)
+    assert trial["verifier_result"]["rewards"] == {"reward": 0.0}  # separate: the example declares no artifacts
+    assert any("separate environment" in n for n in trial["notes"]), trial["notes"]
+    for bad, said in (('verifier_env = "sometimes"', "episodes.verifier_env: 'sometimes'"),
+                      ('on_tamper = "zero"', "episodes.on_tamper was removed")):
+        config.write_text(f'[episodes]\n{bad}\n')
+        r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", "oracle", "--config", str(config),
+                      "-o", str(tmp_path))
+        assert r.returncode == 2 and said in flat(r.stderr), r.stderr
 
 
 def test_script_agent_is_recorded(tmp_path):
@@ -237,22 +236,17 @@ def test_script_agent_is_recorded(tmp_path):
     assert '"rows": 24' in command["stdout"] and command["timeout"] == 600
 
 
-def test_tampering_is_reported_and_can_zero_the_reward(tmp_path):
+def test_tampering_is_reported_and_the_verdict_is_the_tests(tmp_path):
     script = tmp_path / "agent.sh"
     solve = (EXAMPLES / "python-csv-stats" / "solution" / "solve.sh").read_text()
     script.write_text(solve + "\necho 'export X=1' > /etc/profile.d/zz-agent.sh\n")
-    task = EXAMPLES / "python-csv-stats"
-    for action, reward in (("report", 1.0), ("zero", 0.0)):
-        r = sequester("run", str(task), "--agent", f"script:{script}", "-o", str(tmp_path), "--job-name", action,
-                      "--on-tamper", action, "--exec-timeout", "30")
-        assert r.returncode == 0, r.stderr
-        (trial,) = trial_results(tmp_path / action).values()
-        assert trial["verifier_result"]["rewards"]["reward"] == reward
-        assert any("profile.d/zz-agent.sh" in t for t in trial["tampering"]), trial["tampering"]
-        assert "! 1" in r.stdout
-        config = json.loads(TrialPaths(tmp_path / action / trial["trial_name"]).config_path.read_text())
-        assert config["settings"]["on_tamper"] == action and config["settings"]["exec_timeout"] == 30
-    assert any("set to 0" in n for n in trial["notes"])
+    r = sequester("run", str(EXAMPLES / "python-csv-stats"), "--agent", f"script:{script}", "-o", str(tmp_path),
+                  "--job-name", "t", "--exec-timeout", "30")
+    assert r.returncode == 0, r.stderr
+    (trial,) = trial_results(tmp_path / "t").values()
+    assert trial["verifier_result"]["rewards"]["reward"] == 1.0
+    assert any("profile.d/zz-agent.sh" in t for t in trial["tampering"]), trial["tampering"]
+    assert f"! {len(trial['tampering'])}" in r.stdout
 
 
 def test_agent_cannot_run_the_verifier(tmp_path):
