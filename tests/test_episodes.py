@@ -456,3 +456,32 @@ def test_agent_seccomp_refuses_kernel_attack_surface(episode, tmp_path):
     episode.write_file("/tmp/probe.py", SYSCALL_PROBE)
     seen = json.loads(episode.exec("python3 /tmp/probe.py").stdout)
     assert seen == {"keyctl": "EPERM", "bpf": "EPERM", "io_uring": "EPERM", "unshare": "EPERM", "mount": "EPERM"}
+
+
+def test_nothing_in_an_episode_holds_the_hosts_output(tmp_path):
+    """The agent (through its init) and the tests' programs (through the verifier's init,
+    PID 1 of the verifier's namespace) write to /proc/1/fd/{1,2}: none of it reaches the
+    process that runs the episode."""
+    import subprocess
+    import sys
+
+    task = make_task(tmp_path, test_sh="for fd in 1 2; do echo VERIFIER-FORGED >> /proc/1/fd/$fd && echo wrote $fd; "
+                                       "done > /logs/verifier/fds.txt 2>&1\necho 1 > /logs/verifier/reward.txt\n")
+    harness = (
+        "import sys\nfrom sequester.episodes.episode import Episode\n"
+        "with Episode() as ep:\n"
+        f"    ep.reset({str(task)!r})\n"
+        "    out = ep.exec('for fd in 1 2; do printf \"AGENT-FORGED\\\\033[2J\" >> /proc/1/fd/$fd && echo agent wrote $fd; "
+        "done 2>/dev/null; true').stdout\n"
+        "    sys.stderr.write(out)\n"
+        "    r = ep.evaluate()\n"
+        "    print('REWARD', r.reward)\n"
+        "    sys.stderr.write(r.files['fds.txt'].decode())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", harness], capture_output=True, text=True, timeout=120)
+    assert "REWARD 1.0" in proc.stdout, proc.stderr
+    assert "FORGED" not in proc.stdout + proc.stderr and "\033[2J" not in proc.stdout + proc.stderr
+    # control: the agent's write to fd 1 did happen (into /dev/null; fd 2 is a pipe whose
+    # reader is gone); the tests' programs cannot even open the verifier's init's
+    assert "agent wrote 1" in proc.stderr
+    assert "/proc/1/fd/1" in proc.stderr

@@ -359,14 +359,16 @@ class Episode:
         return report_episode(run.dirs, known=run.view_points) + self._top_level_changes(run)
 
     def _top_level_changes(self, run: _Running) -> list[str]:
-        """The view's root is a tmpfs of the sandbox's own (not on the host's disk): ask
-        inside whether the agent replaced one of its symlinks (``/bin`` -> ``usr/bin``)."""
-        assert self._nsexec is not None
-        now = {name: (kind, target) for name, kind, target in self._nsexec.list_dir(run.bwrap.pid, "/")}
+        """The view's root is a tmpfs of the sandbox's own (not on the host's disk): look
+        through the init's root from the host (``readlink`` follows nothing) whether the
+        agent replaced one of its symlinks (``/bin`` -> ``usr/bin``)."""
         found = []
         for op in run.symlinks:
-            kind, target = now.get(op.dest.name, (None, None))
-            if kind != "link" or target != op.target:
+            try:
+                target = os.readlink(f"/proc/{run.bwrap.pid}/root/{op.dest.name}")
+            except OSError:
+                target = None
+            if target != op.target:
                 found.append(f"replaced /{op.dest.name} (a symlink to {op.target}) at the top of the tree")
         return found
 

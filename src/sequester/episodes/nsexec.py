@@ -115,7 +115,11 @@ class NsExec:
                 # -s -P: no user site, no cwd on sys.path; PYTHONPATH still counts (it may be
                 # how this process found sequester).
                 [sys.executable, "-s", "-B", "-P", "-m", "sequester.episodes._nsexec_server", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                # No descriptor of the host's output: every process the helper starts (the
+                # verifier's init is PID 1 of a namespace the tests' programs can read
+                # /proc/1/fd of) would hold it. Workers report on their own pipes.
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
             theirs.close()

@@ -10,6 +10,8 @@ view, where nothing is written through a link; its size is bounded.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import TYPE_CHECKING
 
 from ..errors import SequesterError
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
 
+log = logging.getLogger("sequester.episodes")
+
 ARTIFACT_LIMIT = 1 << 30
 
 
@@ -29,7 +33,8 @@ def evaluate_separately(episode: Episode, agent_init: int) -> tuple[Evaluation, 
     task, workdir, nsexec = episode.task, episode.workdir, episode._nsexec_call()
     notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
     artifacts = task.config.artifacts
-    with Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec) as fresh:
+    fresh = Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec)
+    try:
         fresh.reset(task, workdir=workdir, shell=False)
         if not artifacts:
             notes.append("the task declares no artifacts: the tests saw none of the agent's work")
@@ -43,4 +48,17 @@ def evaluate_separately(episode: Episode, agent_init: int) -> tuple[Evaluation, 
                 notes.append(f"the artifacts were not copied: {exc}")
         ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh._running().runner,
                        output_limit=episode.settings.output_bytes)
+    finally:
+        # Its processes die now; removing its layers (slow on overlayfs: ~1 ms a folder)
+        # need not hold up the verdict. A process that exits first leaves them to the
+        # next start's stale-state removal.
+        fresh.abort()
+        threading.Thread(target=_close, args=(fresh,), name="sequester-separate-close", daemon=True).start()
     return ev, tuple(notes)
+
+
+def _close(fresh: Episode) -> None:
+    try:
+        fresh.close()
+    except SequesterError as exc:
+        log.warning("the separate verifier environment was not removed completely: %s", exc)
