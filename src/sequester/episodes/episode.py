@@ -6,66 +6,49 @@
     result = ep.evaluate()          # VerifierResult, or a VerifierError
     ep.close()
 
-The one place that orders the steps of an episode. ``reset``: load the task, plan the
-agent's view (:mod:`.view`), stage the Dockerfile's files into fresh writable layers
-(:mod:`.staging`), start the episode's init under bwrap, put it in a freezer, and start
-the agent's shell through the namespace helper (:mod:`.nsexec`). ``evaluate``: list
-visible tampering (:mod:`.tamper`), optionally freeze the agent, run the pristine tests in
-a namespace only the verifier has, read the verdict strictly (:mod:`.verifier`).
-``close``: kill everything, remove the layers. The source task is only ever read.
+The one place that orders the steps of an episode. ``reset``: load the task, start its
+sandbox (:mod:`.start`: the view, the environment's files, the init, its freezer), and
+start the agent's shell through the namespace helper (:mod:`.nsexec`). ``evaluate``:
+freeze the agent if asked, first; run the pristine tests in a namespace only the verifier
+has, through the runner the agent cannot write, in the agent's view or a separate one
+(:mod:`.evaluation`, :mod:`.separate`); then list the tampering, for information
+(:mod:`.layers`). ``close``: kill everything, remove the layers. The source task is only
+ever read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import io
 import logging
-import tarfile
 import os
-import subprocess
+import tarfile
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SandboxError, SequesterError
 from ..guard import seccomp
-from ..policy import Policy
-from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
-from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
-from ..sandbox.host import HostFacts, gather_host_facts
-from ..sandbox.launch import ROOT_SECRETS
-from ..sandbox.mounts import SYSTEM_DIRS, MountKind, MountOp, hidden_paths
+from ..sandbox.argv import CONTAINER_CAPS
+from ..sandbox.bwrap import close_fd
 from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
-from .freezer import Freezer, make_freezer
-from .nsexec import NsExec, shared_nsexec, write_and_close
+from .evaluation import judge, run_tests
+from .layers import report_episode
+from .nsexec import NsExec, shared_nsexec
+from .separate import evaluate_separately
 from .settings import EpisodeSettings
 from .shell import SHELL_SETUP, ExecResult, Shell
-from .staging import stage_environment, tops_needed
+from .start import RunningEpisode, start_episode
 from .state import EpisodeDirs, remove_stale
-from .layers import report_episode, view_points
-from ..verifier import ensure_runner
-from .evaluation import judge, run_tests
-from .separate import evaluate_separately
-from .view import plan_episode_view
 
 __all__ = ["Episode", "EpisodeError", "ExecResult"]
 
 log = logging.getLogger("sequester.episodes")
 
-# The episode's init: PID 1 of its namespace, which the agent cannot signal (the kernel
-# ignores signals to an init that has no handler). bash reaps every orphan it adopts, so
-# background processes the agent starts keep running until close() and leave no zombies.
-# It says "r" on the ready pipe once bwrap has finished building the view.
-_INIT = 'printf r >&"$0"; eval "exec $0>&-"; while :; do sleep 86400 & wait $!; done'
-_AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _READ_LIMIT = 64 * 1024 * 1024
-_runner_lock = threading.Lock()
-_runners: dict[Path, Path | None] = {}
 _stale_cleaned: set[Path] = set()
 
 
@@ -79,35 +62,6 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass
-class _Running:
-    task: Task
-    workdir: str
-    dirs: EpisodeDirs
-    bwrap: StartedBwrap
-    freezer: Freezer
-    env: dict[str, str]
-    deadline: float | None
-    shell: Shell | None = None
-    notes: list[str] = field(default_factory=list)
-    symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
-    runner: Path | None = None  # the verifier's runner tree on the host
-    view_points: frozenset = frozenset()  # where the view's own mounts are (not the agent's changes)
-
-
-def _runner(folder: Path) -> Path | None:
-    """The verifier's runner tree (built once per process and folder); ``None`` when it
-    cannot be built: episodes still start, and their evaluations say why they cannot run."""
-    with _runner_lock:
-        if folder not in _runners:
-            try:
-                _runners[folder] = ensure_runner(folder)
-            except SequesterError as exc:
-                log.error("the verifier's runner could not be built in %s: %s", folder, exc)
-                _runners[folder] = None
-        return _runners[folder]
-
-
 class Episode:
     """One agent's episode on one task (local mode: namespaces on this host). Not thread-safe;
     run many episodes in many threads."""
@@ -119,7 +73,7 @@ class Episode:
         self.extra_hidden = tuple(Path(p).resolve() for p in hide)
         self._nsexec = nsexec
         self._state = _State.NEW
-        self._run: _Running | None = None
+        self._run: RunningEpisode | None = None
         self._aborted = threading.Event()
 
     # -- properties --------------------------------------------------------------------
@@ -146,7 +100,7 @@ class Episode:
         """Host pid of the episode's init (diagnostics, tests)."""
         return self._running().bwrap.pid
 
-    def _running(self) -> _Running:
+    def _running(self) -> RunningEpisode:
         if self._aborted.is_set():
             raise EpisodeError("the episode was aborted")
         if self._run is None:
@@ -175,7 +129,7 @@ class Episode:
             _stale_cleaned.add(self.settings.state_dir)
         dirs = EpisodeDirs.create(self.settings.state_dir)
         try:
-            self._run = self._start(task, chosen, dirs)
+            self._run = start_episode(task, chosen, dirs, self.settings, self.extra_hidden)
         except BaseException:
             dirs.remove()
             raise
@@ -183,92 +137,6 @@ class Episode:
         if shell:
             self._start_shell()
         return self
-
-    def _start(self, task: Task, workdir: str, dirs: EpisodeDirs) -> _Running:
-        facts = gather_host_facts()
-        hidden_top, hidden_deep = self._hidden(task, facts)
-        fresh = {p.name for p in hidden_top}
-        for top in tops_needed(task, workdir):
-            if not (Path("/") / top).is_dir() or (Path("/") / top).is_symlink():
-                fresh.add(top)
-        notes = [f"{u.instruction} at {task.dockerfile.source}:{u.line} not applied: {u.reason}"
-                 for u in (task.dockerfile.unsupported if task.dockerfile else ())]
-        if task.config.environment.effective_network_mode != "no-network":
-            notes.append("the task asks for network access; local episodes have none")
-        runner = _runner(self.settings.toolchain_dir)
-        # Without a WORKDIR the agent works at the task's own path: an empty writable folder
-        # there, instead of the read-only one that hides the task.
-        scratch = (Path(workdir),) if workdir == str(task.path) else ()
-        hidden_deep = [(p, d) for p, d in hidden_deep if p not in scratch]
-        mounts = plan_episode_view(facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh,
-                                   toolchain=runner, scratch=scratch)
-        for op in mounts:
-            for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
-                if folder is not None:
-                    folder.mkdir(parents=True, exist_ok=True)
-        notes += stage_environment(task, dirs, fresh, workdir)
-        if workdir == str(task.path):
-            notes.append("no WORKDIR: the agent works in an empty folder at the task's path")
-        env = {"PATH": _AGENT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", "PWD": workdir,
-               **(task.dockerfile.env_map if task.dockerfile else {})}
-        spec = SandboxSpec(
-            mounts=mounts, command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT), env={"PATH": _AGENT_PATH},
-            cwd=Path("/"), identity=Identity.ROOT, caps=CONTAINER_CAPS, hostname=task.name[:63] or "sequester",
-            as_pid_1=True, readonly_root=False,
-        )
-        ready_r, ready_w = os.pipe()
-        # The init (and so every agent process) must hold nothing of the host's: not its
-        # stdout or stderr, which would let `echo ... > /proc/1/fd/1` forge the operator's
-        # output or truncate its log. bwrap's own error messages go to a pipe read until
-        # the view is up; after that, writes to it fail.
-        err_r, err_w = os.pipe()
-        os.set_inheritable(err_r, False)
-        try:
-            spec = dataclasses.replace(spec, command=(*spec.command, str(ready_w)))
-            started = start_bwrap(spec, data_files={}, keep_fds=[ready_w], stdout=subprocess.DEVNULL, stderr=err_w,
-                                  stderr_reader=err_r)
-        except BaseException:
-            close_fd(err_r)
-            raise
-        finally:
-            close_fd(ready_w)
-            close_fd(err_w)
-        try:
-            if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
-                said = _pending(err_r).decode(errors="replace").strip()
-                raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}")
-            freezer = make_freezer(started.pid)
-        except BaseException:
-            started.kill()
-            raise
-        finally:
-            close_fd(ready_r)
-            close_fd(err_r)
-        timeout = task.config.agent.timeout_sec
-        return _Running(task, workdir, dirs, started, freezer, env,
-                        time.monotonic() + timeout if timeout else None, notes=notes,
-                        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner,
-                        view_points=view_points(op.dest for op in mounts))
-
-    def _hidden(self, task: Task, facts: HostFacts) -> tuple[set[Path], list[tuple[Path, bool]]]:
-        """Top-level folders to give fresh, and deeper paths to cover.
-
-        Whoever the caller, an agent's world is the operating system's folders (root's
-        rule, :data:`SYSTEM_DIRS`) plus fresh ones: other users' and other programs' data
-        (``/home``, ``/srv``, ``/mnt``, ...) is not part of a task's environment. Below
-        those, the caller's own hidden paths (its home and folders, for an ordinary user).
-        """
-        dirs, files = hidden_paths(Policy(), facts)
-        top = {e.path for e in facts.entries
-               if e.path.parent == Path("/") and not e.is_symlink and e.path.name not in SYSTEM_DIRS}
-        deep = [*dirs, *files, task.path.resolve(), self.settings.state_dir, *self.extra_hidden]
-        if facts.is_root:
-            deep += ROOT_SECRETS
-        found: list[tuple[Path, bool]] = []
-        for path in dict.fromkeys(deep):
-            if len(path.parts) > 2 and (path.exists() or path.is_symlink()):
-                found.append((path, path.is_dir() and not path.is_symlink()))
-        return top, found
 
     def _start_shell(self) -> None:
         run = self._running()
@@ -358,7 +226,7 @@ class Episode:
         run = self._running()
         return report_episode(run.dirs, known=run.view_points) + self._top_level_changes(run)
 
-    def _top_level_changes(self, run: _Running) -> list[str]:
+    def _top_level_changes(self, run: RunningEpisode) -> list[str]:
         """The view's root is a tmpfs of the sandbox's own (not on the host's disk): look
         through the init's root from the host (``readlink`` follows nothing) whether the
         agent replaced one of its symlinks (``/bin`` -> ``usr/bin``)."""
@@ -456,17 +324,3 @@ class Episode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _wait_readable(fd: int, timeout: float) -> bool:
-    import select
-
-    return bool(select.select([fd], [], [], timeout)[0])
-
-
-def _pending(fd: int, limit: int = 4096) -> bytes:
-    os.set_blocking(fd, False)
-    try:
-        return os.read(fd, limit)
-    except OSError:
-        return b""

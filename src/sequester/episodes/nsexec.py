@@ -171,11 +171,6 @@ class NsExec:
     def extract(self, target: int, path: str, tar: bytes, *, timeout: float = 120) -> None:
         self._with_input(target, {"action": "extract", "path": path}, tar, timeout)
 
-    def list_dir(self, target: int, path: str, *, timeout: float = 30) -> list[tuple[str, str, str | None]]:
-        """(name, "link"|"dir"|"other", link target) of each entry of a folder in the view."""
-        worker = self.request({"op": "files", "target": target, "action": "list", "path": path}, [])
-        return [tuple(e) for e in self._finish(worker, timeout, f"list {path}")["entries"]]  # type: ignore[misc]
-
     def read_file(self, target: int, path: str, *, limit: int, timeout: float = 60) -> bytes:
         worker = self.request({"op": "files", "target": target, "action": "read", "path": path, "limit": limit}, [])
         return base64.b64decode(self._finish(worker, timeout, f"read {path}")["data"])

@@ -28,7 +28,6 @@ from ..verifier.tree import PINNED
 __all__ = [
     "VerifierError", "VerifierCouldNotRun", "VerifierTimeout", "RewardFileMissing", "RewardInvalid",
     "VerifierResult", "tests_archive", "verifier_argv", "verifier_env", "parse_rewards", "primary_reward",
-    "uses_pytest",
 ]
 
 RUNNER_FD = 3  # in the test script: the pipe on which the runner reports that pytest started
@@ -143,15 +142,6 @@ def verifier_env(task: Task) -> dict[str, str]:
     runner's; nothing of the agent shell's."""
     image = task.dockerfile.env_map if task.dockerfile is not None else {}
     return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD)
-
-
-def uses_pytest(task: Task) -> bool:
-    """Whether the task's verifier runs pytest (TB2's form, or no test.sh at all): then a
-    run in which the runner never started pytest is a failed bootstrap, not a verdict."""
-    if task.test_script is None:
-        return True
-    text = task.test_script.read_text(errors="replace")
-    return "pytest" in text
 
 
 def _number(value: Any, where: str) -> float:
