@@ -158,3 +158,65 @@ def test_streaming_callback(kernel):
 def test_bad_timeout(kernel):
     with pytest.raises(ValueError):
         kernel.run("1", timeout=0)
+
+
+# -- frames are untrusted input too ---------------------------------------------------
+
+HUGE_FRAME = (
+    "import os, struct, sys\nfd = int(sys.argv[2])  # the kernel's protocol fd\n"
+    "os.write(fd, struct.pack('!I', {size}))\nchunk = b'x' * (1 << 20)\n"
+    "for _ in range({size} >> 20):\n    os.write(fd, chunk)\n"
+)
+
+
+def _peak_rss_growth(run) -> int:
+    """Bytes the host's peak resident set grew by while ``run()`` ran."""
+    def kib(key):
+        return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before = kib("VmRSS")
+    run()
+    return (kib("VmHWM") - before) * 1024
+
+
+def test_an_oversized_frame_kills_the_kernel_and_host_memory_stays_bounded():
+    size = 250_000_000  # also far over output_bytes: a way around the output cap
+    with Kernel(Policy(limits=Limits(cell_timeout=30))) as k:
+        k.run("lost = 1")
+        results = []
+        growth = _peak_rss_growth(lambda: results.append(k.run(HUGE_FRAME.format(size=size))))
+        r = results[0]
+        assert r.error.type == "KernelError" and r.restarted
+        assert f"message of {size} bytes is over the" in r.error.message and "restarted" in r.error.message
+        assert growth < 32 * 1024 * 1024, growth
+        assert k.run("lost").error.type == "NameError" and k.run("1 + 1").value == "2"
+
+
+def test_control_without_the_frame_cap_the_host_buffers_what_the_kernel_sends(monkeypatch):
+    from sequester.kernel import client, protocol
+
+    monkeypatch.setattr(client, "frame_limit", lambda output_bytes: protocol.MAX_MESSAGE)
+    size = 100 * 1024 * 1024
+    with Kernel(Policy(limits=Limits(cell_timeout=30))) as k:
+        results = []
+        growth = _peak_rss_growth(lambda: results.append(k.run(HUGE_FRAME.format(size=size))))
+    assert results[0].error.type == "KernelError"  # not JSON, once all of it was read
+    assert growth > size * 0.9, growth
+
+
+def test_long_error_messages_are_clipped_not_fatal():
+    with Kernel(Policy(limits=Limits(output_bytes=1000))) as k:
+        r = k.run("raise ValueError('m' * 5_000_000)")
+        assert r.error.type == "ValueError" and not r.restarted
+        assert len(r.error.message) < 200_000 and r.error.message.endswith("more characters]")
+
+
+def test_frame_limit_follows_output_bytes():
+    from sequester.kernel.protocol import MAX_MESSAGE, TEXT_LIMIT, frame_limit
+
+    assert frame_limit(1000) < 4 * 1024 * 1024
+    assert frame_limit(10_000_000) - frame_limit(1000) == 10_000_000 - 1000
+    assert frame_limit(10**12) == MAX_MESSAGE
+    assert frame_limit(0) > 4 * 6 * TEXT_LIMIT  # room for every clipped field, fully escaped

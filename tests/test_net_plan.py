@@ -38,3 +38,12 @@ def test_is_allowed_is_exact():
     assert not is_allowed(allow, "evil.api.example.com", 443)
     assert not is_allowed(allow, "127.0.0.1", 8001)
     assert not is_allowed(allow, "not a host", 443)
+
+
+def test_the_same_loopback_endpoint_twice_gets_one_listener():
+    plan = plan_network([Endpoint("localhost", 8000), Endpoint("127.0.0.1", 8000), Endpoint("localhost", 8001)])
+    bound = [(l.address, l.port) for l in plan.listeners]
+    assert len(bound) == len(set(bound))
+    targets = {(l.address, l.port): l.target for l in plan.listeners if l.target}
+    assert targets[("127.0.0.1", 8000)] == Endpoint("127.0.0.1", 8000)  # the IP literal wins
+    assert targets[("127.0.0.1", 8001)] == Endpoint("localhost", 8001)

@@ -157,3 +157,36 @@ def test_environment_is_an_allowlist():
                    "HTTPS_PROXY": "http://127.0.0.1:3128", "HOME": "", "TMPDIR": "/tmp"}
     guard = kernel_environment(host, passthrough=[], proxy=None, tmpdir="/w")
     assert guard["HTTPS_PROXY"] == "http://corp:3128" and "LD_PRELOAD" not in guard
+
+
+def test_ffi_libraries_the_view_shows_are_covered_with_dev_null():
+    lib = P("/root/.pyenv/versions/3.11/lib/python3.11/lib-dynload/_ctypes.cpython-311-x86_64-linux-gnu.so")
+    cffi = P("/usr/lib/python3/dist-packages/_cffi_backend.cpython-311-x86_64-linux-gnu.so")
+    other = P("/root/.pyenv/versions/3.12/lib/python3.12/lib-dynload/_ctypes.cpython-312-x86_64-linux-gnu.so")
+    from dataclasses import replace
+
+    f = replace(facts(uid=0, home="/root", roots=("/root/.pyenv/versions/3.11",)), ffi_libraries=(lib, cffi, other))
+    plan = plan_mounts(Policy(), f)
+    covered = {op.dest: op.source for op in plan if op.kind is MountKind.HIDE_FILE}
+    assert covered == {lib: P("/dev/null"), cffi: P("/dev/null")}  # not the 3.12 one: /root is hidden
+    dests = [op.dest for op in plan]
+    assert dests.index(P("/root/.pyenv/versions/3.11")) < dests.index(lib)  # on top of its mount-back
+
+
+def test_ffi_library_names_and_folders():
+    from sequester.sandbox.native import is_ffi_library, package_dir_patterns
+
+    assert is_ffi_library("_ctypes.cpython-311-x86_64-linux-gnu.so") and is_ffi_library("_ctypes.so")
+    assert is_ffi_library("_cffi_backend.abi3.so") and is_ffi_library("_ctypes_test.cpython-311-x86_64-linux-gnu.so")
+    assert not is_ffi_library("_ctypes_other.so") and not is_ffi_library("_ctypes") and not is_ffi_library("ctypes.py")
+    patterns = package_dir_patterns(P("/opt/conda"))
+    assert "/opt/conda" in patterns and "/opt/conda/lib/python3*/site-packages" in patterns
+    assert "/opt/conda/lib/python3*/lib-dynload" in patterns
+
+
+def test_kernel_caps_and_the_view_only_caps():
+    from sequester.sandbox.launch import _caps
+
+    assert "CAP_SYS_ADMIN" in _caps(False, True) and "CAP_NET_ADMIN" in _caps(True, True)
+    assert "CAP_NET_BIND_SERVICE" not in _caps(False, True)  # the kernel's own netns lets every port bind
+    assert not {"CAP_SYS_ADMIN", "CAP_NET_ADMIN"} & set(_caps(True, False) + _caps(False, False))

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .check_native import ctypes_unloadable
 from .kernel.client import Kernel
 from .policy import Isolation, Policy
 from .sandbox.host import gather_host_facts
@@ -130,7 +131,7 @@ def run_check(policy: Policy) -> CheckReport:
     findings: list[Finding] = []
     support = namespace_support()
     findings.append(Finding("user namespaces available", support.available, support.detail))
-    facts = gather_host_facts()
+    facts = gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly))
     with tagged_service(b"allowed") as allowed_port, tagged_service(b"other") as other_port:
         probe_policy = policy.with_overrides(allow=[f"127.0.0.1:{allowed_port}"])
         with Kernel(probe_policy) as kernel:
@@ -144,6 +145,7 @@ def run_check(policy: Policy) -> CheckReport:
                 _processes_invisible(kernel),
                 _capabilities(kernel),
                 _ctypes(kernel),
+                ctypes_unloadable(kernel, facts.ffi_libraries),  # last: it switches the audit hook off
             ]
     return CheckReport(mode, tuple(findings))
 

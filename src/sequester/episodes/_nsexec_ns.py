@@ -21,7 +21,7 @@ NS_GET_PARENT = 0xB702
 PR_SET_PDEATHSIG = 1
 
 
-# -- operations ---------------------------------------------------------------------
+
 
 
 def check(result: int, what: str) -> None:

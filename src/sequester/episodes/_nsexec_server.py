@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 from sequester.episodes._nsexec_files import extract, op_files
+from sequester.episodes._nsexec_root import build_root
 from sequester.episodes._nsexec_ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_PRIVATE, MS_REC, PR_SET_PDEATHSIG,
                                            check, die_with_parent, enter, libc, read_all, report, restrict)
 
@@ -113,22 +114,21 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-    _check_runner(req["runner"])
-    for point in (b"/tests", b"/logs"):
-        check(libc.mount(b"tmpfs", point, b"tmpfs", 0, b"mode=0755,size=1g"), f"mount tmpfs on {point.decode()}")
-    run = req["runner"]["run"]
-    check(libc.mount(b"tmpfs", run.encode(), b"tmpfs", 0, b"mode=0755,size=2g"), f"mount tmpfs on {run}")
+    runner = req["runner"]
+    notes = build_root("/tests", runner["bin"], runner["run"])
+    _check_runner(runner)
+    run = runner["run"]
     for folder in ("home/.local/bin", "cache", "tools"):
         os.makedirs(f"{run}/{folder}", 0o755)
     with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
-        f.write(req["runner"]["home_env"])
+        f.write(runner["home_env"])
     os.mkdir("/logs/verifier", 0o777)
     os.chmod("/logs/verifier", 0o777)
     extract(read_all(tests), "/tests", "data")
     os.close(tests)
     init = os.fork()
     if init == 0:
-        _verifier_init(req, result, output, runner_pipe)
+        _verifier_init(req, result, output, runner_pipe, notes)
     for fd in (output, result, runner_pipe):
         os.close(fd)
     _, status = os.waitpid(init, 0)
@@ -145,7 +145,7 @@ def _check_runner(runner: dict[str, Any]) -> None:
         raise OSError(errno.EPERM, f"the verifier's runner is not mounted read-only at {path}")
 
 
-def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int) -> None:
+def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int, notes: list[str]) -> None:
     """PID 1 of the verifier's namespace: run the script, reap, read the verdict, report."""
     try:
         die_with_parent(None)
@@ -184,16 +184,22 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                 status = st
                 break
         report(result, {"exit_code": os.waitstatus_to_exitcode(status) if status is not None else None,
-                         "files": _verdict_files()})
+                        "files": _verdict_files(), "notes": notes})
     except BaseException as exc:  # noqa: BLE001
         report(result, {"error": f"{type(exc).__name__}: {exc}"})
     os._exit(0)
 
 
 def _verdict_files() -> dict[str, str]:
-    """Regular files directly in /logs/verifier (no symlinks), base64, size-capped."""
+    """Regular files directly in /logs/verifier (no symlinks), base64, size-capped. The
+    tests' programs may have removed or replaced the folder: then there are none (the
+    agent's 0), never an error."""
     out: dict[str, str] = {}
-    for name in sorted(os.listdir("/logs/verifier"))[:64]:
+    try:
+        names = sorted(os.listdir("/logs/verifier"))[:64]
+    except OSError:
+        return out
+    for name in names:
         path = f"/logs/verifier/{name}"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -42,9 +42,16 @@ from ..verifier import layout
 from . import verifier as v
 from .nsexec import HeadTail, NsExec, write_and_close
 
-__all__ = ["Evaluation", "run_tests", "judge"]
+__all__ = ["Evaluation", "BootstrapFailed", "run_tests", "judge", "zero_result"]
 
 _RUNNER_SAID_LIMIT = 4096
+
+
+class BootstrapFailed(v.VerifierCouldNotRun):
+    """uvx started, pytest never did. Whether that is the runner's failing or the agent's
+    doing is decided by running the same tests in the task's pristine environment (see
+    :meth:`sequester.episodes.episode.Episode.evaluate`): the runner's own report could
+    have been forged there by a program of the agent's, in the pristine one it cannot."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner
             "cwd": workdir, "caps": list(CONTAINER_CAPS),
             "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
             "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": _proc_submounts(init_pid),
-            "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "dev": st.st_dev,
+            "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "bin": str(layout.BIN), "dev": st.st_dev,
                        "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text()},
             "runner_fd": v.RUNNER_FD,
         }, [tests_r, out_w, said_w])
@@ -109,10 +116,11 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
     """The verdict of one evaluation (see the table above), or :class:`VerifierCouldNotRun`."""
     text = ev.output.decode(errors="replace")
     seen: dict[str, Any] = {"output": text, "duration": ev.duration, "tampering": tampering}
+    notes = (*notes, *(ev.report or {}).get("notes", ()))
 
     def zero(reason: str, exit_code: int | None = None, files: dict[str, bytes] | None = None) -> v.VerifierResult:
-        return v.VerifierResult({"reward": 0.0}, text, exit_code, ev.duration, dict(files or {}), tampering, frozen,
-                                zero_reason=reason, notes=notes)
+        return zero_result(ev, reason, tampering=tampering, frozen=frozen, notes=notes, exit_code=exit_code,
+                           files=files)
 
     if ev.report is None:
         return zero(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed")
@@ -122,7 +130,7 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
     files = {name: base64.b64decode(data) for name, data in ev.report.get("files", {}).items()}
     seen.update(exit_code=exit_code, files=files)
     if "uvx" in ev.runner_said and "pytest" not in ev.runner_said:
-        raise v.VerifierCouldNotRun(
+        raise BootstrapFailed(
             "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
             f"test script asks for; the script exited {exit_code})", **seen)
     try:
@@ -130,6 +138,14 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
     except v.VerifierError as exc:
         return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
     return v.VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
+
+
+def zero_result(ev: Evaluation, reason: str, *, tampering: tuple[str, ...], frozen: str | None,
+                notes: tuple[str, ...], exit_code: int | None = None,
+                files: dict[str, bytes] | None = None) -> v.VerifierResult:
+    """The agent's 0 for an evaluation without a valid verdict, with the reason."""
+    return v.VerifierResult({"reward": 0.0}, ev.output.decode(errors="replace"), exit_code, ev.duration,
+                            dict(files or {}), tampering, frozen, zero_reason=reason, notes=notes)
 
 
 def _proc_submounts(pid: int) -> list[str]:

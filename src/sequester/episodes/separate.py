@@ -27,16 +27,19 @@ log = logging.getLogger("sequester.episodes")
 ARTIFACT_LIMIT = 1 << 30
 
 
-def evaluate_separately(episode: Episode, agent_init: int) -> tuple[Evaluation, tuple[str, ...]]:
+def evaluate_separately(episode: Episode, agent_init: int, *,
+                        with_artifacts: bool = True) -> tuple[Evaluation, tuple[str, ...]]:
+    """The tests in a fresh pristine view of ``episode``'s task; ``with_artifacts``: with
+    the task's artifacts copied from the agent's view (else nothing of the agent's)."""
     from .episode import Episode  # the environment is an episode of its own
 
     task, workdir, nsexec = episode.task, episode.workdir, episode._nsexec_call()
     notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
-    artifacts = task.config.artifacts
+    artifacts = task.config.artifacts if with_artifacts else ()
     fresh = Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec)
     try:
         fresh.reset(task, workdir=workdir, shell=False)
-        if not artifacts:
+        if not artifacts and with_artifacts:
             notes.append("the task declares no artifacts: the tests saw none of the agent's work")
         else:
             try:

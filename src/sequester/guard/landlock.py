@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["abi_version", "readable_roots", "restrict_self"]
+__all__ = ["abi_version", "carve_files", "readable_roots", "restrict_self"]
 
 _SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # same on every architecture
 _CREATE_RULESET_VERSION = 1
@@ -91,10 +91,45 @@ def readable_roots(
     return tuple(dict.fromkeys(out))
 
 
-def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: Iterable[int] | None) -> int:
+def carve_files(
+    roots: Iterable[Path], files: Iterable[Path], listdir: Callable[[Path], Sequence[str]] = os.listdir
+) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """``(read, listable)``: grants covering ``roots`` except the files in ``files``, and
+    the folders split on the way, which keep only the right to be listed.
+
+    For files that must not be *loaded* (the FFI libraries), not secrets: their names stay
+    visible, since a folder the import system cannot list (the standard library's, say)
+    would break every import from it.
+    """
+    files = tuple(files)
+    read: list[Path] = []
+    listable: list[Path] = []
+
+    def grant(root: Path) -> None:
+        if root in files:
+            return
+        if not any(f.is_relative_to(root) for f in files):
+            read.append(root)
+            return
+        listable.append(root)
+        try:
+            names = listdir(root)
+        except OSError:
+            return
+        for name in sorted(names):
+            grant(root / name)
+
+    for root in roots:
+        grant(Path(root))
+    return tuple(dict.fromkeys(read)), tuple(dict.fromkeys(listable))
+
+
+def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: Iterable[int] | None,
+                  list_only: Iterable[str] = ()) -> int:
     """Apply a ruleset to this process (and its future threads). Irreversible.
 
-    Returns the ABI used. ``connect_ports=None`` leaves TCP unrestricted. Needs
+    Returns the ABI used. ``connect_ports=None`` leaves TCP unrestricted. ``list_only``
+    folders may be listed, and nothing more (see :func:`carve_files`). Needs
     ``no_new_privs`` (set by the seccomp loader) or CAP_SYS_ADMIN.
     """
     import ctypes
@@ -143,6 +178,8 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
 
         for path in read:
             add_path(path, _READ)
+        for path in list_only:
+            add_path(path, READ_DIR)
         for path in write:
             # Everything but making device nodes.
             add_path(path, fs & ~(MAKE_CHAR | MAKE_BLOCK))

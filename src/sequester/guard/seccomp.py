@@ -7,8 +7,13 @@ the host keeps libseccomp out of the kernel's memory and its start-up time.
 
 What the filter refuses (everything else is allowed, so Python and threads work):
 
-* process creation: ``execve``, ``execveat``, ``fork``, ``vfork``, ``clone`` without
+* process creation: ``execve`` (except the one handoff from the kernel's first stage
+  into its cell runner, recognised by the address of its path argument, see
+  :mod:`.handoff`), ``execveat``, ``fork``, ``vfork``, ``clone`` without
   ``CLONE_THREAD``; ``clone3`` answers ``ENOSYS`` so libc falls back to ``clone``;
+* ``memfd_create``: a memfd is an exec-capable file that lives nowhere, so a library
+  written into one could be ``dlopen``-ed from ``/proc/self/fd`` although every
+  writable mount of the kernel is ``noexec``;
 * namespace and privilege games: ``unshare``, ``setns``, ``mount`` and friends, ``bpf``,
   ``ptrace``, ``process_vm_*``, ``keyctl`` and friends (the keyring is shared by uid), ...;
 * sockets other than IPv4/IPv6 (no unix socket to a daemon that happens to be visible);
@@ -29,6 +34,8 @@ import errno
 import os
 import socket
 from functools import lru_cache
+
+from .handoff import HANDOFF_ADDRESS
 
 __all__ = ["DENIED_SYSCALLS", "PROCESS_SYSCALLS", "compile_filter", "load_filter", "syscall_number"]
 
@@ -53,7 +60,8 @@ DENIED_SYSCALLS = (
     "io_uring_setup", "io_uring_enter", "io_uring_register",
 )
 # Only kernels: an agent's shell debugs its programs (ptrace) and names its host.
-KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethostname", "setdomainname")
+KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethostname", "setdomainname",
+                      "memfd_create")
 
 # Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
 ALLOWED_SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
@@ -72,13 +80,16 @@ def compile_filter(profile: str = "kernel") -> bytes:
         raise ValueError(f"unknown seccomp profile {profile!r}")
     flt = sc.SyscallFilter(sc.ALLOW)
     eperm = sc.ERRNO(errno.EPERM)
-    names = DENIED_SYSCALLS + ((*PROCESS_SYSCALLS, *KERNEL_ONLY_DENIED) if profile == "kernel" else ())
+    kernel_names = tuple(n for n in PROCESS_SYSCALLS if n != "execve") + KERNEL_ONLY_DENIED
+    names = DENIED_SYSCALLS + (kernel_names if profile == "kernel" else ())
     for name in names:
         try:
             flt.add_rule(eperm, name)
         except (OSError, ValueError, RuntimeError):
             pass  # not a syscall on this architecture
     if profile == "kernel":
+        # execve: only the first stage's handoff, whose path lives at HANDOFF_ADDRESS.
+        flt.add_rule(eperm, "execve", sc.Arg(0, sc.NE, HANDOFF_ADDRESS))
         # clone: allowed only when making a thread.
         flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
         flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")

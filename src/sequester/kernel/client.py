@@ -23,7 +23,7 @@ from ..errors import KernelClosedError, KernelError, SandboxError
 from ..policy import Isolation, Policy
 from ..sandbox.bwrap import read_pending
 from ..sandbox.launch import KernelProcess, launch_kernel
-from .protocol import MessageReader, ProtocolError, write_message
+from .protocol import MessageReader, ProtocolError, frame_limit, write_message
 from .results import CellError, CellResult
 
 __all__ = ["Kernel"]
@@ -221,7 +221,8 @@ class Kernel:
         Raises :class:`_CellFailure` (with the output so far) on death, deadline or
         output over the cap.
         """
-        reader = MessageReader()
+        # Frames too are untrusted input: bounded by what an honest result can hold.
+        reader = MessageReader(frame_limit(self.policy.limits.output_bytes))
         chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         decoders = {k: codecs.getincrementaldecoder("utf-8")("replace") for k in chunks}
         size = 0
@@ -268,7 +269,8 @@ class Kernel:
                         try:
                             messages = reader.feed(data)
                         except ProtocolError as exc:
-                            raise fail(CellError("KernelError", f"the kernel broke the protocol: {exc}")) from None
+                            raise fail(CellError("KernelError", f"the kernel broke the protocol ({exc}); it was killed "
+                                                             "and restarted")) from None
                         if messages:
                             for out_fd, name in names.items():
                                 # Written before the result message: already in the pipe.

@@ -11,10 +11,30 @@ import os
 import struct
 from typing import Any
 
-__all__ = ["ProtocolError", "MessageReader", "encode", "write_message", "read_message", "MAX_MESSAGE"]
+__all__ = ["ProtocolError", "MessageReader", "encode", "write_message", "read_message", "MAX_MESSAGE",
+           "TEXT_LIMIT", "frame_limit"]
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 256 * 1024 * 1024
+# Characters of each text field of a result (value repr, error type, message, traceback):
+# the kernel clips them, so an honest result is bounded.
+TEXT_LIMIT = 100_000
+_RESULT_FIELDS = 4
+# JSON can spend up to 6 bytes on one character ("\u001f").
+_MAX_JSON_BYTES_PER_CHAR = 6
+_MARGIN = 64 * 1024
+
+
+def frame_limit(output_bytes: int) -> int:
+    """The largest frame the host reads from a kernel whose policy allows ``output_bytes``.
+
+    What an honest kernel can put in a frame (its clipped text fields, plus the output
+    cap in case output ever rides on frames) and a margin for the JSON around it. A
+    kernel that announces more is broken or hostile: the host stops reading and kills
+    it, so it can never make the host buffer a frame of its choosing (250 MB, say).
+    """
+    honest = _RESULT_FIELDS * TEXT_LIMIT * _MAX_JSON_BYTES_PER_CHAR + output_bytes
+    return min(MAX_MESSAGE, honest + _MARGIN)
 
 
 class ProtocolError(Exception):

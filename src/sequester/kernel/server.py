@@ -1,33 +1,35 @@
-"""The kernel process: bootstraps its own confinement, then runs code cells forever.
+"""The kernel's cell runner: the second stage, which never had ctypes.
 
-Started by the host as ``python -s -B -m sequester.kernel.server IN_FD OUT_FD``: inside the
-sandbox (``sandbox``), on the host with only the guard (``guard``), or bare (``off``).
-Standard library only, plus the in-kernel parts of sequester (``guard``,
-``net.bridge``, ``kernel.protocol``), so start-up stays fast.
+Exec'd by the first stage (:mod:`sequester.kernel.boot`) as
+``python -s -B -P -m sequester.kernel.server IN_FD OUT_FD STAGE2_JSON`` once the process is
+confined (namespaces, limits, privileges, Landlock, seccomp: all inherited across that
+``execve``). In ``off`` mode the host starts it directly with only the two fds, and the
+configuration arrives on ``IN_FD``. Standard library only, plus the in-kernel parts of
+sequester (``guard.audit``, ``net.bridge``, ``kernel.protocol``), so start-up stays fast.
 
-The first message on ``IN_FD`` is the bootstrap configuration; :func:`bootstrap`
-applies it in a fixed order, then the kernel answers ``ready`` with a report of what
-holds (uid, capabilities, seccomp, Landlock) and serves ``run`` requests. A cell's
-stdout and stderr go to fd 1 and 2, which the host reads; the result (value, error,
-duration) comes back on ``OUT_FD`` after the cell's output has been written.
+It starts the network bridge (its listeners may take any port: the first stage made the
+kernel's network namespace allow that), installs the audit hook, answers ``ready`` with
+a report of what holds (uid, capabilities, seccomp, Landlock) and serves ``run``
+requests. A cell's stdout and stderr go to fd 1 and 2, which the host reads; the result
+(value, error, duration) comes back on ``OUT_FD`` after the cell's output has been written.
 """
 
 from __future__ import annotations
 
 import ast
-import base64
 import builtins
 import gc
 import io
+import json
 import os
 import signal
 import sys
 import time
 from typing import Any
 
-from sequester.kernel.protocol import read_message, write_message
+from sequester.kernel.protocol import TEXT_LIMIT, read_message, write_message
 
-_VALUE_LIMIT = 100_000
+_VALUE_LIMIT = TEXT_LIMIT
 
 
 class CellTimeout(BaseException):
@@ -41,69 +43,33 @@ class OutputLimitExceeded(Exception):
     """The cell wrote more to stdout and stderr than the policy allows."""
 
 
-# -- bootstrap ------------------------------------------------------------------------
+# -- start ------------------------------------------------------------------------------
 
 
-def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Confine this process. The order is the security argument:
-
-    1. resource limits (while the tools to set them are still at hand);
-    2. the network bridge binds its loopback listeners (ports under 1024 need a
-       capability that step 3 removes) and starts its thread;
-    3. privileges: no nested user namespaces, then nobody (root flow) or no capabilities;
-    4. Landlock (guard-only mode): the filesystem boundary;
-    5. seccomp, with TSYNC so the bridge thread is covered: no process creation from here on;
-    6. the audit hook, the tripwire that explains refusals;
-    7. ctypes and the loaders leave ``sys.modules``; model code can no longer import them.
-    """
-    from sequester.guard import privileges
-
+def start(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Bridge, then the audit hook; returns the report for the host's ``ready`` check."""
     mode = cfg["mode"]
-    report: dict[str, Any] = {"mode": mode}
+    report: dict[str, Any] = {"mode": mode, **cfg.get("report", {})}
     if mode == "off":
         return _finish_report(report)
-    limits = cfg["limits"]
     if cfg.get("bridge"):
         from sequester.net.bridge import start_bridge
 
         bridge = cfg["bridge"]
         start_bridge(bridge["control_fd"], [tuple(x) for x in bridge["listeners"]])
-    privileges.apply_rlimits(
-        memory_bytes=limits["memory_bytes"], max_threads=limits["max_threads"], file_bytes=limits["file_bytes"]
-    )
-    if cfg.get("root_flow"):
-        privileges.disable_nested_userns()
-    if mode == "sandbox" or os.geteuid() == 0:
-        privileges.drop_privileges(to_uid=cfg.get("drop_to_uid"), chown=tuple(cfg.get("chown", ())))
-    if cfg.get("landlock"):
-        from sequester.guard import landlock
+    from sequester.guard import audit
 
-        spec = cfg["landlock"]
-        _no_new_privs()
-        report["landlock_abi"] = landlock.restrict_self(
-            read=spec["read"], write=spec["write"], connect_ports=spec.get("connect_ports")
-        )
-    from sequester.guard import audit, seccomp
-
-    seccomp.load_filter(base64.b64decode(cfg["seccomp"]["bpf"]), cfg["seccomp"]["nr"])
     network = cfg.get("audit_network")
     audit.install_audit_hook(
         allowed_names=network["names"] if network else None,
         allowed_connects=[tuple(x) for x in network["connects"]] if network else None,
     )
     for name in [m for m in sys.modules if m.partition(".")[0] in audit.BLOCKED_IMPORTS]:
-        del sys.modules[name]
+        del sys.modules[name]  # none should be loaded in this image; belt and braces
     for name in [m for m in sys.modules if m.startswith("sequester.guard")]:
         del sys.modules[name]
     gc.collect()
     return _finish_report(report)
-
-
-def _no_new_privs() -> None:
-    import ctypes
-
-    if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
 def _finish_report(report: dict[str, Any]) -> dict[str, Any]:
@@ -242,6 +208,12 @@ def _safe_repr(value: Any) -> str:
         text = repr(value)
     except BaseException as exc:  # noqa: BLE001
         return f"<repr() failed: {type(exc).__name__}: {exc}>"
+    return _clip(text)
+
+
+def _clip(text: str) -> str:
+    """Every text field of a result is bounded, so a result always fits the host's frame
+    limit (an honest cell never gets its kernel killed for a long error message)."""
     if len(text) > _VALUE_LIMIT:
         text = text[:_VALUE_LIMIT] + f"... [{len(text) - _VALUE_LIMIT} more characters]"
     return text
@@ -258,7 +230,7 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     message = str(exc) if not isinstance(exc, SyntaxError) else (exc.msg or "")
     if isinstance(exc, SystemExit):
         message = str(exc.code) if exc.code is not None else "0"
-    return {"type": type(exc).__name__, "message": message, "traceback": "".join(lines)}
+    return {"type": _clip(type(exc).__name__), "message": _clip(message), "traceback": _clip("".join(lines))}
 
 
 # -- main loop --------------------------------------------------------------------------
@@ -280,10 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     in_fd, out_fd = int(args[0]), int(args[1])
     try:
-        cfg = read_message(in_fd)
+        cfg = json.loads(args[2]) if len(args) > 2 else read_message(in_fd)
         if cfg is None:
             return
-        report = bootstrap(cfg)
+        report = start(cfg)
     except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed
         import traceback
 
@@ -291,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         write_message(out_fd, {"op": "failed", "error": f"{type(exc).__name__}: {exc}\n{where}"})
         os._exit(70)
     write_message(out_fd, {"op": "ready", "report": report})
-    serve(in_fd, out_fd, int(cfg["limits"]["output_bytes"]))
+    serve(in_fd, out_fd, int(cfg.get("output_bytes") or cfg["limits"]["output_bytes"]))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,16 @@ On that *channel* the sandbox speaks either
   (``GET http://host:port/path``), for clients that use ``HTTP(S)_PROXY``.
 
 Names are resolved here, on the host, and only after the allowlist said yes, so a name
-that is not allowed is never looked up. Refusals answer ``403`` with an
-``X-Sequester-Reason`` header (proxy clients) or close the channel (``DIRECT``).
+that is not allowed is never looked up. Refusals answer ``403`` (``400`` for what does
+not parse) with the reason in an ``X-Sequester-Reason`` header and in the body (proxy
+clients), or close the channel (``DIRECT``).
+
+One broker serves one sandbox on a loop shared by every sandbox of the process, so none
+of them may hold it hostage: a sandbox has at most ``max_channels`` channels open at a
+time (the next request is answered with no channel: its connection closes at once), the
+whole request head must arrive within ``head_timeout`` seconds (not each line: a client
+trickling one header byte at a time is cut at the deadline), and what is remembered of
+refused targets is a bounded record (:mod:`.stats`).
 """
 
 from __future__ import annotations
@@ -23,32 +31,20 @@ import logging
 import socket
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from functools import lru_cache
-from urllib.parse import urlsplit
 
 from ..policy import Endpoint
+from .http import Refused, Request, origin_headers, parse_direct, parse_request_line, refusal, shorten
 from .plan import is_allowed
+from .stats import BrokerStats
 
-__all__ = ["Broker", "BrokerStats"]
+__all__ = ["Broker", "BrokerStats", "MAX_CHANNELS"]
 
 log = logging.getLogger("sequester.net")
 
 _HEAD_LIMIT = 64 * 1024
-_HOP_BY_HOP = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
-
-
-@dataclass
-class BrokerStats:
-    allowed: list[str] = field(default_factory=list)
-    denied: list[str] = field(default_factory=list)
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
+# Connections in flight per sandbox: two host fds each (the channel and the upstream).
+MAX_CHANNELS = 64
 
 
 @lru_cache(maxsize=1)
@@ -63,11 +59,12 @@ def _shared_loop() -> asyncio.AbstractEventLoop:
 class Broker:
     """Serves one sandbox's connections (on the process's shared network loop)."""
 
-    def __init__(self, allow: Iterable[Endpoint], *, connect_timeout: float = 10.0, head_timeout: float = 30.0,
-                 loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, allow: Iterable[Endpoint], *, connect_timeout: float = 10.0, head_timeout: float = 10.0,
+                 max_channels: int = MAX_CHANNELS, loop: asyncio.AbstractEventLoop | None = None):
         self.allow = frozenset(allow)
         self.connect_timeout = connect_timeout
         self.head_timeout = head_timeout
+        self.max_channels = max_channels
         self.stats = BrokerStats()
         self._loop = loop or _shared_loop()
         self._control: socket.socket | None = None
@@ -115,6 +112,14 @@ class Broker:
             self._loop.remove_reader(self._control.fileno())
             return
         for _ in requests:
+            if len(self._tasks) >= self.max_channels:
+                # No channel: the bridge closes that one connection; the others go on.
+                self.stats.n_over_limit += 1
+                try:
+                    self._control.send(b"-")
+                except OSError:
+                    return
+                continue
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 # One byte and one fd: fits any socket buffer the bridge has not flooded.
@@ -133,109 +138,86 @@ class Broker:
     async def _serve_channel(self, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock, limit=_HEAD_LIMIT)
         try:
-            first = await asyncio.wait_for(reader.readuntil(b"\r\n"), self.head_timeout)
-            if first.startswith(b"DIRECT "):
-                await self._direct(first, reader, writer)
-            else:
-                await self._proxy(first, reader, writer)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            await self._serve(reader, writer)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bug here must not take the broker down
-            log.exception("network broker: channel failed")
+        except Exception as exc:  # a bug here must not take the broker down, nor spill onto stderr
+            log.debug("network broker: channel failed: %r", exc, exc_info=True)
         finally:
             writer.close()
 
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        direct: tuple[str, int] | None = None
+        request: Request | None = None
+        try:
+            # One deadline for the whole head, however it trickles in.
+            async with asyncio.timeout(self.head_timeout):
+                first = await reader.readuntil(b"\r\n")
+                if first.startswith(b"DIRECT "):
+                    direct = parse_direct(first)
+                    if direct is None:
+                        return
+                else:
+                    rest = await self._read_headers(reader)
+                    request = parse_request_line(first)
+        except TimeoutError:
+            if direct is None:
+                await _respond(writer, 408, f"the request head did not arrive within {self.head_timeout:g} s")
+            return
+        except Refused as refused:
+            await _respond(writer, refused.status, refused.reason)
+            return
+        try:
+            if direct is not None:
+                try:
+                    self._decide(*direct)
+                    up_reader, up_writer = await self._open(*direct)
+                except Refused:
+                    return  # closing the channel is the refusal
+            else:
+                assert request is not None
+                self._decide(request.host, request.port)
+                up_reader, up_writer = await self._open(request.host, request.port)
+                if request.tunnel:
+                    writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+                    await writer.drain()
+                else:
+                    up_writer.write(request.line + origin_headers(rest))
+        except Refused as refused:
+            await _respond(writer, refused.status, refused.reason)
+            return
+        await _splice(reader, writer, up_reader, up_writer)
+
     def _decide(self, host: str, port: int) -> None:
-        target = f"{host}:{port}"
+        target = shorten(f"{host}:{port}")
         if not is_allowed(self.allow, host, port):
-            self.stats.denied.append(target)
+            self.stats.deny(target)
             log.info("network: refused %s (not in the allowlist)", target)
-            raise _Refused(403, f"{target} is not in the sandbox policy's allowlist")
-        self.stats.allowed.append(target)
+            raise Refused(403, f"{target} is not in the sandbox policy's allowlist")
+        self.stats.allow(target)
         log.debug("network: allowed %s", target)
 
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             return await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise _Refused(502, f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
+        except (OSError, UnicodeError, asyncio.TimeoutError) as exc:
+            raise Refused(502, f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
 
     async def _read_headers(self, reader: asyncio.StreamReader) -> bytes:
-        """The header lines after the request line, up to the blank line."""
+        """The header lines after the request line, up to the blank line (the caller
+        keeps the deadline)."""
         head = b""
-        while (line := await asyncio.wait_for(reader.readuntil(b"\r\n"), self.head_timeout)) != b"\r\n":
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
             head += line
             if len(head) > _HEAD_LIMIT:
-                raise asyncio.LimitOverrunError("request head too large", len(head))
+                raise Refused(400, "request head too large")
         return head
-
-    async def _direct(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        parts = first.decode("latin-1").split()
-        if len(parts) != 3 or not parts[2].isdigit():
-            return
-        try:
-            self._decide(parts[1], int(parts[2]))
-            up_reader, up_writer = await self._open(parts[1], int(parts[2]))
-        except _Refused:
-            return  # closing the channel is the refusal
-        await _splice(reader, writer, up_reader, up_writer)
-
-    async def _proxy(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        rest = await self._read_headers(reader)
-        try:
-            method, target, version = first.decode("latin-1").split()
-        except ValueError:
-            await _respond(writer, 400, "malformed request line")
-            return
-        try:
-            if method.upper() == "CONNECT":
-                host, port = _authority(target)
-                self._decide(host, port)
-                up_reader, up_writer = await self._open(host, port)
-                writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
-                await writer.drain()
-            else:
-                parts = urlsplit(target)
-                if parts.scheme.lower() != "http" or not parts.hostname:
-                    raise _Refused(400, "only CONNECT and absolute http:// requests are proxied")
-                host, port = parts.hostname, parts.port or 80
-                self._decide(host, port)
-                up_reader, up_writer = await self._open(host, port)
-                path = parts.path or "/"
-                if parts.query:
-                    path += "?" + parts.query
-                up_writer.write(f"{method} {path} {version}\r\n".encode("latin-1") + _origin_headers(rest))
-        except _Refused as refusal:
-            await _respond(writer, refusal.status, refusal.reason)
-            return
-        await _splice(reader, writer, up_reader, up_writer)
-
-
-def _authority(target: str) -> tuple[str, int]:
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        raise _Refused(400, f"CONNECT target {target!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def _origin_headers(head: bytes) -> bytes:
-    """Headers for the origin server: hop-by-hop ones dropped, one request per connection."""
-    lines = [line for line in head.split(b"\r\n") if line]
-    kept = [line for line in lines if line.split(b":", 1)[0].strip().lower() not in _HOP_BY_HOP]
-    return b"\r\n".join([*kept, b"Connection: close", b"", b""])
 
 
 async def _respond(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
-    titles = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}
-    body = (reason + "\n").encode()
-    head = (
-        f"HTTP/1.1 {status} {titles.get(status, 'Error')}\r\n"
-        f"X-Sequester-Reason: {reason}\r\nContent-Type: text/plain\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    writer.write(head.encode("latin-1", "replace") + body)
+    writer.write(refusal(status, reason))
     try:
         await writer.drain()
     except ConnectionError:

@@ -84,6 +84,7 @@ def _plan(allow: tuple[Endpoint, ...]) -> NetworkPlan:
             address = name_addresses[endpoint.host]
         if address is not None:
             listeners.append(Listener(address, endpoint.port, endpoint))
+    listeners = _one_per_address(listeners)
     taken = {l.port for l in listeners if l.address == "127.0.0.1"}
     proxy_port = next((p for p in PROXY_PORTS if p not in taken), None)
     if proxy_port is None:  # pragma: no cover - would need five allowed ports on 127.0.0.1
@@ -95,6 +96,23 @@ def _plan(allow: tuple[Endpoint, ...]) -> NetworkPlan:
     env = tuple((k, proxy) for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"))
     env += (("NO_PROXY", ""), ("no_proxy", ""))
     return NetworkPlan(tuple(listeners), proxy_port, "\n".join(hosts) + "\n", env)
+
+
+def _one_per_address(listeners: list[Listener]) -> list[Listener]:
+    """One listener per in-sandbox ``address:port``.
+
+    ``localhost:P`` and ``127.0.0.1:P`` both stand at ``127.0.0.1:P`` inside; binding it
+    twice would fail the kernel's start (EADDRINUSE). The IP literal wins: it names the
+    exact host service (on the host, ``localhost`` may resolve to ``::1`` first).
+    """
+    chosen: dict[tuple[str, int], Listener] = {}
+    for listener in listeners:
+        key = (listener.address, listener.port)
+        held = chosen.get(key)
+        if held is None or (held.target is not None and listener.target is not None
+                            and not held.target.is_ip and listener.target.is_ip):
+            chosen[key] = listener
+    return list(chosen.values())
 
 
 def is_allowed(allow: Iterable[Endpoint], host: str, port: int) -> bool:

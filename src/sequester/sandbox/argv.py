@@ -29,9 +29,11 @@ from .mounts import WORKSPACE, MountKind, MountOp
 
 __all__ = ["BOOTSTRAP_CAPS", "CONTAINER_CAPS", "ROOT_BOOTSTRAP_CAPS", "Identity", "SandboxSpec", "LaunchFds", "build_argv"]
 
-# Kept until the kernel's bootstrap drops them, before any model code runs: the bridge
-# binds allowed ports below 1024 (443!), and the bounding set is emptied (SETPCAP).
-BOOTSTRAP_CAPS = ("CAP_NET_BIND_SERVICE", "CAP_SETPCAP")
+# Kept until the kernel's first stage drops them, before any model code runs: it makes
+# its own mount and network namespaces with a noexec workspace (SYS_ADMIN), brings up
+# their loopback and lets every port be bound there (NET_ADMIN; see
+# sequester.guard.namespaces), and empties the bounding set (SETPCAP).
+BOOTSTRAP_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
 # The root flow also disables nested user namespaces (SYS_RESOURCE), gives the workspace
 # to nobody (CHOWN) and switches to nobody (SETGID, SETUID), which clears the rest.
 ROOT_BOOTSTRAP_CAPS = (*BOOTSTRAP_CAPS, "CAP_SYS_RESOURCE", "CAP_CHOWN", "CAP_SETGID", "CAP_SETUID")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from .native import find_ffi_libraries, installation_roots
+
 __all__ = ["DirEntry", "HostFacts", "gather_host_facts", "SCAN_SKIP"]
 
 # Trees that are never scanned for user-owned directories: virtual filesystems and the
@@ -44,6 +46,8 @@ class HostFacts:
     entries: tuple[DirEntry, ...]
     sys_cpu: Path | None = Path("/sys/devices/system/cpu")
     var_tmp: bool = False  # /var/tmp is a folder under a visible /var
+    # _ctypes, _cffi_backend, ... in the installations the view may show (see .native)
+    ffi_libraries: tuple[Path, ...] = ()
 
     @property
     def is_root(self) -> bool:
@@ -127,7 +131,9 @@ def _entries(uid: int) -> tuple[DirEntry, ...]:
     return _scan_cached(uid, False, (st.st_dev, st.st_ino, st.st_mtime_ns))
 
 
-def gather_host_facts() -> HostFacts:
+def gather_host_facts(*, scan_ffi: bool = False, extra_roots: tuple[Path, ...] = ()) -> HostFacts:
+    """The facts of this host; with ``scan_ffi``, also the FFI libraries a kernel's view
+    must cover (in the usual installation folders and ``extra_roots``)."""
     uid, gid = os.getuid(), os.getgid()
     home_text = os.environ.get("HOME")
     if not home_text:
@@ -146,4 +152,5 @@ def gather_host_facts() -> HostFacts:
         entries=_entries(uid),
         sys_cpu=Path("/sys/devices/system/cpu") if os.path.isdir("/sys/devices/system/cpu") else None,
         var_tmp=os.path.isdir("/var/tmp") and not os.path.islink("/var/tmp") and not os.path.islink("/var"),
+        ffi_libraries=find_ffi_libraries(installation_roots(_python_roots(), extra_roots)) if scan_ffi else (),
     )

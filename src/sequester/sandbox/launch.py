@@ -31,7 +31,8 @@ from ..policy import Isolation, Policy
 from .argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, Identity, SandboxSpec
 from .environment import kernel_environment
 from .host import HostFacts, gather_host_facts
-from .mounts import WORKSPACE, hidden_paths, mount_backs, plan_mounts
+from .mounts import WORKSPACE, MountKind, MountOp, hidden_paths, mount_backs, plan_mounts
+from .native import ctypes_library
 from .bwrap import StartedBwrap, close_fd, descendants, start_bwrap
 from .probe import resolve_isolation
 
@@ -43,6 +44,8 @@ __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", 
 ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
                                         "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
 _HOSTS = Path("/etc/hosts").resolve()
+# Only a kernel's first stage makes namespaces (and then drops these).
+_NAMESPACE_CAPS = frozenset({"CAP_SYS_ADMIN", "CAP_NET_ADMIN"})
 _LOCALHOST_ONLY = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
 
 
@@ -99,14 +102,17 @@ class KernelProcess:
             shutil.rmtree(self.workspace, ignore_errors=True)
 
 
-def kernel_command(facts: HostFacts, in_fd: int, out_fd: int) -> tuple[str, ...]:
+def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True) -> tuple[str, ...]:
+    """The kernel's command: its confining first stage (which becomes the cell runner),
+    or (``off``) the cell runner straight away."""
+    module = "sequester.kernel.boot" if confined else "sequester.kernel.server"
     # -s: no user site; -B: no .pyc writes; -P: never put the (writable) cwd on sys.path.
-    return (str(facts.python_executable), "-s", "-B", "-P", "-m", "sequester.kernel.server", str(in_fd), str(out_fd))
+    return (str(facts.python_executable), "-s", "-B", "-P", "-m", module, str(in_fd), str(out_fd))
 
 
 def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False,
                      bridge: dict[str, Any] | None = None, landlock_spec: dict[str, Any] | None = None,
-                     audit_network: dict[str, Any] | None = None) -> dict[str, Any]:
+                     audit_network: dict[str, Any] | None = None, ctypes_fd: int | None = None) -> dict[str, Any]:
     """The first message a kernel reads: what its bootstrap must do."""
     limits = policy.limits
     config: dict[str, Any] = {
@@ -121,6 +127,11 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
     if mode is Isolation.OFF:
         return config
     config["seccomp"] = {"bpf": base64.b64encode(seccomp.compile_filter()).decode(), "nr": seccomp.syscall_number("seccomp")}
+    if mode is Isolation.SANDBOX:
+        # The kernel's own noexec tmpfs for /tmp and /dev/shm together (see guard.namespaces).
+        config["workspace"] = {"size": limits.workspace_mb * 1024 * 1024, "path": str(WORKSPACE)}
+    if ctypes_fd is not None:
+        config["ctypes_fd"] = ctypes_fd
     if root_flow:
         config.update(root_flow=True, drop_to_uid=NOBODY, chown=[str(WORKSPACE)])
     if bridge:
@@ -136,7 +147,7 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     """Start a kernel for ``policy``. The kernel still has to be sent its configuration
     (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that."""
     mode = resolve_isolation(policy.isolation)
-    facts = facts or gather_host_facts()
+    facts = facts or gather_host_facts(scan_ffi=mode is not Isolation.OFF, extra_roots=tuple(policy.readonly))
     with ExitStack() as on_failure, ExitStack() as child_side:
         def pipe() -> tuple[int, int]:
             r, w = os.pipe()
@@ -151,14 +162,18 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         child_ends = [to_kernel_r, from_kernel_w, out_w, err_w]
         for fd in child_ends:  # the kernel has them now; the host closes its copies
             child_side.callback(close_fd, fd)
-        command = kernel_command(facts, to_kernel_r, from_kernel_w)
+        command = kernel_command(facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF)
         try:
             if mode is Isolation.SANDBOX:
-                sandbox = spawn_sandbox(policy, facts, command, keep_fds=child_ends, stdout=out_w, stderr=err_w,
-                                        stderr_reader=err_r)
+                # The view covers _ctypes; the first stage gets it as this open file.
+                ctypes_fd = os.open(ctypes_library(), os.O_RDONLY | os.O_CLOEXEC)
+                child_side.callback(close_fd, ctypes_fd)
+                sandbox = spawn_sandbox(policy, facts, command, keep_fds=[*child_ends, ctypes_fd], stdout=out_w,
+                                        stderr=err_w, stderr_reader=err_r)
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.started.popen, None
-                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge)
+                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge, ctypes_fd=ctypes_fd)
+                config["workspace"]["keep"] = [str(p) for p in sandbox.below_tmp]
             else:
                 workspace = Path(tempfile.mkdtemp(prefix="sequester-workspace-"))
                 on_failure.callback(shutil.rmtree, workspace, ignore_errors=True)
@@ -184,6 +199,7 @@ class SandboxProcess:
     started: StartedBwrap
     broker: Broker | None
     bridge: dict[str, Any] | None  # what the kernel's bridge must listen on
+    below_tmp: tuple[Path, ...] = ()  # top-most binds below /tmp: the kernel's new /tmp keeps them
 
     def kill(self) -> None:
         self.started.kill()
@@ -192,11 +208,13 @@ class SandboxProcess:
 
 
 def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *, keep_fds: list[int],
-                  stdout: int, stderr: int, stderr_reader: int) -> SandboxProcess:
+                  stdout: int, stderr: int, stderr_reader: int, kernel: bool = True) -> SandboxProcess:
     """Spawn bwrap running ``command`` in the view of ``policy``; fail closed.
 
     ``keep_fds`` are passed to the command; ``stderr_reader`` is read for bwrap's own
-    error message if it fails.
+    error message if it fails. ``kernel``: the command is a kernel's first stage, which
+    gets the capabilities it needs to make its namespaces (and drops them); otherwise
+    (:func:`run_in_sandbox`) it gets fewer: no SYS_ADMIN, no NET_ADMIN.
     """
     plan: NetworkPlan | None = plan_network(policy.allow) if policy.allow else None
     # Only the allowed names resolve: /etc/hosts is ours. No name server is reachable
@@ -220,12 +238,23 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
             command=command,
             env=kernel_environment(os.environ, passthrough=policy.env, proxy=plan.env if plan else (), tmpdir="/tmp"),
             identity=Identity.NOBODY if facts.is_root else Identity.CALLER,
-            caps=ROOT_BOOTSTRAP_CAPS if facts.is_root else BOOTSTRAP_CAPS,
+            caps=_caps(facts.is_root, kernel),
         )
         started = start_bwrap(spec, data_files=data_files, keep_fds=pass_fds, stdout=stdout, stderr=stderr,
                               stderr_reader=stderr_reader)
         on_failure.pop_all()
-    return SandboxProcess(started, broker, bridge)
+    return SandboxProcess(started, broker, bridge, _below_tmp(spec.mounts))
+
+
+def _below_tmp(mounts: tuple[MountOp, ...]) -> tuple[Path, ...]:
+    tmp = Path("/tmp")
+    binds = [op.dest for op in mounts if op.kind is MountKind.READONLY and op.dest.is_relative_to(tmp) and op.dest != tmp]
+    return tuple(b for b in binds if not any(b != o and b.is_relative_to(o) for o in binds))
+
+
+def _caps(root: bool, kernel: bool) -> tuple[str, ...]:
+    caps = ROOT_BOOTSTRAP_CAPS if root else BOOTSTRAP_CAPS
+    return caps if kernel else tuple(c for c in caps if c not in _NAMESPACE_CAPS)
 
 
 def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: Path) -> dict[str, Any]:
@@ -238,9 +267,15 @@ def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: 
         # would own root's files: keep the well-known secrets out of its reach too.
         hidden += ROOT_SECRETS
     top = [Path("/") / name for name in sorted(os.listdir("/"))]
-    read = [*landlock.readable_roots(top, hidden), *mount_backs(policy, facts)]
+    # The FFI libraries are left out of every grant: the cell runner cannot read them, so
+    # cannot load them (the first stage imported ctypes before Landlock was applied).
+    granted = [*landlock.readable_roots(top, hidden), *mount_backs(policy, facts)]
+    # Resolved: a grant on the /lib symlink is a grant on /usr/lib, which must be carved too.
+    granted = [Path(os.path.realpath(p)) for p in granted]
+    read, listable = landlock.carve_files(dict.fromkeys(granted), facts.ffi_libraries)
     spec = {
-        "read": [str(p) for p in dict.fromkeys(read)],
+        "read": [str(p) for p in read],
+        "list_only": [str(p) for p in listable],
         "write": [str(workspace), "/dev/null"],
         "connect_ports": sorted({e.port for e in policy.allow}),
     }
@@ -253,14 +288,16 @@ def run_in_sandbox(policy: Policy, command: list[str]) -> subprocess.CompletedPr
     """Run ``command`` in the view a kernel of ``policy`` gets, without the kernel.
 
     For benchmarks and tests of the namespace and mount layer alone: the command gets
-    no seccomp filter, and in the root flow it keeps the bootstrap capabilities (the
-    kernel drops those itself). Never a way to run untrusted code.
+    no seccomp filter, no noexec workspace of its own (that is the kernel's first stage),
+    and it keeps the bootstrap capabilities but SYS_ADMIN and NET_ADMIN (the kernel drops
+    those itself). Never a way to run untrusted code.
     """
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        sandbox = spawn_sandbox(policy, gather_host_facts(), tuple(command), keep_fds=[], stdout=out_w, stderr=err_w,
-                                stderr_reader=err_r)
+        sandbox = spawn_sandbox(policy, gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly)),
+                                tuple(command), keep_fds=[], stdout=out_w, stderr=err_w, stderr_reader=err_r,
+                                kernel=False)
     except BaseException:
         for fd in (out_r, err_r):
             close_fd(fd)

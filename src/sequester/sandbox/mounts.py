@@ -14,6 +14,8 @@ simply not there. Then, in words:
   file is covered by ``/dev/null``;
 * mounted back read-only on top: the Python installation, sequester's own source and the
   policy's ``readonly`` paths;
+* covered by ``/dev/null``: every foreign-function library (``_ctypes``, ``_cffi_backend``)
+  the view would otherwise show (see :mod:`.native`);
 * replaced: a fresh ``/proc`` (own PID namespace), a minimal ``/dev``, an empty ``/run``
   (host sockets live there), an empty ``/var/tmp``, a ``/sys`` with only the CPU topology, and ``/tmp`` as a
   size-capped tmpfs holding the working directory ``/tmp/workspace``;
@@ -108,6 +110,20 @@ def mount_backs(policy: Policy, facts: HostFacts) -> tuple[Path, ...]:
     return _unique_sorted((*facts.python_roots, facts.package_root, *policy.readonly))
 
 
+def visible_files(files: Iterable[Path], ops: Iterable[tuple[int, int, MountOp]], hidden_top: set[Path]) -> list[Path]:
+    """Those of ``files`` the view shows: the deepest mount that contains each is a
+    read-only bind (not a hiding tmpfs or folder). Covering the others would only make
+    bwrap create their parents inside hidden folders."""
+    covers = [(op.dest, op.kind is MountKind.READONLY) for _, _, op in ops
+              if op.kind in (MountKind.READONLY, MountKind.HIDE_DIR) or (op.kind is MountKind.DIR and op.dest in hidden_top)]
+    out = []
+    for path in files:
+        inside = [c for c in covers if path.is_relative_to(c[0])]
+        if inside and max(inside, key=lambda c: len(c[0].parts))[1]:
+            out.append(path)
+    return out
+
+
 def _unique_sorted(paths: Iterable[Path]) -> tuple[Path, ...]:
     return tuple(sorted(set(paths), key=lambda p: (len(p.parts), str(p))))
 
@@ -180,4 +196,6 @@ def _plan(policy: Policy, facts: HostFacts, data_files: tuple[tuple[Path, str], 
     for path, text in data_files:
         make_parents(path)
         add(MountOp(MountKind.DATA, path, data=text), 2)
+    for path in visible_files(facts.ffi_libraries, ops.values(), hidden_top):
+        add(MountOp(MountKind.HIDE_FILE, path, source=Path("/dev/null")), 2)
     return tuple(op for _, _, op in sorted(ops.values(), key=lambda t: (t[0], t[1], str(t[2].dest))))

@@ -42,6 +42,10 @@ LIBC_PATHS = (
     b"/usr/lib/aarch64-linux-gnu/gconv/gconv-modules.cache", b"/usr/lib/aarch64-linux-gnu/gconv",
     b"/usr/lib64/gconv/gconv-modules.cache", b"/usr/lib64/gconv",
     b"/usr/lib/locale/locale-archive", b"/usr/lib/locale",
+    # Which modules the user, group and host lookups load (``passwd: evil`` makes it open
+    # libnss_evil.so.2, by a relative path if the name has a slash). Without the file glibc
+    # uses its built-in defaults, whose modules (files, dns) are part of the C library.
+    b"/etc/nsswitch.conf",
 )
 _PROC = b"/proc/"
 

@@ -33,6 +33,7 @@ def runner_env(image_env: Mapping[str, str], task_env: Mapping[str, str], *, age
     entries = [p for p in env.get("PATH", DEFAULT_PATH).split(":") if p and p != str(layout.BIN)]
     env["PATH"] = ":".join([str(layout.BIN), *entries])
     env["SEQUESTER_AGENT_HOME"] = env.pop("HOME")
+    env["SHELL"] = str(layout.BIN / "bash")  # else bash looks the user up to find one
     env["HOME"] = str(layout.RUN_HOME)
     if "PYTHONPATH" in env:  # see pysite: the tree's Pythons put it back after start-up
         env[PYTHONPATH_VAR] = env.pop("PYTHONPATH")

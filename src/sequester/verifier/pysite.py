@@ -73,6 +73,7 @@ if _fd.isdigit() and ((len(_argv) > 1 and os.path.basename(_argv[1]) in ("pytest
                       or _argv[1:3] == ["-m", "pytest"]):
     try:
         os.write(int(_fd), b"pytest\\n")
+        os.close(int(_fd))  # the programs the tests start get nothing of it
     except OSError:
         pass
 del _fd, _argv

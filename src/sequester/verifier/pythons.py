@@ -94,6 +94,19 @@ def find_pythons() -> list[HostPython]:
     return out
 
 
+def _libpythons(py: HostPython) -> list[Path]:
+    """The shared libpython files of ``py``: in its configured LIBDIR, or (a relocated
+    build, whose LIBDIR names where it was built) next to its standard library."""
+    for folder in dict.fromkeys((py.libdir, py.stdlib.parent)):
+        try:
+            found = sorted(p for p in folder.glob(f"libpython{py.short}*.so*") if p.is_file())
+        except OSError:  # not ours to read (another user's build folder)
+            continue
+        if found:
+            return found
+    return []
+
+
 def copy_python(py: HostPython, dest: Path) -> list[Path]:
     """Copy ``py`` to ``dest`` as ``bin/pythonX.Y``, ``lib/pythonX.Y/`` (no site-packages:
     an empty one), and its ``libpython``; returns the ELF files copied (to be patched)."""
@@ -110,10 +123,9 @@ def copy_python(py: HostPython, dest: Path) -> list[Path]:
     shutil.copytree(py.stdlib, stdlib, symlinks=False, ignore_dangling_symlinks=True,
                     ignore=lambda d, names: [n for n in names if n in _SKIP])
     (stdlib / "site-packages").mkdir()
-    for so in sorted(py.libdir.glob(f"libpython{py.short}*.so*")):
-        if so.is_file():
-            shutil.copy2(so, dest / "lib" / so.name, follow_symlinks=True)
-            elves.append(dest / "lib" / so.name)
+    for so in _libpythons(py):
+        shutil.copy2(so, dest / "lib" / so.name, follow_symlinks=True)
+        elves.append(dest / "lib" / so.name)
     for so in sorted(stdlib.rglob("*.so")):
         if so.name.startswith("_tkinter"):  # a GUI: X11 and Tk, never used by tests
             so.unlink()

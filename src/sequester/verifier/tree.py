@@ -49,7 +49,7 @@ __all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
 log = logging.getLogger("sequester.verifier")
 
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
-BUILD_FORMAT = "5"
+BUILD_FORMAT = "6"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = ("bash", "cat", "cp", "mv", "rm", "mkdir", "rmdir", "ls", "ln", "chmod", "touch", "head", "tail", "wc", "sort",
          "uniq", "cut", "tr", "tee", "env", "test", "true", "false", "echo", "printf", "sleep", "dirname", "basename",
@@ -168,13 +168,15 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
             _blank(dest, LIBC_PATHS)
         else:
             libraries.append(dest)
-    loader = root / "lib" / layout.LOADER_NAME
+    # Under the host loader's own name: uv reads the loader of /bin/sh (the verifier's is
+    # the tree's bash) and tells glibc from musl by its name.
+    loader = root / "lib" / host_loader.name
     shutil.copy2(host_loader.resolve(), loader)
     _blank(loader, LOADER_PATHS)
     patchelf = _patchelf()
     rpath = [str(layout.LIB)] + [str(layout.PYTHONS / py.dir_name / "lib") for py in pythons]
     for path in programs:
-        _patch(patchelf, path, interpreter=str(layout.LIB / layout.LOADER_NAME), rpath=":".join(rpath))
+        _patch(patchelf, path, interpreter=str(layout.LIB / host_loader.name), rpath=":".join(rpath))
     for path in libraries:
         _patch(patchelf, path, interpreter=None, rpath=":".join(rpath))
     write_shims(root, tools=sorted(tools), pythons=pythons, has_uvx=uvx_bin is not None)
