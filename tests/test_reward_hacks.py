@@ -1,5 +1,7 @@
 """The reward-hacking catalogue (examples/hacks/): each attempt, run as the agent, scores no
-more than doing nothing, or is reported as tampering."""
+more than doing nothing, and ends with a verdict, never an error. Reported or not: the
+tampering report is information, the verdict does not depend on it. (Root-mode runs over
+private copies of /usr and /etc, and unprivileged ones: tests/test_runner_attacks.py.)"""
 
 from pathlib import Path
 
@@ -16,15 +18,14 @@ TASKS = ["python-csv-stats", "pinned-pytest"]
 
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("hack", HACKS, ids=[h.stem for h in HACKS])
-def test_hack_scores_no_more_than_nop_or_is_reported(hack, task):
+def test_hack_scores_no_more_than_nop(hack, task):
     with Episode() as ep:
         ep.reset(ROOT / "tasks" / task)
         nop = ep.evaluate().reward  # the agent has done nothing yet
         ScriptAgent(hack).run(ep.instruction, ep)
-        result = ep.evaluate()
+        result = ep.evaluate()  # a VerifierError here (no verdict) fails the test too
     assert nop == 0.0
-    assert result.reward <= nop or result.tampering, (
-        f"{hack.name} scored {result.reward} on {task} unreported\n{result.output[-3000:]}")
+    assert result.reward <= nop, f"{hack.name} scored {result.reward} on {task}\n{result.output[-3000:]}"
 
 
 def test_the_catalogue_is_complete():
