@@ -13,12 +13,13 @@ it is. What the runner itself reads by fixed absolute path comes from the verifi
   mounts it over the agent's); ``/dev`` is a fresh tmpfs with only the standard device nodes, taken from
   the agent's view only when they really are those devices (nobody can create a device
   node in a user namespace, so a character device 1:3 is the host's ``/dev/null``);
-* ``/bin/sh``: uv starts the tests' console scripts (``pytest``) through ``#!/bin/sh``,
-  reads the loader named in ``/bin/sh`` (then ``/usr/bin/env``, ``/bin/dash``, ``/bin/ls``)
-  to learn the C library's version and runs it, and ``system()``, ``popen()`` and Python's
-  ``shell=True`` all run ``/bin/sh``. The folder ``/bin`` leads to gets a private overlay
-  in which those names are the runner's own programs. The same overlay keeps what the
-  tests write there out of the agent's view.
+* ``/bin``: uv starts the tests' console scripts (``pytest``) through ``#!/bin/sh``, reads
+  the loader named in ``/bin/sh`` (then ``/usr/bin/env``, ``/bin/dash``, ``/bin/ls``) to
+  learn the C library's version and runs it, and ``system()``, ``popen()`` and Python's
+  ``shell=True`` all run ``/bin/sh``. The verifier's ``/bin`` is a folder of its own root:
+  an overlay of the agent's ``/bin`` (when that leads to ``/usr/bin`` or is a folder) in
+  which those names are the runner's programs, checked before anything runs. The same
+  overlay keeps what the tests write there out of the agent's view.
 """
 
 from __future__ import annotations
@@ -36,11 +37,17 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 # The verifier's own, never the agent's. (/proc is bound like the rest, then the verifier's
 # init mounts its own over it: the kernel lets a user namespace mount a procfs only over a
-# visible one.)
-_OWN = ("tests", "logs", "dev")
-# Names in the folder /bin leads to that the runner's programs run by absolute path.
+# visible one.) A top-level entry of the agent's with one of these names is left out.
+_OWN = ("tests", "logs", "dev", "bin", ".sequester")
+# Names in /bin that the runner's programs run by absolute path.
 RUNNER_SHELL_NAMES = {"sh": "bash", "dash": "bash", "ls": "ls", "env": "env"}
-_OLD = ".sequester-old-root"
+# Each bound folder is a mount (and the kernel caps a namespace's mounts): the agent's
+# top-level entries beyond this many are left out, with a note.
+MAX_TOP_ENTRIES = 512
+# Where /bin may lead in the agent's view for its content to stay visible under the
+# verifier's /bin: the usual places. Anything else (/, /opt, /proc, /tmp/x) gives a /bin
+# holding only the runner's programs: the agent's odd layout is its own loss.
+_BIN_TARGETS = ("/usr/bin", "/bin")
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -49,12 +56,24 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 
 
 def build_root(staging: str, runner_bin: str, run: str) -> list[str]:
-    """Build the new root at ``staging`` (a mount point), pivot into it, give ``/bin``'s
-    folder its overlay. ``run`` is the runner's private scratch folder (mounted here).
-    Returns notes (what of the agent's root was left out)."""
+    """Build the new root at ``staging`` (a mount point), pivot into it. ``run`` is the
+    runner's private scratch folder (mounted here). The verifier's own mounts come first
+    (the agent cannot make them fail by using up the namespace's mounts); then the
+    agent's top-level entries. Returns notes (what of the agent's root was left out)."""
     notes: list[str] = []
+    agent_bin = _agent_bin()
     _mount("tmpfs", staging, "tmpfs", MS_NOSUID, "mode=0755,size=16m")
-    for entry in os.scandir("/"):
+    for name in _OWN:
+        os.mkdir(os.path.join(staging, name), 0o755)
+    for name in ("tests", "logs"):
+        _mount("tmpfs", os.path.join(staging, name), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1g")
+    _populate_dev(os.path.join(staging, "dev"))
+    _bin(os.path.join(staging, "bin"), os.path.join(staging, ".sequester"), agent_bin, runner_bin)
+    entries = sorted(os.scandir("/"), key=lambda e: e.name)
+    if len(entries) > MAX_TOP_ENTRIES:
+        notes.append(f"the agent's root has {len(entries)} entries: only the first {MAX_TOP_ENTRIES} are in the "
+                     "verifier's root")
+    for entry in entries[:MAX_TOP_ENTRIES]:
         name, target = entry.name, os.path.join(staging, entry.name)
         if name in _OWN or name == os.path.basename(staging.rstrip("/")):
             continue
@@ -68,22 +87,49 @@ def build_root(staging: str, runner_bin: str, run: str) -> list[str]:
                 notes.append(f"/{name!r} (not a folder or link) is not in the verifier's root")
         except OSError as exc:  # the agent changed its root meanwhile: the verifier does without
             notes.append(f"/{name!r} is not in the verifier's root: {exc.strerror}")
-    for name in _OWN:
-        os.mkdir(os.path.join(staging, name), 0o755)
-    for name in ("tests", "logs"):
-        _mount("tmpfs", os.path.join(staging, name), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1g")
-    _populate_dev(os.path.join(staging, "dev"))
-    os.mkdir(os.path.join(staging, _OLD), 0o700)
+    # pivot_root(".", "."): the old root ends up on top of the new one and is detached at
+    # once; no folder of the new root is needed for it (nor can one be in the way).
     arch = os.uname().machine
     if arch not in _SYS_PIVOT_ROOT:
         raise OSError(errno.ENOSYS, f"pivot_root: no syscall number for {arch}")
-    check(libc.syscall(_SYS_PIVOT_ROOT[arch], staging.encode(), os.path.join(staging, _OLD).encode()), "pivot_root")
+    os.chdir(staging)
+    check(libc.syscall(_SYS_PIVOT_ROOT[arch], b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "detach the old root")
     os.chdir("/")
-    check(libc.umount2(f"/{_OLD}".encode(), MNT_DETACH), "detach the old root")
-    os.rmdir(f"/{_OLD}")
     _mount("tmpfs", run, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=2g")
-    _shell_overlay(runner_bin, run)
+    _check_shell(runner_bin)
     return notes
+
+
+def _agent_bin() -> str | None:
+    """Where the agent's /bin leads, if it is one of the usual places (see _BIN_TARGETS)."""
+    try:
+        folder = os.path.realpath("/bin")
+    except OSError:
+        return None
+    return folder if folder in _BIN_TARGETS and os.path.isdir(folder) else None
+
+
+def _bin(target: str, scratch: str, agent_bin: str | None, runner_bin: str) -> None:
+    """The verifier's /bin, a folder of its own root: an overlay of the agent's (when it
+    leads to a usual place) in which :data:`RUNNER_SHELL_NAMES` are the runner's programs."""
+    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=1m")
+    upper, work = os.path.join(scratch, "bin-upper"), os.path.join(scratch, "bin-work")
+    os.mkdir(upper, 0o755)
+    os.mkdir(work, 0o700)
+    for name, program in RUNNER_SHELL_NAMES.items():
+        os.symlink(os.path.join(runner_bin, program), os.path.join(upper, name))
+    if agent_bin is None:
+        _mount(upper, target, None, MS_BIND)
+    else:
+        _mount("overlay", target, "overlay", 0, f"lowerdir={agent_bin},upperdir={upper},workdir={work}")
+
+
+def _check_shell(runner_bin: str) -> None:
+    """Fail closed unless /bin/sh is the runner's shell."""
+    ours, there = os.stat(os.path.join(runner_bin, RUNNER_SHELL_NAMES["sh"])), os.stat("/bin/sh")
+    if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):
+        raise OSError(errno.EPERM, "the verifier's /bin/sh is not the runner's shell")
 
 
 def _populate_dev(dev: str) -> None:
@@ -106,24 +152,3 @@ def _populate_dev(dev: str) -> None:
     _mount("devpts", os.path.join(dev, "pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
     os.mkdir(os.path.join(dev, "shm"), 0o1777)
     _mount("tmpfs", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=256m")
-
-
-def _shell_overlay(runner_bin: str, run: str) -> None:
-    """A private overlay on the folder ``/bin`` leads to, in which the names of
-    :data:`RUNNER_SHELL_NAMES` are links to the runner's programs."""
-    try:
-        folder = os.path.realpath("/bin")
-        # A path with these would be read as more mount options (the agent chose it).
-        if not os.path.isdir(folder) or any(c in folder for c in ",:\\\n") or not folder.isprintable():
-            raise FileNotFoundError(folder)
-    except OSError:  # the agent removed /bin, broke or bent the link: the verifier's root gets its own
-        if os.path.lexists("/bin"):
-            os.unlink("/bin")
-        folder = "/bin"
-        os.mkdir(folder, 0o755)
-    upper, work = os.path.join(run, "bin-upper"), os.path.join(run, "bin-work")
-    os.mkdir(upper, 0o755)
-    os.mkdir(work, 0o700)
-    for name, program in RUNNER_SHELL_NAMES.items():
-        os.symlink(os.path.join(runner_bin, program), os.path.join(upper, name))
-    _mount("overlay", folder, "overlay", 0, f"lowerdir={folder},upperdir={upper},workdir={work}")

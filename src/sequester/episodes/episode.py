@@ -35,7 +35,7 @@ from ..sandbox.bwrap import close_fd
 from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
-from .evaluation import BootstrapFailed, judge, run_tests, zero_result
+from .evaluation import judge, run_tests, runner_works, zero_result
 from .layers import report_episode
 from .nsexec import NsExec, shared_nsexec
 from .separate import evaluate_separately
@@ -285,15 +285,16 @@ class Episode:
         findings = tuple(self.tampering())
         try:
             return judge(task, ev, tampering=findings, frozen=frozen, notes=notes)
-        except BootstrapFailed:
-            # Was it the runner, or the agent (a forged report, a broken view)? The same
-            # tests in the task's pristine environment decide: nothing of the agent's is there.
+        except v.VerifierCouldNotRun as exc:
+            # The runner's fault, or the agent's (a view that breaks the verifier's set-up or
+            # bootstrap, a forged report)? The same tests in the task's pristine environment,
+            # where nothing of the agent's is, decide: trainers drop errors, so only a
+            # failure that happens there too may stay one.
             pristine, _ = evaluate_separately(self, run.bwrap.pid, with_artifacts=False)
-            if "uvx" in pristine.runner_said and "pytest" not in pristine.runner_said:
-                raise  # the same failure where the agent never was: the runner's
-            return zero_result(ev, "uvx never started pytest here, though the task's pristine environment does not "
-                               "fail that way: the agent's view or programs broke the tests' bootstrap",
-                               tampering=findings, frozen=frozen, notes=notes)
+            if not runner_works(pristine):
+                raise
+            return zero_result(ev, f"{exc} -- but the task's pristine environment does not fail that way: the "
+                               "agent's view or programs did this", tampering=findings, frozen=frozen, notes=notes)
 
     # -- teardown ------------------------------------------------------------------------
 

@@ -20,6 +20,11 @@ no reward file, or an invalid one              0 for the agent (its programs can
 the namespace helper could not stage or start  :class:`VerifierCouldNotRun` (the harness)
 ============================================  ==========================================
 
+Every :class:`VerifierCouldNotRun` is checked once more by running the same tests in the
+task's pristine environment (:meth:`.episode.Episode.evaluate`): if the runner works
+there, the failure was the agent's doing (a view that breaks the verifier's set-up, a
+forged report of the runner's) and is its 0.
+
 An error is the harness's or the task's, never the agent's doing: trainers drop errored
 trials, so nothing an agent does may turn its failing trial into one.
 """
@@ -42,7 +47,7 @@ from ..verifier import layout
 from . import verifier as v
 from .nsexec import HeadTail, NsExec, write_and_close
 
-__all__ = ["Evaluation", "BootstrapFailed", "run_tests", "judge", "zero_result"]
+__all__ = ["Evaluation", "BootstrapFailed", "run_tests", "judge", "zero_result", "runner_works"]
 
 _RUNNER_SAID_LIMIT = 4096
 
@@ -82,8 +87,8 @@ def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner
             "cwd": workdir, "caps": list(CONTAINER_CAPS),
             "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
             "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": _proc_submounts(init_pid),
-            "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "bin": str(layout.BIN), "dev": st.st_dev,
-                       "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text()},
+            "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "bin": str(layout.BIN),
+                       "dev": st.st_dev, "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text()},
             "runner_fd": v.RUNNER_FD,
         }, [tests_r, out_w, said_w])
     except BaseException:
@@ -138,6 +143,16 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
     except v.VerifierError as exc:
         return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
     return v.VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
+
+
+def runner_works(ev: Evaluation) -> bool:
+    """Whether the runner got as far as the tests in ``ev``: it was set up, and if uvx
+    started, pytest did too (a timeout counts: the tests were running)."""
+    if ev.report is None:
+        return True
+    if "error" in ev.report:
+        return False
+    return not ("uvx" in ev.runner_said and "pytest" not in ev.runner_said)
 
 
 def zero_result(ev: Evaluation, reason: str, *, tampering: tuple[str, ...], frozen: str | None,

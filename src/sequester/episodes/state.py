@@ -41,15 +41,6 @@ class EpisodeDirs:
     def new(self, top: str) -> Path:
         return self.root / "new" / top
 
-    def layer_roots(self) -> list[tuple[str, Path]]:
-        """(top-level name, host folder) of every writable layer that exists."""
-        out = []
-        for kind in ("upper", "new"):
-            folder = self.root / kind
-            if folder.is_dir():
-                out += [(name, folder / name) for name in sorted(os.listdir(folder))]
-        return out
-
     def remove(self) -> None:
         """Remove the episode's folder and everything the agent left in it (see
         :func:`~.remove.remove_tree`: no recursion, no symlink followed, modes opened up).

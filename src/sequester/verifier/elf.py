@@ -25,7 +25,9 @@ agent-writable root folder.
 
 from __future__ import annotations
 
-__all__ = ["ELF_MAGIC", "LOADER_PATHS", "LIBC_PATHS", "redirect_paths", "replacement", "is_elf"]
+import re
+
+__all__ = ["ELF_MAGIC", "LOADER_PATHS", "LIBC_PATHS", "redirect_paths", "replacement", "is_elf", "view_paths_in"]
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -48,10 +50,23 @@ LIBC_PATHS = (
     b"/etc/nsswitch.conf",
 )
 _PROC = b"/proc/"
+# Where a library's compiled-in configuration and plugin paths point (OpenSSL's
+# openssl.cnf and provider modules, p11-kit's modules, krb5's and sasl's plugins,
+# terminfo, inputrc, ...): all of it is the agent's to write in its view.
+_VIEW_PREFIXES = (b"/etc/", b"/usr/", b"/lib/", b"/lib64/", b"/var/", b"/opt/")
+_C_STRING = re.compile(rb"(?<=\0)/[\x21-\x7e]{2,4095}(?=\0)")
 
 
 def is_elf(head: bytes) -> bool:
     return head[:4] == ELF_MAGIC
+
+
+def view_paths_in(data: bytes) -> tuple[bytes, ...]:
+    """Every whole C string in ``data`` that is an absolute path into the view's system
+    folders: what a library (other than the C library, whose data files such as
+    ``/etc/passwd`` stay readable: :data:`LIBC_PATHS` lists what it must not load) would
+    read its configuration and plugins from."""
+    return tuple(sorted({m.group() for m in _C_STRING.finditer(data) if m.group().startswith(_VIEW_PREFIXES)}))
 
 
 def replacement(path: bytes) -> bytes:

@@ -39,7 +39,7 @@ from pathlib import Path
 from ..errors import SandboxError
 from . import layout
 from .closure import library_closure
-from .elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths
+from .elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
 from .pysite import write_sitecustomize
 from .pythons import HostPython, copy_python, find_pythons
 from .shims import write_shims
@@ -49,7 +49,7 @@ __all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
 log = logging.getLogger("sequester.verifier")
 
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
-BUILD_FORMAT = "6"
+BUILD_FORMAT = "7"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = ("bash", "cat", "cp", "mv", "rm", "mkdir", "rmdir", "ls", "ln", "chmod", "touch", "head", "tail", "wc", "sort",
          "uniq", "cut", "tr", "tee", "env", "test", "true", "false", "echo", "printf", "sleep", "dirname", "basename",
@@ -167,6 +167,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
         if name.startswith("libc.so"):
             _blank(dest, LIBC_PATHS)
         else:
+            _blank(dest, None)  # every configuration and plugin path it has
             libraries.append(dest)
     # Under the host loader's own name: uv reads the loader of /bin/sh (the verifier's is
     # the tree's bash) and tells glibc from musl by its name.
@@ -183,10 +184,14 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     _download_wheels(root / "wheels")
 
 
-def _blank(path: Path, paths: tuple[bytes, ...]) -> None:
-    data, found = redirect_paths(path.read_bytes(), paths)
-    if not found:
+def _blank(path: Path, paths: tuple[bytes, ...] | None) -> None:
+    """Redirect ``paths`` (None: every path into the view's system folders) in ``path``."""
+    original = path.read_bytes()
+    data, found = redirect_paths(original, view_paths_in(original) if paths is None else paths)
+    if paths is not None and not found:
         raise SandboxError(f"{path.name}: none of the paths it should read were found; not a glibc this build knows")
+    if data == original:
+        return
     mode = path.stat().st_mode
     path.chmod(mode | stat.S_IWUSR)
     path.write_bytes(data)
