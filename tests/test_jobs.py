@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sequester import __version__ as SEQUESTER_VERSION
 from sequester.jobs import JobPaths, TrialPaths, run_job
 
 from conftest import VISIBLE_DIR, requires_root
@@ -85,8 +86,11 @@ def test_oracle_scores_one_on_every_example(oracle_job):
     assert on_disk["finished_at"] and on_disk["errors"] == []
     assert sorted(name.split("__")[0] for name in on_disk["trials"]) == TASK_NAMES
     config = json.loads((job_dir / "config.json").read_text())
-    assert config["agent"] == "oracle" and config["concurrency"] == 1
-    assert [t["name"] for t in config["tasks"]] == TASK_NAMES
+    assert config["agents"] == [{"name": "oracle"}] and config["n_concurrent_trials"] == 1
+    assert config["datasets"] == [{"path": str(EXAMPLES)}] and config["tasks"] == []  # one folder of tasks
+    assert config["task_names"] == TASK_NAMES and config["agent_spec"] == "oracle"
+    assert on_disk["id"] and on_disk["stats"]["n_completed_trials"] == len(TASK_NAMES)
+    assert on_disk["stats"]["evals"]["oracle__tasks"]["metrics"] == [{"mean": 1.0}]
 
 
 def test_every_trial_folder_holds_its_record(oracle_job):
@@ -97,7 +101,12 @@ def test_every_trial_folder_holds_its_record(oracle_job):
         assert trial["trial_name"] == name and name.startswith(trial["task_name"] + "__")
         assert re.fullmatch(r"[a-z0-9]{6}", name.split("__")[1])
         assert trial["verifier_result"] == {"rewards": {"reward": 1.0}} and trial["exception_info"] is None
-        assert trial["agent_info"] == {"name": "oracle"} and trial["source"] == str(EXAMPLES / trial["task_name"])
+        assert trial["agent_info"] == {"name": "oracle", "version": SEQUESTER_VERSION, "model_info": None}
+        assert trial["source"] == "tasks" and trial["task_id"] == {"path": str(EXAMPLES / trial["task_name"])}
+        assert len(trial["task_checksum"]) == 64 and trial["id"] and trial["verifier_environment_mode"] == "shared"
+        assert trial["config"] == json.loads(paths.config_path.read_text())
+        assert trial["config"]["task"] == {"path": trial["task_id"]["path"], "source": "tasks"}
+        assert trial["config"]["agent"] == {"name": "oracle"}
         assert trial["tampering"] == [] and isinstance(trial["notes"], list)
         for phase in ("environment_setup", "agent_execution", "verifier"):
             assert trial[phase]["started_at"] <= trial[phase]["finished_at"]
@@ -110,6 +119,11 @@ def test_every_trial_folder_holds_its_record(oracle_job):
         assert commands[0]["exit_code"] == 0 and commands[0]["timed_out"] is False
         assert set(commands[0]) >= {"command", "timeout", "stdout", "stderr", "exit_code", "timed_out", "duration"}
         assert "$ bash /solution/solve.sh" in paths.agent_log_path.read_text()
+        command_dir = paths.command_dir(0)  # Harbor's layout, which its viewer reads
+        assert (command_dir / "command.txt").read_text() == "bash /solution/solve.sh"
+        assert (command_dir / "stdout.txt").read_text() == commands[0]["stdout"]
+        assert (command_dir / "stderr.txt").read_text() == commands[0]["stderr"]
+        assert (command_dir / "return-code.txt").read_text() == "0\n" and not paths.command_dir(1).exists()
         assert "verifier: ended" in paths.trial_log_path.read_text()
     pinned = next(n for n in result.trials if n.startswith("pinned-pytest__"))
     assert json.loads(TrialPaths(job_dir / pinned).verifier_file("ctrf.json").read_text())
@@ -229,7 +243,9 @@ def test_script_agent_is_recorded(tmp_path):
     assert r.returncode == 0, r.stderr
     (trial,) = trial_results(tmp_path / "s").values()
     assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
-    assert trial["agent_info"] == {"name": f"script:{script}"}
+    assert trial["agent_info"]["name"] == f"script:{script}" and trial["source"] is None  # a task by itself
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["datasets"] == [] and config["tasks"] == [{"path": str(EXAMPLES / "python-csv-stats"), "source": None}]
     paths = TrialPaths(tmp_path / "s" / trial["trial_name"])
     (command,) = [json.loads(line) for line in paths.commands_path.read_text().splitlines()]
     assert command["command"] == script.read_text() and command["exit_code"] == 0
@@ -247,6 +263,10 @@ def test_tampering_is_reported_and_the_verdict_is_the_tests(tmp_path):
     assert trial["verifier_result"]["rewards"]["reward"] == 1.0
     assert any("profile.d/zz-agent.sh" in t for t in trial["tampering"]), trial["tampering"]
     assert f"! {len(trial['tampering'])}" in r.stdout
+    # a hack that scores 1.0 is counted in the summary line and in the job's result.json
+    assert "mean reward 1.000" in flat(r.stdout) and "1 with tampering" in flat(r.stdout)
+    job = json.loads((tmp_path / "t" / "result.json").read_text())
+    assert (job["n_tampered"], job["tampered"]) == (1, [trial["trial_name"]])
 
 
 def test_agent_cannot_run_the_verifier(tmp_path):
@@ -262,7 +282,10 @@ def test_agent_cannot_run_the_verifier(tmp_path):
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1, r.stderr
     (trial,) = trial_results(tmp_path / "jobs" / "p").values()
-    assert trial["exception_info"]["exception_type"] == "EpisodeError"
+    assert trial["exception_info"]["exception_type"] == "EpisodeError"  # no Harbor name: its own, and a policy
+    assert trial["exception_info"]["sequester_exception_type"] == "EpisodeError"
+    assert trial["exception_info"]["policy_override"] == {"should_retry": False, "should_grade": False,
+                                                          "has_valid_reward": False}
     assert "verifier" in trial["exception_info"]["exception_message"]
     assert trial["verifier"] == {"started_at": None, "finished_at": None}
 
@@ -285,7 +308,10 @@ def test_interrupt_stops_trials_and_writes_the_results(tmp_path):
     assert "interrupted" in err
     job = json.loads((tmp_path / "i" / "result.json").read_text())
     assert job["finished_at"] and job["n_total_trials"] == len(TASK_NAMES) and job["n_trials"] == 2
-    assert [e["exception_type"] for e in job["errors"]] == ["TrialCancelled"] * 2
+    assert [e["exception_type"] for e in job["errors"]] == ["CancelledError"] * 2  # Harbor's name
+    assert [e["sequester_exception_type"] for e in job["errors"]] == ["TrialCancelled"] * 2
+    assert (job["stats"]["n_cancelled_trials"], job["stats"]["n_errored_trials"]) == (2, 2)
+    assert job["stats"]["n_completed_trials"] + job["stats"]["n_pending_trials"] == len(TASK_NAMES)
     for name in job["trials"]:
         assert json.loads(TrialPaths(tmp_path / "i" / name).result_path.read_text())["exception_info"]
 
@@ -313,3 +339,114 @@ def test_agents_see_no_other_task_and_no_job_output(tmp_path):
                 assert secret not in command["stdout"], (secret, command["stdout"])
     finally:
         shutil.rmtree(base)
+
+
+def test_agent_print_goes_to_trial_log_not_the_terminal(tmp_path):
+    (tmp_path / "chatty_agent.py").write_text(
+        "import sys\n"
+        "class Chatty:\n"
+        "    name = 'chatty'\n"
+        "    def run(self, instruction, episode):\n"
+        "        print('chatty-stdout-marker')\n"
+        "        sys.stderr.write('chatty-stderr-marker\\n')\n"
+        "        episode.exec('true')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "sequester.cli", "run", str(EXAMPLES / "python-csv-stats"),
+                        str(EXAMPLES / "c-word-count"), "--agent", "chatty_agent:Chatty", "-n", "2",
+                        "-o", str(tmp_path / "jobs"), "--job-name", "c"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert "chatty" not in r.stdout.replace("chatty_agent", "") and "marker" not in r.stderr
+    for trial in trial_results(tmp_path / "jobs" / "c").values():
+        log = TrialPaths(tmp_path / "jobs" / "c" / trial["trial_name"]).trial_log_path.read_text()
+        assert log.count("agent stdout: chatty-stdout-marker") == 1, log  # each trial its own, not the other's
+        assert log.count("agent stderr: chatty-stderr-marker") == 1, log
+
+
+def _result(task: str, reward: float | None, *, error: str | None = None, tampering: int = 0):
+    from sequester.jobs import ExceptionInfo, TrialResult, VerifierOutcome
+
+    return TrialResult(
+        task_name=task, trial_name=f"{task}__abc123", trial_uri="file:///x", agent_info={"name": "a"},
+        verifier_result=None if reward is None else VerifierOutcome({"reward": reward}),
+        exception_info=None if error is None else ExceptionInfo(error, "it broke", "", "2026-01-01T00:00:00+00:00"),
+        started_at="2026-01-01T00:00:00+00:00", finished_at="2026-01-01T00:00:12.5+00:00",
+        tampering=[f"/etc/x{i}" for i in range(tampering)])
+
+
+def test_summary_is_readable_at_80_columns():
+    import io
+
+    from rich.console import Console
+
+    from sequester.jobs import JobResult
+    from sequester.jobs.render import print_summary
+
+    trials = [_result("build-a-very-long-named-cython-extension", 1.0, tampering=3),
+              _result("python-csv-stats", None, error="VerifierCouldNotRun"), _result("c-word-count", 0.25)]
+    job = JobResult.from_trials("j", "2026-01-01T00:00:00+00:00", "2026-01-01T00:01:00+00:00", 3, trials)
+    for width in (80, 120):
+        out = io.StringIO()
+        print_summary(Console(file=out, width=width, color_system=None), job, trials, Path("/jobs/j"))
+        text = out.getvalue()
+        table = text[:text.index("┘") + 1]
+        assert all(len(line) <= width for line in table.splitlines()), text
+        assert "…" not in text  # nothing cut
+        rows = [line.split("│")[1:-1] for line in table.splitlines() if line.startswith("│")]
+        # a long cell folds onto more lines of its row, whole: each column read top to bottom
+        columns = ["".join(cell.strip() for cell in column) for column in zip(*rows)]
+        for cell in ("build-a-very-long-named-cython-extension", "VerifierCouldNotRun", "1.0", "0.25", "12.5s",
+                     "!3", "python-csv-stats", "c-word-count"):
+            assert any(cell in column.replace(" ", "") for column in columns), (width, cell, text)
+        assert ("abc123" in "".join(columns)) == (width >= 100)  # the trial suffix only where there is room
+        assert "1 with tampering" in flat(text) and "mean reward 0.625" in flat(text)
+
+
+def test_every_sequester_error_has_a_harbor_name_or_policy():
+    """Harbor retries what it does not know; none of sequester's own errors may be unknown."""
+    import importlib
+    import pkgutil
+
+    import sequester as package
+
+    from sequester.errors import SequesterError
+    from sequester.jobs.harbor import harbor_exception
+
+    for module in pkgutil.walk_packages(package.__path__, "sequester."):
+        if not module.name.split(".")[-1].startswith("_"):
+            importlib.import_module(module.name)
+    harbor_names = {"RewardFileNotFoundError", "RewardFileEmptyError", "VerifierOutputParseError",
+                    "VerifierTimeoutError", "CancelledError", "AddTestsDirError", "SandboxBuildFailedError"}
+    seen, todo = set(), [SequesterError]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        name, override = harbor_exception(cls.__name__, "message")
+        assert name in harbor_names or override is not None, cls
+        seen.add(cls.__name__)
+    assert {"VerifierCouldNotRun", "RewardFileMissing", "RewardInvalid", "VerifierTimeout", "TrialCancelled",
+            "EpisodeError"} <= seen
+    assert harbor_exception("RewardInvalid", "reward.txt: '' is not a number")[0] == "RewardFileEmptyError"
+    assert harbor_exception("RateLimitError", "x") == ("RateLimitError", None)  # an agent's own: kept
+
+
+@pytest.mark.skipif("reward_range" not in {f.name for f in __import__("dataclasses").fields(
+    __import__("sequester.episodes.settings", fromlist=["EpisodeSettings"]).EpisodeSettings)},
+    reason="needs [episodes] reward_range in sequester.episodes (the lead's change)")
+def test_reward_range_is_a_run_option(tmp_path):
+    task = broken_task(tmp_path, "#!/bin/bash\necho 2.5 > /logs/verifier/reward.txt\n", name="big-reward")
+    config = tmp_path / "episodes.toml"
+    for table, expected in (("", 0.0), ('reward_range = "any"', 2.5), ("reward_range = [0, 10]", 2.5)):
+        config.write_text(f"[episodes]\n{table}\n")
+        name = f"r{len(table)}"
+        r = sequester("run", str(task), "--agent", "nop", "--config", str(config), "-o", str(tmp_path / "jobs"),
+                      "--job-name", name)
+        assert r.returncode == 0, r.stderr
+        (trial,) = trial_results(tmp_path / "jobs" / name).values()
+        assert trial["verifier_result"]["rewards"] == {"reward": expected}, (table, trial["notes"])
+    config.write_text("[episodes]\nreward_range = [0, 1]\n")
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\necho nan > /logs/verifier/reward.txt\n")
+    r = sequester("run", str(task), "--agent", "nop", "--config", str(config), "-o", str(tmp_path / "jobs"),
+                  "--job-name", "nan")
+    (trial,) = trial_results(tmp_path / "jobs" / "nan").values()
+    assert trial["verifier_result"]["rewards"] == {"reward": 0.0}  # NaN is never a reward

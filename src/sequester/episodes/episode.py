@@ -284,7 +284,8 @@ class Episode:
         # reward, and the agent learns of the evaluation from nothing done before it.
         findings = tuple(self.tampering())
         try:
-            return judge(task, ev, tampering=findings, frozen=frozen, notes=notes)
+            return judge(task, ev, tampering=findings, frozen=frozen, notes=notes,
+                         reward_range=getattr(self.settings, "reward_range", v.DEFAULT_REWARD_RANGE))
         except v.VerifierCouldNotRun as exc:
             # The runner's fault, or the agent's (a view that breaks the verifier's set-up or
             # bootstrap, a forged report)? The same tests in the task's pristine environment,

@@ -117,7 +117,8 @@ def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner
 
 
 def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str | None,
-          notes: tuple[str, ...] = ()) -> v.VerifierResult:
+          notes: tuple[str, ...] = (),
+          reward_range: tuple[float, float] | None = v.DEFAULT_REWARD_RANGE) -> v.VerifierResult:
     """The verdict of one evaluation (see the table above), or :class:`VerifierCouldNotRun`."""
     text = ev.output.decode(errors="replace")
     seen: dict[str, Any] = {"output": text, "duration": ev.duration, "tampering": tampering}
@@ -139,7 +140,7 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
             "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
             f"test script asks for; the script exited {exit_code})", **seen)
     try:
-        rewards = v.parse_rewards(files)
+        rewards = v.parse_rewards(files, reward_range)
     except v.VerifierError as exc:
         return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
     return v.VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)

@@ -144,20 +144,26 @@ def verifier_env(task: Task) -> dict[str, str]:
     return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD)
 
 
-def _number(value: Any, where: str) -> float:
+DEFAULT_REWARD_RANGE = (0.0, 1.0)
+
+
+def _number(value: Any, where: str, reward_range: tuple[float, float] | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RewardInvalid(f"{where}: {value!r} is not a number")
     number = float(value)
     if not math.isfinite(number):
         raise RewardInvalid(f"{where}: {value!r} is not finite")
-    if not 0.0 <= number <= 1.0:
-        raise RewardInvalid(f"{where}: {value!r} is outside [0, 1]")
+    if reward_range is not None and not reward_range[0] <= number <= reward_range[1]:
+        raise RewardInvalid(f"{where}: {value!r} is outside [{reward_range[0]:g}, {reward_range[1]:g}]")
     return number
 
 
-def parse_rewards(files: dict[str, bytes]) -> dict[str, float]:
+def parse_rewards(files: dict[str, bytes],
+                  reward_range: tuple[float, float] | None = DEFAULT_REWARD_RANGE) -> dict[str, float]:
     """The verdict: ``reward.json`` (a flat object of numbers) if present, else
-    ``reward.txt`` (one number). Strict: anything else is :class:`RewardInvalid`."""
+    ``reward.txt`` (one number). Strict: anything else is :class:`RewardInvalid`. Every
+    number must be finite, and within ``reward_range`` unless that is ``None`` (Harbor
+    accepts any finite number)."""
     if "reward.json" in files:
         try:
             data = json.loads(files["reward.json"].decode("utf-8"), parse_constant=_reject_constant)
@@ -165,7 +171,7 @@ def parse_rewards(files: dict[str, bytes]) -> dict[str, float]:
             raise RewardInvalid(f"reward.json is not valid JSON: {exc}") from None
         if not isinstance(data, dict) or not data:
             raise RewardInvalid("reward.json is not a non-empty flat object")
-        rewards = {str(k): _number(v, f"reward.json[{k!r}]") for k, v in data.items()}
+        rewards = {str(k): _number(v, f"reward.json[{k!r}]", reward_range) for k, v in data.items()}
         primary_reward(rewards)
         return rewards
     if "reward.txt" in files:
@@ -174,7 +180,7 @@ def parse_rewards(files: dict[str, bytes]) -> dict[str, float]:
             value = float(text)
         except ValueError:
             raise RewardInvalid(f"reward.txt: {text[:50]!r} is not a number") from None
-        return {"reward": _number(value, "reward.txt")}
+        return {"reward": _number(value, "reward.txt", reward_range)}
     raise RewardFileMissing("the verifier wrote neither /logs/verifier/reward.json nor reward.txt")
 
 

@@ -9,6 +9,8 @@ solution, nor any verifier's output or result.
 from __future__ import annotations
 
 import os
+import threading
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from datetime import datetime
@@ -18,11 +20,12 @@ from ..agents import load_agent
 from ..episodes.settings import EpisodeSettings
 from ..errors import PolicyError
 from ..tasks import Task, find_tasks
+from .harbor import ENVIRONMENT_IMPORT_PATH, agent_config, task_config
 from .paths import JobPaths, check_name
 from .results import JobResult, TrialResult, utc_now
 from .trial import TrialCancel, new_trial_name, run_trial, settings_to_dict, write_json
 
-__all__ = ["run_job", "default_job_name"]
+__all__ = ["run_job", "default_job_name", "job_config"]
 
 
 def default_job_name() -> str:
@@ -66,20 +69,33 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
         raise PolicyError(f"job {job_name!r}: {paths.root} already exists; choose another job name") from None
 
     started_at = utc_now()
+    job_id = str(uuid.uuid4())
     hide = [*(task.path for task in tasks), jobs_root]
     planned = _plan(tasks)
-    write_json(paths.config_path, {
-        "job_name": job_name, "agent": agent_spec, "jobs_dir": str(jobs_root), "concurrency": concurrency,
-        "tasks": [{"name": t.name, "path": str(t.path)} for t in tasks], "settings": settings_to_dict(settings),
-        "started_at": started_at,
-    })
+    datasets, sources = _datasets(task_paths, tasks)
+    write_json(paths.config_path, job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources,
+                                             settings, started_at))
     finished: dict[str, TrialResult] = {}
+    lock = threading.Lock()
+    running: set[str] = set()
 
     def write_result(finished_at: str | None) -> JobResult:
-        in_order = [finished[name] for name, _ in planned if name in finished]
-        result = JobResult.from_trials(job_name, started_at, finished_at, len(planned), in_order)
-        write_json(paths.result_path, result.to_dict())
+        with lock:
+            in_order = [finished[name] for name, _ in planned if name in finished]
+            result = JobResult.from_trials(job_name, started_at, finished_at, len(planned), in_order, job_id=job_id,
+                                           n_running=len(running - finished.keys()))
+            write_json(paths.result_path, result.to_dict())
         return result
+
+    def trial(name: str, task: Task) -> TrialResult:
+        with lock:
+            running.add(name)
+        try:
+            return run_trial(task, agent_spec, paths.trial_dir(name), settings=settings, hide=hide, cancel=cancel,
+                             source=sources[task.name], job_id=job_id)
+        finally:
+            with lock:
+                running.discard(name)
 
     write_result(None)
     cancel = TrialCancel()
@@ -87,10 +103,10 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     futures: dict[Future[TrialResult], str] = {}
     try:
         for name, task in planned:
-            futures[pool.submit(run_trial, task, agent_spec, paths.trial_dir(name), settings=settings, hide=hide,
-                                cancel=cancel)] = name
+            futures[pool.submit(trial, name, task)] = name
         for future in as_completed(futures):
-            finished[futures[future]] = future.result()
+            with lock:
+                finished[futures[future]] = future.result()
             write_result(None)
             if progress is not None:
                 progress(finished[futures[future]])
@@ -107,6 +123,37 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
         finally:
             result = write_result(utc_now())
     return result
+
+
+def job_config(job_name: str, jobs_root: Path, agent_spec: str, concurrency: int, tasks: list[Task],
+               datasets: list[Path], sources: dict[str, str | None], settings: EpisodeSettings,
+               started_at: str) -> dict[str, object]:
+    """The job's ``config.json``: Harbor's ``JobConfig`` (``agents``, ``n_concurrent_trials``,
+    each folder of tasks as a local dataset and each task given by itself under
+    ``tasks``), plus sequester's ``settings``, the exact ``task_names`` in order and the
+    ``agent_spec`` as given."""
+    return {
+        "schema_version": 1, "job_name": job_name, "jobs_dir": str(jobs_root), "n_attempts": 1,
+        "n_concurrent_trials": concurrency, "agents": [agent_config(agent_spec, load_agent(agent_spec))],
+        "environment": {"import_path": ENVIRONMENT_IMPORT_PATH},
+        "datasets": [{"path": str(folder)} for folder in datasets],
+        "tasks": [task_config(t.path, None) for t in tasks if sources[t.name] is None],
+        "agent_spec": agent_spec, "task_names": [t.name for t in tasks], "settings": settings_to_dict(settings),
+        "started_at": started_at,
+    }
+
+
+def _datasets(task_paths: Sequence[str | os.PathLike[str]], tasks: list[Task]
+              ) -> tuple[list[Path], dict[str, str | None]]:
+    """The folders of tasks among ``task_paths`` (Harbor's local datasets) and, for each
+    task, the name of the one it came from (``None``: the task was given by itself)."""
+    given = [Path(os.path.abspath(p)) for p in task_paths]
+    folders = [p for p in dict.fromkeys(given) if not ((p / "task.toml").exists() or (p / "instruction.md").exists())]
+    sources: dict[str, str | None] = {}
+    for task in tasks:
+        path = Path(os.path.abspath(task.path))
+        sources[task.name] = path.parent.name if path not in given and path.parent in folders else None
+    return folders, sources
 
 
 def _plan(tasks: list[Task]) -> list[tuple[str, Task]]:

@@ -3,14 +3,17 @@
 ::
 
     <jobs_dir>/<job_name>/
-      config.json                     agent, tasks, concurrency, settings (written at start)
-      result.json                     JobResult (written at the end, also when interrupted)
+      config.json                     Harbor's JobConfig + settings (written at start)
+      result.json                     JobResult, with Harbor's stats (rewritten as trials end)
       <task>__<random>/               one folder per trial
-        config.json                   task, agent, settings of this trial
+        config.json                   Harbor's TrialConfig + settings, hide
         result.json                   TrialResult (always written, also on errors)
-        trial.log                     the trial's steps and the log records of its thread
+        trial.log                     the trial's steps, the log records of its thread, what the agent printed
         agent/commands.jsonl          one JSON object per exec the agent ran
         agent/agent.log               what the agent did, readable
+        agent/command-<N>/            Harbor's layout of exec N (from 0): command.txt, stdout.txt,
+                                      stderr.txt, return-code.txt
+        agent/trajectory.json         the agent's own ATIF trajectory, if it has one
         verifier/test-stdout.txt      what the verifier printed
         verifier/<file>               each file it left in /logs/verifier (reward.txt, ctrf.json, ...)
 """
@@ -59,6 +62,14 @@ class TrialPaths:
     @property
     def agent_log_path(self) -> Path:
         return self.agent_dir / "agent.log"
+
+    def command_dir(self, index: int) -> Path:
+        """Harbor's folder for the agent's ``index``-th exec (from 0)."""
+        return self.agent_dir / f"command-{index}"
+
+    @property
+    def trajectory_path(self) -> Path:
+        return self.agent_dir / "trajectory.json"
 
     @property
     def verifier_dir(self) -> Path:

@@ -1,19 +1,22 @@
 """What a trial and a job leave behind, as plain data with ``to_dict()`` for ``result.json``.
 
-The layout mirrors Harbor's trial and job results (``task_name``, ``trial_name``,
-``verifier_result.rewards``, ``exception_info``, per-phase timings), so tools written for
-Harbor's job folders read ours with few changes. Times are ISO-8601 strings in UTC.
+Each ``to_dict()`` is a valid Harbor 0.26 document (``TrialResult``, ``JobResult``; see
+:mod:`.harbor`), so ``harbor view`` and Harbor's own loaders read our job folders; the
+fields Harbor does not know (``tampering``, ``notes``, the counts sequester prints) sit
+next to Harbor's, which Harbor ignores. Times are ISO-8601 strings in UTC.
 """
 
 from __future__ import annotations
 
 import traceback
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from ..episodes.verifier import primary_reward
+from .harbor import harbor_exception, job_stats
 
 __all__ = ["TimingInfo", "ExceptionInfo", "VerifierOutcome", "TrialResult", "JobResult", "utc_now"]
 
@@ -46,7 +49,9 @@ class TimingInfo:
 
 @dataclass(frozen=True)
 class ExceptionInfo:
-    """Why a trial has no verdict: the error's class name, message and traceback."""
+    """Why a trial has no verdict: the error's class name (sequester's own), message and
+    traceback. On disk ``exception_type`` is Harbor's name for it (so Harbor's error
+    policy applies) and ``sequester_exception_type`` is this one."""
 
     exception_type: str
     exception_message: str
@@ -57,9 +62,18 @@ class ExceptionInfo:
     def from_exception(cls, exc: BaseException) -> ExceptionInfo:
         return cls(type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), utc_now())
 
+    @property
+    def harbor_type(self) -> str:
+        return harbor_exception(self.exception_type, self.exception_message)[0]
+
     def to_dict(self) -> dict[str, Any]:
-        return {"exception_type": self.exception_type, "exception_message": self.exception_message,
-                "exception_traceback": self.exception_traceback, "occurred_at": self.occurred_at}
+        name, override = harbor_exception(self.exception_type, self.exception_message)
+        out: dict[str, Any] = {"exception_type": name, "sequester_exception_type": self.exception_type,
+                               "exception_message": self.exception_message,
+                               "exception_traceback": self.exception_traceback, "occurred_at": self.occurred_at}
+        if override is not None:
+            out["policy_override"] = dict(override)
+        return out
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,11 @@ class VerifierOutcome:
 @dataclass(frozen=True)
 class TrialResult:
     """One agent on one task. Exactly one of ``verifier_result`` and ``exception_info`` is
-    set: a trial either produced a verdict or says why it did not."""
+    set: a trial either produced a verdict or says why it did not.
+
+    ``source`` is the dataset the task came from (the name of the folder of tasks it was
+    found in; ``None`` for a task given by itself), as Harbor groups trials by it;
+    ``config`` is the trial's ``config.json`` (Harbor embeds it in the result)."""
 
     task_name: str
     trial_name: str
@@ -95,6 +113,11 @@ class TrialResult:
     tampering: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     source: str | None = None
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    task_path: str = ""
+    task_checksum: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    verifier_environment_mode: str | None = None
 
     @property
     def reward(self) -> float | None:
@@ -107,9 +130,11 @@ class TrialResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "task_name": self.task_name, "trial_name": self.trial_name, "trial_uri": self.trial_uri,
-            "source": self.source, "agent_info": dict(self.agent_info),
+            "schema_version": 1, "id": self.id, "task_name": self.task_name, "trial_name": self.trial_name,
+            "trial_uri": self.trial_uri, "task_id": {"path": self.task_path}, "source": self.source,
+            "task_checksum": self.task_checksum, "config": dict(self.config), "agent_info": dict(self.agent_info),
             "verifier_result": self.verifier_result.to_dict() if self.verifier_result else None,
+            "verifier_environment_mode": self.verifier_environment_mode,
             "exception_info": self.exception_info.to_dict() if self.exception_info else None,
             "started_at": self.started_at, "finished_at": self.finished_at,
             "environment_setup": self.environment_setup.to_dict(), "agent_execution": self.agent_execution.to_dict(),
@@ -121,7 +146,10 @@ class TrialResult:
 class JobResult:
     """A job's totals. ``n_trials`` counts the trials that finished (with or without a
     verdict); ``mean_reward`` averages the primary reward of those with a verdict only, so
-    an error is never silently scored as 0 (it is counted in ``n_errors`` instead)."""
+    an error is never silently scored as 0 (it is counted in ``n_errors`` instead).
+    ``tampered`` names the trials whose tampering report is not empty (whatever their
+    reward: the report is information, the verdict is the tests'). ``stats`` is Harbor's
+    ``JobStats`` of the same trials."""
 
     job_name: str
     started_at: str
@@ -133,24 +161,37 @@ class JobResult:
     reward_counts: dict[str, int]
     errors: list[dict[str, str]]
     trials: list[str]
+    tampered: list[str] = field(default_factory=list)
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    updated_at: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tampered(self) -> int:
+        return len(self.tampered)
 
     @classmethod
     def from_trials(cls, job_name: str, started_at: str, finished_at: str | None, n_total_trials: int,
-                    trials: list[TrialResult]) -> JobResult:
+                    trials: list[TrialResult], *, job_id: str | None = None, n_running: int = 0) -> JobResult:
         rewards = [t.reward for t in trials if t.reward is not None]
-        errors = [{"trial_name": t.trial_name, "exception_type": t.exception_info.exception_type,
+        errors = [{"trial_name": t.trial_name, "exception_type": t.exception_info.harbor_type,
+                   "sequester_exception_type": t.exception_info.exception_type,
                    "exception_message": t.exception_info.exception_message}
                   for t in trials if t.exception_info is not None]
         counts = Counter(str(r) for r in rewards)
         return cls(job_name, started_at, finished_at, n_total_trials, len(trials), len(errors),
                    sum(rewards) / len(rewards) if rewards else None,
                    dict(sorted(counts.items(), key=lambda kv: -float(kv[0]))), errors,
-                   [t.trial_name for t in trials])
+                   [t.trial_name for t in trials], [t.trial_name for t in trials if t.tampering],
+                   job_id or str(uuid.uuid4()), finished_at or utc_now(),
+                   job_stats(trials, n_total_trials, 0 if finished_at else n_running))
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "job_name": self.job_name, "started_at": self.started_at, "finished_at": self.finished_at,
-            "n_total_trials": self.n_total_trials, "n_trials": self.n_trials, "n_errors": self.n_errors,
+            "schema_version": 1, "id": self.id, "job_name": self.job_name, "started_at": self.started_at,
+            "updated_at": self.updated_at, "finished_at": self.finished_at, "n_total_trials": self.n_total_trials,
+            "stats": self.stats, "n_trials": self.n_trials, "n_errors": self.n_errors,
             "mean_reward": self.mean_reward, "reward_counts": dict(self.reward_counts),
+            "n_tampered": self.n_tampered, "tampered": list(self.tampered),
             "errors": [dict(e) for e in self.errors], "trials": list(self.trials),
         }

@@ -3,8 +3,9 @@
 The template (as in Harbor's trial): set up the environment (``Episode.reset``), run the
 agent, run the verifier, and, whatever happened, close the episode and write
 ``result.json``. Each phase is timed. The agent gets the episode through a recording
-proxy, so every command it ran is in ``agent/commands.jsonl`` with its output, and it
-cannot reset, evaluate or close the episode itself: those steps are the trial's.
+proxy, so every command it ran is in ``agent/commands.jsonl`` with its output (and in
+Harbor's ``agent/command-N/``), and it cannot reset, evaluate or close the episode itself:
+those steps are the trial's. What the agent prints goes to ``trial.log``.
 
 A trial never raises for what happens inside it (a broken task, a crashing agent, a
 verifier without a verdict): that is its ``exception_info``. Only an interrupt
@@ -32,10 +33,12 @@ from ..episodes.settings import EpisodeSettings
 from ..episodes.verifier import VerifierError
 from ..errors import SequesterError
 from ..tasks import Task
+from .capture import capture_thread_output
+from .harbor import ENVIRONMENT_IMPORT_PATH, agent_config, agent_info, task_checksum, task_config
 from .paths import TEST_STDOUT, TrialPaths
 from .results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
 
-__all__ = ["run_trial", "new_trial_name", "settings_to_dict", "write_json", "TrialCancel", "TrialCancelled"]
+__all__ = ["run_trial", "trial_config", "new_trial_name", "settings_to_dict", "write_json", "TrialCancel", "TrialCancelled"]
 
 log = logging.getLogger("sequester.jobs")
 
@@ -117,12 +120,19 @@ class _TrialLog:
         self._file.write(f"{utc_now()} {message}\n")
         self._file.flush()
 
+    def output(self, stream: str, text: str) -> None:
+        """What the agent printed (``print()``, ``sys.stderr.write``) on this thread."""
+        for line in text.splitlines():
+            self._file.write(f"{utc_now()} agent {stream}: {line}\n")
+        self._file.flush()
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         root = logging.getLogger()
         root.addHandler(self._handler)
         try:
-            yield
+            with capture_thread_output(self.output):
+                yield
         finally:
             root.removeHandler(self._handler)
             self._file.close()
@@ -136,6 +146,7 @@ class _RecordingEpisode:
 
     def __init__(self, episode: Episode, paths: TrialPaths, cancel: TrialCancel | None):
         self._episode, self._paths, self._cancel = episode, paths, cancel
+        self._n_commands = 0
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # before __init__ ran (copy, pickle), or the episode's internals
@@ -148,15 +159,23 @@ class _RecordingEpisode:
         limit = self._episode.settings.exec_timeout if timeout is None else timeout
         entry: dict[str, Any] = {"command": command, "timeout": limit, "started_at": utc_now()}
         self._transcript(f"$ {command}    # timeout {limit:g} s")
+        command_dir = self._paths.command_dir(self._n_commands)
+        self._n_commands += 1
+        command_dir.mkdir()
+        (command_dir / "command.txt").write_text(command, encoding="utf-8")
         try:
             result = self._episode.exec(command, timeout)
         except BaseException as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             self._record(entry)
+            (command_dir / "stdout.txt").write_text(f"[raised {entry['error']}]\n", encoding="utf-8")
             self._transcript(f"[raised {entry['error']}]")
             raise
         entry.update(result.to_dict())
         self._record(entry)
+        (command_dir / "stdout.txt").write_text(result.stdout, encoding="utf-8")
+        (command_dir / "stderr.txt").write_text(result.stderr, encoding="utf-8")
+        (command_dir / "return-code.txt").write_text("timed out\n" if result.timed_out else f"{result.exit_code}\n")
         status = "timed out" if result.timed_out else f"exit {result.exit_code}"
         note = f"; {result.note}" if result.note else ""
         self._transcript(f"{result.stdout}{result.stderr}[{status}, {result.duration:.2f} s{note}]")
@@ -209,33 +228,50 @@ class _Phases:
         return self.timings.get(name, TimingInfo())
 
 
+def trial_config(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
+                 source: str | None = None, job_id: str | None = None, agent: object | None = None) -> dict[str, Any]:
+    """The trial's ``config.json``: Harbor's ``TrialConfig`` (the task by ``path``, the
+    agent as an ``AgentConfig``, the job's id), plus sequester's ``settings`` and ``hide``."""
+    return {
+        "schema_version": 1, "task": task_config(task.path, source), "trial_name": trial_dir.name,
+        "trials_dir": str(trial_dir.parent), "agent": agent_config(agent_spec, agent),
+        "environment": {"import_path": ENVIRONMENT_IMPORT_PATH}, "job_id": job_id,
+        "settings": settings_to_dict(settings), "hide": [str(p) for p in hide],
+    }
+
+
 def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
-              cancel: TrialCancel | None = None) -> TrialResult:
+              cancel: TrialCancel | None = None, source: str | None = None, job_id: str | None = None) -> TrialResult:
     """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
     episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
-    exist; its name is the trial's name). Returns the result it wrote to ``result.json``."""
+    exist; its name is the trial's name). ``source`` is the dataset the task belongs to
+    and ``job_id`` the job's id (both for Harbor's grouping). Returns the result it wrote
+    to ``result.json``."""
     paths = TrialPaths(trial_dir)
     paths.mkdir()
     started_at = utc_now()
     paths.commands_path.touch()
     paths.agent_log_path.touch()
-    write_json(paths.config_path, {
-        "trial_name": trial_dir.name, "task": {"name": task.name, "path": str(task.path)}, "agent": agent_spec,
-        "settings": settings_to_dict(settings), "hide": [str(p) for p in hide],
-    })
+    config = trial_config(task, agent_spec, trial_dir, settings=settings, hide=hide, source=source, job_id=job_id)
+    write_json(paths.config_path, config)
+    checksum = task_checksum(task.path)
     trial_log = _TrialLog(paths.trial_log_path)
     phase = _Phases()
-    agent_info: dict[str, Any] = {"name": agent_spec}
+    info: dict[str, Any] = agent_info(agent_spec, None)
     verdict: VerifierOutcome | None = None
     error: ExceptionInfo | None = None
     tampering: list[str] = []
     notes: list[str] = []
     episode: Episode | None = None
+    mode = settings.verifier_env or task.config.verifier.environment_mode or "shared"
     with trial_log.capture():
         try:
             agent = load_agent(agent_spec)
-            agent_info = {"name": str(agent.name)}
-            trial_log.write(f"task {task.name} ({task.path}), agent {agent_info['name']}")
+            info = agent_info(agent_spec, agent)
+            config = trial_config(task, agent_spec, trial_dir, settings=settings, hide=hide, source=source,
+                                  job_id=job_id, agent=agent)
+            write_json(paths.config_path, config)
+            trial_log.write(f"task {task.name} ({task.path}), agent {info['name']}")
             with contextlib.ExitStack() as watch:
                 with phase("environment_setup", trial_log):
                     if cancel is not None:
@@ -246,7 +282,10 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                         watch.enter_context(cancel.watching(episode))
                         cancel.check()
                 with phase("agent_execution", trial_log):
-                    agent.run(episode.instruction, _RecordingEpisode(episode, paths, cancel))  # type: ignore[arg-type]
+                    try:
+                        agent.run(episode.instruction, _RecordingEpisode(episode, paths, cancel))  # type: ignore[arg-type]
+                    finally:
+                        notes += _keep_trajectory(agent, paths)
                     if cancel is not None:
                         cancel.check()
                 with phase("verifier", trial_log):
@@ -273,13 +312,32 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                     log.warning("%s: closing the episode failed: %s", trial_dir.name, exc)
             result = TrialResult(
                 task_name=task.name, trial_name=trial_dir.name, trial_uri=trial_dir.resolve().as_uri(),
-                agent_info=agent_info, verifier_result=verdict if error is None else None, exception_info=error,
+                agent_info=info, verifier_result=verdict if error is None else None, exception_info=error,
                 started_at=started_at, finished_at=utc_now(), environment_setup=phase.get("environment_setup"),
                 agent_execution=phase.get("agent_execution"), verifier=phase.get("verifier"),
-                tampering=tampering, notes=notes, source=str(task.path),
+                tampering=tampering, notes=notes, source=source, task_path=str(task.path), task_checksum=checksum,
+                config=config, verifier_environment_mode=mode if "verifier" in phase.timings else None,
             )
             write_json(paths.result_path, result.to_dict())
     return result
+
+
+def _keep_trajectory(agent: object, paths: TrialPaths) -> list[str]:
+    """An agent's own trajectory (an ATIF document: its ``trajectory`` attribute, a
+    mapping or a method returning one), written to ``agent/trajectory.json`` where Harbor's
+    viewer reads it. A trajectory that is not JSON is left out, with a note."""
+    trajectory = getattr(agent, "trajectory", None)
+    try:
+        if callable(trajectory):
+            trajectory = trajectory()
+        if trajectory is None:
+            return []
+        if not isinstance(trajectory, dict):
+            raise TypeError(f"a {type(trajectory).__name__}, not a mapping")
+        write_json(paths.trajectory_path, trajectory)
+    except Exception as exc:  # noqa: BLE001 - the agent's own object: say why it is not kept
+        return [f"the agent's trajectory was not kept: {type(exc).__name__}: {exc}"]
+    return []
 
 
 def _verify(episode: Episode, paths: TrialPaths, tampering: list[str]) -> tuple[VerifierOutcome, list[str]]:
