@@ -30,7 +30,8 @@ from .settings import EpisodeSettings
 from .shell import Shell
 from .staging import stage_environment, tops_needed
 from .state import EpisodeDirs
-from .view import plan_episode_view
+from .submounts import describe_mounts_below, gather_submounts, make_skeleton, staged_names
+from .view import plan_episode_layout
 
 __all__ = ["RunningEpisode", "start_episode", "hidden_for", "runner_tree", "AGENT_PATH"]
 
@@ -44,6 +45,7 @@ _INIT = 'printf r >&"$0"; eval "exec $0>&-"; while :; do sleep 86400 & wait $!; 
 AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _runner_lock = threading.Lock()
 _runners: dict[Path, Path | None] = {}
+_REPLACED_TOPS = frozenset({"dev", "proc", "sys", "tmp", "run"})  # the view replaces these wholesale
 
 
 @dataclass
@@ -95,13 +97,26 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
     # there, instead of the read-only one that hides the task.
     scratch = (Path(workdir),) if workdir == str(task.path) else ()
     hidden_deep = [(p, d) for p, d in hidden_deep if p not in scratch]
-    mounts = plan_episode_view(facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh,
-                               toolchain=runner, scratch=scratch)
+    # Issue #7: top-level folders with other mounts below them (container storage) are
+    # composed of parts (see .submounts). Staging now comes before planning: a composed
+    # folder binds in what staging put at its spine's level.
+    overlaid = [e.path for e in facts.entries if e.path.parent == Path("/") and e.is_dir and not e.is_symlink
+                and e.path.name not in fresh and e.path.name not in _REPLACED_TOPS]
+    submounts = gather_submounts(overlaid)
+    notes += stage_environment(task, dirs, fresh, workdir)
+    staged = {top: staged_names(sub, dirs) for top, sub in submounts.items()}
+    mounts, composites = plan_episode_layout(
+        facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh, toolchain=runner, scratch=scratch,
+        submounts=submounts, staged=staged)
     for op in mounts:
         for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
-            if folder is not None:
+            if folder is not None and not os.path.lexists(folder):  # (a staged bind's source may be a file)
                 folder.mkdir(parents=True, exist_ok=True)
-    notes += stage_environment(task, dirs, fresh, workdir)
+    for c in composites:
+        make_skeleton(c)
+        if c.hidden:
+            shown = ", ".join(str(p) for p in c.hidden[:8]) + (f" and {len(c.hidden) - 8} more" if len(c.hidden) > 8 else "")
+            notes.append(f"mounted below {c.top}, hidden (empty) in the view: {shown}")
     if workdir == str(task.path):
         notes.append("no WORKDIR: the agent works in an empty folder at the task's path")
     env = {"PATH": AGENT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", "PWD": workdir,
@@ -131,7 +146,9 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
     try:
         if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
             said = _pending(err_r).decode(errors="replace").strip()
-            raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}")
+            below = describe_mounts_below(overlaid)  # issue #7: name what may have been in the way
+            raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
+                               + (f" (mounted below the host folders of the view now: {below})" if below else ""))
         freezer = make_freezer(started.pid)
     except BaseException:
         started.kill()

@@ -15,20 +15,26 @@ Like a container on the host's own system:
   namespace only it has;
 * a fresh ``/proc``, ``/dev``, ``/tmp``, ``/var/tmp``, ``/run``, ``/dev/shm``; the CPU part of ``/sys``;
 * read-only: the host's Python installation (the episode's init runs on it) and the
-  verifier's runner (:mod:`sequester.verifier`: the verifier mounts its own copy).
+  verifier's runner (:mod:`sequester.verifier`: the verifier mounts its own copy);
+* a top-level folder with other mounts below it (container storage under ``/var/lib``,
+  anything bound below ``/opt``) cannot be one overlay (the kernel refuses a lower folder
+  holding mounts it cannot clone in a user namespace): it is *composed* of an overlay on a
+  skeleton plus one overlay per part that holds no mount, and every mount point below it
+  is an empty placeholder (see :mod:`.submounts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..sandbox.host import HostFacts
 from ..sandbox.mounts import MountKind, MountOp
 from ..verifier.layout import RUNNER_MOUNT
 from .state import EpisodeDirs
+from .submounts import Composite, Submounts, plan_composite
 
-__all__ = ["plan_episode_view", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
+__all__ = ["plan_episode_view", "plan_episode_layout", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
 
 TOOLCHAIN_MOUNT = Path(str(RUNNER_MOUNT))  # the verifier's runner tree, read-only everywhere
 VERIFIER_POINTS = (Path("/tests"), Path("/logs"))
@@ -45,11 +51,40 @@ def plan_episode_view(
     new_tops: Iterable[str] = (),
     toolchain: Path | None = None,
     scratch: Iterable[Path] = (),
+    submounts: Mapping[Path, Submounts] | None = None,
+    staged: Mapping[Path, Mapping[str, frozenset[str]]] | None = None,
 ) -> tuple[MountOp, ...]:
     """``hidden_top``: top-level folders the agent gets empty; ``hidden``: deeper paths to
     cover, as ``(path, is_dir)`` of paths that exist; ``new_tops``: top-level folder names
-    the task needs; ``scratch``: deeper folders the agent gets empty and writable."""
+    the task needs; ``scratch``: deeper folders the agent gets empty and writable;
+    ``submounts``: the top-level folders with mounts below them
+    (:func:`~.submounts.gather_submounts`), ``staged``: :func:`~.submounts.staged_names` of each."""
+    return plan_episode_layout(facts, dirs, hidden_top=hidden_top, hidden=hidden, new_tops=new_tops,
+                               toolchain=toolchain, scratch=scratch, submounts=submounts, staged=staged)[0]
+
+
+def plan_episode_layout(
+    facts: HostFacts,
+    dirs: EpisodeDirs,
+    *,
+    hidden_top: Iterable[Path],
+    hidden: Iterable[tuple[Path, bool]],
+    new_tops: Iterable[str] = (),
+    toolchain: Path | None = None,
+    scratch: Iterable[Path] = (),
+    submounts: Mapping[Path, Submounts] | None = None,
+    staged: Mapping[Path, Mapping[str, frozenset[str]]] | None = None,
+) -> tuple[tuple[MountOp, ...], tuple[Composite, ...]]:
+    """:func:`plan_episode_view`'s mounts and the composed folders (whose skeletons and upper
+    folders :func:`~.submounts.make_skeleton` makes on the host before bwrap starts)."""
     hidden_top = {p for p in hidden_top if len(p.parts) == 2}
+    hidden = list(hidden)
+    scratch = tuple(scratch)
+    submounts = submounts or {}
+    # What the rest of the view mounts over anyway: a composed folder makes no part there.
+    covered = {Path("/var/tmp"), *(p for p, _ in hidden), *scratch, *facts.python_roots,
+               *((TOOLCHAIN_MOUNT,) if toolchain is not None else ())}
+    composites: list[Composite] = []
     ops: dict[tuple[MountKind, Path], tuple[int, int, MountOp]] = {}
 
     def add(op: MountOp, rank: int) -> None:
@@ -65,6 +100,12 @@ def plan_episode_view(
         elif e.path in hidden_top or name in fresh:
             if e.is_dir or name in fresh:
                 fresh.add(name)
+        elif e.is_dir and e.path in submounts:
+            composite = plan_composite(submounts[e.path], dirs, covered=covered, is_root=facts.is_root,
+                                       staged=(staged or {}).get(e.path))
+            composites.append(composite)
+            for op, rank in composite.ops:
+                add(op, rank)
         elif e.is_dir:
             add(MountOp(MountKind.OVERLAY, e.path, source=e.path, upper=dirs.upper(name), work=dirs.work(name)), 0)
         else:
@@ -99,5 +140,6 @@ def plan_episode_view(
         add(MountOp(MountKind.READONLY, root, source=root), 3)
     if toolchain is not None:
         add(MountOp(MountKind.READONLY, TOOLCHAIN_MOUNT, source=toolchain), 3)
-    return tuple(op for _, _, op in sorted(ops.values(), key=lambda t: (t[0], t[1], str(t[2].dest))))
+    mounts = tuple(op for _, _, op in sorted(ops.values(), key=lambda t: (t[0], t[1], str(t[2].dest))))
+    return mounts, tuple(composites)
 
