@@ -68,3 +68,29 @@ def test_the_trees_python_never_imports_a_planted_module_first(tree, tmp_path):
     out = _in_view(tree, tmp_path, f"cd {app} && python3 -c 'import json; print(json.__file__)' && "
                    f"SEQUESTER_PYTHONPATH={app} python3 -c 'import json, os; print(os.environ[\"PYTHONPATH\"])'")
     assert "PLANTED" not in out and str(layout.PYTHONS) in out and str(app) in out
+
+
+def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
+    """Each tree is a few hundred MB: the ones nobody uses go, one a live process holds
+    (a shared lock on its ready file) stays, whatever its age."""
+    import sys
+
+    from sequester.verifier import tree as tree_mod
+
+    folder = tmp_path / "verifier"
+    for name in ("tree-current", "tree-old", "tree-in-use"):
+        (folder / name / "lib").mkdir(parents=True)
+        (folder / name / "ready").write_text("x\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+         "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
+         str(folder / "tree-in-use" / "ready")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        tree_mod._prune(folder, keep=folder / "tree-current")
+        assert sorted(p.name for p in folder.iterdir()) == ["tree-current", "tree-in-use"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    tree_mod._prune(folder, keep=folder / "tree-current")  # control: released, so it goes too
+    assert sorted(p.name for p in folder.iterdir()) == ["tree-current"]

@@ -25,6 +25,7 @@ package index once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -106,14 +107,59 @@ def ensure_runner(folder: Path) -> Path:
     """The runner's tree for this host and this Python: ``folder/tree-<stamp>``, built
     if missing. Several trees can live side by side (processes on other Pythons); a
     ready one is never modified, and a new one appears whole (built aside, then renamed
-    into place), so concurrent processes never see a partial tree. Raises
-    :class:`SandboxError` saying what is missing when it cannot be built."""
+    into place), so concurrent processes never see a partial tree. This process holds a
+    shared lock on the tree it uses for as long as it runs; trees nobody holds are
+    removed (each is a few hundred MB). Raises :class:`SandboxError` saying what is
+    missing when it cannot be built."""
     pythons = find_pythons()
     tools = _host_tools()
     uv_bin, uvx_bin = _uv_binaries()
     tree = folder / f"tree-{_stamp(pythons, tools, uv_bin)}"
-    if (tree / "ready").exists():
-        return tree
+    if not (tree / "ready").exists():
+        _build_tree(folder, tree, pythons, tools, uv_bin, uvx_bin)
+    _hold(tree)
+    _prune(folder, keep=tree)
+    return tree
+
+
+_held: dict[Path, int] = {}
+
+
+def _hold(tree: Path) -> None:
+    """A shared lock on ``tree/ready`` for this process's lifetime: the tree is in use."""
+    if tree not in _held:
+        fd = os.open(tree / "ready", os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _held[tree] = fd
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Remove the other trees no process holds (an exclusive lock is free only then)."""
+    for old in folder.glob("tree-*"):
+        if old == keep or old in _held:
+            continue
+        try:
+            fd = os.open(old / "ready", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # being built or removed by someone else
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # in use
+        try:
+            gone = folder / f".removing-{old.name}-{os.getpid()}"
+            os.rename(old, gone)
+        except OSError:
+            os.close(fd)
+            continue
+        os.close(fd)
+        shutil.rmtree(gone, ignore_errors=True)
+        log.info("removed the verifier's runner %s (no process uses it)", old)
+
+
+def _build_tree(folder: Path, tree: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path,
+                uvx_bin: Path | None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".runner-", dir=folder))
     try:
@@ -127,7 +173,6 @@ def ensure_runner(folder: Path) -> Path:
             if not (tree / "ready").exists():  # not another process's finished tree: a real failure
                 raise
         log.info("built the verifier's runner in %s (Pythons %s)", tree, ", ".join(p.version for p in pythons))
-        return tree
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
