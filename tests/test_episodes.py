@@ -128,6 +128,15 @@ def test_verifier_mount_points_cannot_be_planted_or_replaced(episode):
     assert episode.exec("ls -A /tests /logs").stdout.split() == ["/logs:", "/tests:"]
 
 
+# An episode mounts the Python installation that runs it back read-only; with Debian's own
+# python3 that installation is /usr, so the agent cannot write /usr at all; and an ordinary
+# user's agent cannot write the system's root-owned folders (README).
+writable_usr = pytest.mark.skipif(
+    os.geteuid() != 0 or any(f"{Path(p).resolve()}/".startswith("/usr/") for p in {sys.prefix, sys.base_prefix}),
+    reason="the agent can write /usr only when sequester runs as root from a Python installed outside /usr")
+
+
+@writable_usr
 def test_writes_stay_in_the_episode(tmp_path):
     probe = f"seq-probe-{os.getpid()}"
     with Episode() as ep:
@@ -317,6 +326,7 @@ def test_freeze_stops_the_agent_during_the_verify_window(tmp_path, episode):
     assert int(episode.exec("wc -l < /app/ticks").stdout) > count  # thawed afterwards
 
 
+@writable_usr
 def test_tampering_is_reported_but_decides_nothing(tmp_path):
     """Tampering with what a naive verifier would run (a shadowing python3, a preload)
     is listed, and the verdict is the tests' own: the runner never runs the agent's."""

@@ -264,7 +264,18 @@ def test_no_capabilities_no_new_privileges_no_nested_userns(kernel):
                          "print(json.dumps({k: st[k].strip() for k in st if k.startswith('Cap') or k in ('NoNewPrivs', 'Seccomp')}"
                          " | {'max_userns': open('/proc/sys/user/max_user_namespaces').read().strip()}))")
     assert {seen[k] for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")} == {"0000000000000000"}
-    assert seen["NoNewPrivs"] == "1" and seen["Seccomp"] == "2" and seen["max_userns"] == "0"
+    assert seen["NoNewPrivs"] == "1" and seen["Seccomp"] == "2"
+    if os.geteuid() == 0:  # the root flow's kernel sets its own namespace's limit
+        assert seen["max_userns"] == "0"
+    else:
+        # An ordinary caller's bwrap (--disable-userns) caps the count in the namespace
+        # above the kernel's, where the kernel's own sysctl does not show it: try instead,
+        # from a sandboxed process without the kernel's seccomp filter.
+        from sequester import Policy
+        from sequester.sandbox.launch import run_in_sandbox
+
+        tried = run_in_sandbox(Policy(), ["unshare", "--user", "true"])
+        assert tried.returncode != 0 and "No space left" in tried.stderr, tried
 
 
 # -- ctypes and the tripwire ---------------------------------------------------------

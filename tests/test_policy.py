@@ -117,3 +117,37 @@ def test_same_path_hidden_and_readonly_is_an_error(tmp_path):
 def test_policy_is_plain_hashable_data():
     assert hash(Policy()) == hash(Policy())
     assert policy_from_mapping({}, Path("/")) == Policy()
+
+
+# -- one schema for the whole file (issue #7) ----------------------------------------------
+
+
+@pytest.mark.parametrize("text, named", [
+    ("[episode]\nexec_timeout = 5\n", "unknown table 'episode'"),          # a typo'd table
+    ("isolation = true\n", "unknown key 'isolation'"),                      # a key outside every table
+    ("[runtime]\nisolaton = true\n", "runtime.isolaton"),
+    ("[limits]\nmemory = 5\n", "limits.memory"),
+    ("[episodes]\nexec_timout = 5\n", "episodes.exec_timout"),
+    ("[episodes]\nexec_timeout = 'long'\n", "episodes.exec_timeout"),
+    ("[episodes]\nverifier_env = 'both'\n", "episodes.verifier_env"),
+    ("episodes = 3\n", "'episodes' must be a table"),
+    ("runtime = 3\n", "'runtime' must be a table"),
+])
+def test_every_table_is_checked_by_one_schema(tmp_path, text, named):
+    from sequester.config import load_config
+
+    path = write(tmp_path, text)
+    for load in (load_config, load_policy):  # the library's load_policy checks [episodes] too
+        with pytest.raises(PolicyError) as err:
+            load(path)
+        assert named in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_whole_config_loads(tmp_path):
+    from sequester.config import load_config
+
+    config = load_config(write(tmp_path, "[runtime]\nisolation = 'auto'\n[limits]\nmemory_mb = 512\n"
+                                         "[episodes]\nexec_timeout = 7\nstate_dir = 'state'\n"))
+    assert config.policy.limits.memory_mb == 512 and config.policy.isolation is Isolation.AUTO
+    assert config.episodes.exec_timeout == 7 and config.episodes.state_dir == tmp_path.resolve() / "state"
+    assert load_config(None).policy == load_policy(None)

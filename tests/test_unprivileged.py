@@ -1,24 +1,24 @@
 """The same properties when the host process is an ordinary user (the user flow of bwrap).
 
-Creates a user, gives it a home and a top-level folder with secrets, and runs a harness
-as that user with Debian's own Python and a world-readable copy of sequester.
+Creates a user (removed with its home at the end of the session), gives it a home and a
+top-level folder with secrets, and runs a harness as that user with Debian's own Python
+and a world-readable copy of sequester.
 """
 
 import json
 import os
-import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import SEQTEST_USER
 from services import free_low_port, greeter
 
 import sequester
 
-USER = "seqtest"
+USER = SEQTEST_USER
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 
 pytestmark = [
@@ -94,12 +94,10 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def user_site():
-    """The user, its secrets, and a world-readable copy of sequester; removed afterwards
-    (the user stays: CI machines are throw-away, and other modules may use it)."""
-    if subprocess.run(["id", USER], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", USER], check=True)
-    entry = pwd.getpwnam(USER)
+def user_site(seqtest_user):
+    """The user's secrets and a world-readable copy of sequester, removed afterwards (the
+    user and its home go at the end of the session: conftest's ``seqtest_user``)."""
+    entry = seqtest_user
     home = Path(entry.pw_dir)
     (home / "secret.txt").write_text("home secret")
     data = Path(f"/{USER}-data")

@@ -1,10 +1,18 @@
-"""The ``sequester`` command: a thin layer over the library."""
+"""The ``sequester`` command: a thin layer over the library.
+
+Exit statuses, every command: 0 success; 1 the program failed (``exec``), a property
+failed (``check``), a trial ended with an exception (``run``); 2 bad input (a flag, the
+config file, a program file that cannot be read, a task, an agent, the output folder),
+with a message naming it; 3 sequester itself could not do it here (no sandbox can be
+made, a sandbox failed to start, a kernel died), with a message; 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +21,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from . import __version__
+from .config import Config, load_config
 from .errors import PolicyError, SequesterError, TaskError
-from .policy import Policy, load_policy, read_config
+from .policy import Policy
 
 __all__ = ["main"]
 
@@ -22,8 +32,22 @@ log = logging.getLogger("sequester")
 _err = Console(stderr=True)
 
 
+DESCRIPTION = ("Run model-written code in a sandboxed kernel (exec), prove the sandbox's properties on this "
+               "machine (check), and run agents on tasks, scored by verifiers they cannot reach (run).")
+EPILOG = ("exit status: 0 success; 1 the program failed (exec), a property failed (check) or a trial ended "
+          "with an exception (run); 2 bad input (flags, config, files, tasks, agent); 3 sequester could not "
+          "run here (sandbox unavailable or failed); 130 interrupted")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The whole config file, validated once per command (every table, whatever the command uses)."""
+    if getattr(args, "_loaded", None) is None:
+        args._loaded = load_config(args.config)
+    return args._loaded
+
+
 def _policy(args: argparse.Namespace) -> Policy:
-    policy = load_policy(args.config)
+    policy = _config(args).policy
     return policy.with_overrides(
         allow=getattr(args, "allow", None) or (),
         readonly=getattr(args, "readonly", None) or (),
@@ -48,13 +72,7 @@ def _add_policy_flags(p: argparse.ArgumentParser, *, overrides: bool) -> None:
 def cmd_exec(args: argparse.Namespace) -> int:
     from .kernel.client import Kernel
 
-    if args.file == "-":
-        code, filename = sys.stdin.read(), "<stdin>"
-    else:
-        try:
-            code, filename = Path(args.file).read_text(), args.file
-        except OSError as exc:
-            raise PolicyError(f"cannot read {args.file!r}: {exc.strerror}") from None
+    code, filename = _program(args.file)
     policy = _policy(args)
 
     def relay(stream: str, text: str) -> None:
@@ -74,8 +92,36 @@ def cmd_exec(args: argparse.Namespace) -> int:
             sys.stderr.write(code_text + "\n")
             return 1
         return int(code_text)
-    sys.stderr.write(result.error.traceback or f"{result.error}\n")
+    sys.stderr.write(_user_traceback(result.error.type, result.error.traceback, filename) or f"{result.error}\n")
     return 1
+
+
+def _program(file: str) -> tuple[str, str]:
+    """The program's text and the name its tracebacks use; unreadable or not UTF-8: exit 2."""
+    if file == "-":
+        data, filename = sys.stdin.buffer.read(), "<stdin>"
+    else:
+        try:
+            data, filename = Path(file).read_bytes(), file
+        except OSError as exc:
+            raise PolicyError(f"cannot read {file!r}: {exc.strerror}") from None
+    try:
+        return data.decode("utf-8"), filename
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PolicyError(f"{filename}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}, "
+                          f"line {line}); a program must be UTF-8") from None
+
+
+def _user_traceback(kind: str, text: str, filename: str) -> str:
+    """A traceback as the user should see it: a syntax error shows the program's line only,
+    not the kernel's call into the compiler (``ast.py``)."""
+    if kind not in ("SyntaxError", "IndentationError", "TabError") or not text:
+        return text
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(f'  File "{filename}", line ')
+                  and ", in " not in line), None)
+    return text if start is None else "".join(lines[start:])
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -99,18 +145,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .episodes.settings import settings_from_mapping
     from .jobs import TrialResult, default_job_name, run_job
     from .jobs.render import print_summary, trial_progress
     from .tasks import find_tasks
 
-    settings = settings_from_mapping(*read_config(args.config))
+    settings = _config(args).episodes  # the whole file is checked, [runtime] and [limits] too
     overrides = {"exec_timeout": args.exec_timeout, "freeze_agent": args.freeze_agent or None,
                  "verifier_env": args.verifier_env}
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     total = len(find_tasks(args.tasks))  # also: a malformed task fails here, before anything runs
     job_name = args.job_name or default_job_name()
-    job_dir = Path(args.output).resolve() / job_name
+    job_dir = _jobs_dir(args.output) / job_name
     finished: list[TrialResult] = []
     try:
         with trial_progress(total, _err, f"{args.agent} on {total} task{'s' * (total != 1)}") as advance:
@@ -126,6 +171,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     print_summary(Console(), job, finished, job_dir)
     return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
+
+
+def _jobs_dir(output: str) -> Path:
+    """``-o``: a folder, or a path where one can be made; anything else is exit 2."""
+    path = Path(output).absolute()
+    for existing in (path, *path.parents):
+        if existing.exists():
+            break
+    if not existing.is_dir():
+        what = "is not a folder" if existing == path else f"cannot be made: {str(existing)!r} is not a folder"
+        raise PolicyError(f"-o {output!r} {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):  # the job's folder (or -o itself) is made in it
+        raise PolicyError(f"-o {output!r}: {str(existing)!r} is not writable")
+    return path.resolve()
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -144,8 +203,9 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sequester", description=__doc__)
+    parser = argparse.ArgumentParser(prog="sequester", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"sequester {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("exec", help="run a program in a fresh kernel")
@@ -166,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trials at a time (default: 4)")
     p.add_argument("-o", "--output", default="jobs", metavar="JOBS_DIR", help="where job folders go (default: jobs)")
     p.add_argument("--job-name", metavar="NAME", help="the job's folder name (default: the time, YYYY-MM-DD__HH-MM-SS)")
-    p.add_argument("--config", metavar="FILE", help="config file with an [episodes] table; default: the embedded one")
+    p.add_argument("--config", metavar="FILE",
+                   help="config file ([episodes] is used; every table is checked); default: the embedded one")
     p.add_argument("--exec-timeout", type=_positive(float), metavar="S", help="default seconds per agent command")
     p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
     p.add_argument("--verifier-env", choices=["shared", "separate"],

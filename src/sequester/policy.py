@@ -245,14 +245,19 @@ def _endpoint(value: Any, key: str) -> Endpoint:
 
 
 _RUNTIME_KEYS = {"isolation", "readonly", "allow", "env"}
+TABLES = ("runtime", "limits", "episodes")  # every table a config file may have
 
 
 def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "policy") -> Policy:
     """Build a policy from parsed TOML. Relative paths are taken from ``base_dir``."""
-    # [episodes] belongs to sequester.episodes.settings, read from the same file.
-    unknown = set(data) - {"runtime", "limits", "episodes"}
+    # [episodes] belongs to sequester.episodes.settings, read from the same file
+    # (sequester.config validates the three together).
+    unknown = sorted(set(data) - set(TABLES))
     if unknown:
-        raise PolicyError(f"{source}: unknown key {sorted(unknown)[0]!r} (expected [runtime], [limits], [episodes])")
+        key = unknown[0]
+        kind = "table" if isinstance(data[key], Mapping) else "key"
+        raise PolicyError(f"{source}: unknown {kind} {key!r} (a config file has the tables "
+                          f"{', '.join(f'[{t}]' for t in TABLES)}, and nothing else)")
     runtime = _table(data, "runtime", source)
     limits = _table(data, "limits", source)
     unknown = set(runtime) - _RUNTIME_KEYS
@@ -297,7 +302,7 @@ def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
 def _table(data: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     value = data.get(key, {})
     if not isinstance(value, Mapping):
-        raise PolicyError(f"{source}: [{key}] must be a table, got {value!r}")
+        raise PolicyError(f"{source}: {key!r} must be a table ([{key}]), got {value!r}")
     return value
 
 
@@ -320,8 +325,13 @@ def read_config(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, A
 
 
 def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
-    """Load a policy from a TOML file; ``None`` loads the embedded default (``configs/default.toml``)."""
-    return policy_from_mapping(*read_config(path))
+    """Load a policy from a TOML file; ``None`` loads the embedded default (``configs/default.toml``).
+
+    The whole file is validated, its ``[episodes]`` table included (:mod:`sequester.config`).
+    """
+    from .config import load_config
+
+    return load_config(path).policy
 
 
 def _parse_toml(text: str, source: str) -> dict[str, Any]:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
+import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import PolicyError
@@ -24,7 +29,14 @@ class Agent(Protocol):
 
 
 def load_agent(spec: str) -> Agent:
-    """``oracle``, ``nop``, ``script:PATH`` or ``module:Class`` (constructed without arguments)."""
+    """``oracle``, ``nop``, ``script:PATH`` or ``module:Class`` (constructed without arguments).
+
+    ``module`` is imported as ``import module`` would be from the current folder: the
+    current folder is put first on ``sys.path`` (as ``python -m`` does) if it is not there.
+    Every way a spec can be wrong (no such module, a syntax error in it, an import that
+    raises, no such class, a constructor that needs arguments or raises, no ``run``
+    method) is a :class:`~sequester.errors.PolicyError` naming the spec.
+    """
     from .builtin import NopAgent, OracleAgent, ScriptAgent
 
     if spec == "oracle":
@@ -39,13 +51,65 @@ def load_agent(spec: str) -> Agent:
     module_name, sep, class_name = spec.partition(":")
     if not sep or not module_name or not class_name:
         raise PolicyError(f"--agent {spec!r}: expected oracle, nop, script:PATH or module:Class")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise PolicyError(f"--agent {spec!r}: cannot load it: {exc}") from None
-    agent = cls()
+    cls = getattr(_import(spec, module_name), class_name, None)
+    if cls is None:
+        raise PolicyError(f"--agent {spec!r}: module {module_name!r} has no {class_name!r}")
+    agent = _construct(spec, cls)
     if not callable(getattr(agent, "run", None)):
         raise PolicyError(f"--agent {spec!r}: {class_name} has no run(instruction, episode) method")
     if not getattr(agent, "name", None):
-        agent.name = spec
+        try:
+            agent.name = spec
+        except (AttributeError, TypeError):  # slots, a read-only property: the spec is not needed
+            pass
     return agent
+
+
+def current_folder_importable() -> None:
+    """Put the current folder first on ``sys.path`` unless it is there (as ``''`` or itself)."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".") or _same(entry, cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _same(entry: str, cwd: str) -> bool:
+    try:
+        return os.path.samefile(entry, cwd)
+    except OSError:
+        return False
+
+
+def _import(spec: str, module_name: str) -> ModuleType:
+    current_folder_importable()
+    try:
+        return importlib.import_module(module_name)
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else module_name
+        raise PolicyError(f"--agent {spec!r}: {where}: syntax error: {exc.msg}") from None
+    except ImportError as exc:
+        raise PolicyError(f"--agent {spec!r}: cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the module's own code raises
+        raise PolicyError(f"--agent {spec!r}: importing {module_name!r} raised {_describe(exc)}") from None
+
+
+def _construct(spec: str, cls: object) -> Agent:
+    if not callable(cls):
+        raise PolicyError(f"--agent {spec!r}: {cls!r} is not a class")
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as exc:
+        raise PolicyError(f"--agent {spec!r}: the agent is constructed without arguments, "
+                          f"but {getattr(cls, '__name__', cls)}() says: {exc}") from None
+    except ValueError:  # no signature to inspect (a builtin): construct it and see
+        pass
+    try:
+        return cls()
+    except Exception as exc:  # noqa: BLE001 - whatever the agent's own code raises
+        raise PolicyError(f"--agent {spec!r}: constructing it raised {_describe(exc)}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` and where, in the agent's own code, it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"

@@ -15,21 +15,26 @@ from ._nsexec_ns import enter, read_all, report
 
 def extract(data: bytes, dest: str, policy: str) -> None:
     """Unpack a tar with tarfile's extraction filters (``data``: no links out, no special
-    files, no setuid bits; ``tar``: the same minus the mode cleaning). Pythons before
-    3.11.4 lack the filters: there, members that leave ``dest`` or are devices are refused."""
+    files, no setuid bits; ``tar``: the same minus the mode cleaning; ``artifacts``: see
+    :func:`_artifact_filter`). Pythons before 3.11.4 lack the filters: there the same rules
+    are applied member by member (in order, so a link unpacked earlier counts)."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, filter=_artifact_filter if policy == "artifacts" else policy)
             return
-        for member in tar.getmembers():
+        for member in tar:
             name = os.path.normpath(member.name)
-            if name.startswith(("/", "..")) or member.isdev() or (
-                    (member.issym() or member.islnk()) and os.path.normpath(
-                        os.path.join(os.path.dirname(name), member.linkname)).startswith(("/", ".."))):
+            link_out = (member.issym() or member.islnk()) and os.path.normpath(
+                os.path.join(os.path.dirname(name), member.linkname)).startswith(("/", ".."))
+            if name.startswith(("/", "..")) or member.isdev() or (link_out and not (
+                    policy == "artifacts" and member.issym())):
                 raise OSError(errno.EPERM, f"refusing to unpack {member.name!r}")
+            parent = os.path.dirname(os.path.join(dest, name))
+            if os.path.realpath(parent) != os.path.normpath(parent):
+                raise OSError(errno.EPERM, f"refusing to unpack {member.name!r} (below a link)")
             if policy == "data":
                 member.mode &= 0o755
-        tar.extractall(dest)
+            tar.extract(member, dest, set_attrs=not member.issym())
 
 
 def _pack(paths: list[str], exclude: dict[str, list[str]], out: int) -> list[str]:

@@ -18,6 +18,7 @@ ever read.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 import logging
@@ -39,7 +40,7 @@ from .evaluation import judge, run_tests, runner_works, zero_result
 from .layers import report_episode
 from .nsexec import NsExec, shared_nsexec
 from .separate import evaluate_separately
-from .settings import EpisodeSettings
+from .settings import EpisodeSettings, frozen_evaluation_note
 from .shell import SHELL_SETUP, ExecResult, Shell
 from .start import RunningEpisode, start_episode
 from .state import EpisodeDirs, remove_stale
@@ -284,8 +285,10 @@ class Episode:
         # reward, and the agent learns of the evaluation from nothing done before it.
         findings = tuple(self.tampering())
         try:
-            return judge(task, ev, tampering=findings, frozen=frozen, notes=notes,
-                         reward_range=getattr(self.settings, "reward_range", v.DEFAULT_REWARD_RANGE))
+            result = judge(task, ev, tampering=findings, frozen=frozen, notes=notes,
+                           reward_range=self.settings.reward_range)
+            said = frozen_evaluation_note(frozen, timed_out=ev.report is None, reward=result.reward)
+            return dataclasses.replace(result, notes=(*result.notes, said)) if said else result
         except v.VerifierCouldNotRun as exc:
             # The runner's fault, or the agent's (a view that breaks the verifier's set-up or
             # bootstrap, a forged report)? The same tests in the task's pristine environment,

@@ -4,6 +4,7 @@
     exec_timeout = 600          # default seconds per exec (each call may pass its own)
     freeze_agent = false        # freeze the agent's processes while the verifier runs
     verifier_env = "shared"     # or "separate": the tests run in a fresh view holding only the task's artifacts
+    reward_range = [0, 1]       # rewards outside it are invalid (the agent's 0); "any": any finite number
     output_bytes = 10000000     # cap on one exec's output and on the verifier's output
     state_dir = "/var/tmp/..."  # where episodes keep their writable layers
     toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +22,8 @@ from typing import Any
 
 from ..errors import PolicyError
 
-__all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir"]
+__all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
+           "frozen_evaluation_note"]
 
 
 def _user_cache() -> Path:
@@ -43,6 +46,8 @@ class EpisodeSettings:
     freeze_agent: bool = False
     output_bytes: int = 10_000_000
     verifier_env: str | None = None  # "shared" | "separate"; None: the task's environment_mode, else shared
+    # Rewards outside this range are invalid (the agent's 0); None: any finite number, as Harbor.
+    reward_range: tuple[float, float] | None = (0.0, 1.0)
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     toolchain_dir: Path = dataclasses.field(default_factory=default_toolchain_dir)
 
@@ -55,14 +60,26 @@ class EpisodeSettings:
             raise PolicyError(f"episodes.verifier_env: {self.verifier_env!r} is not 'shared' or 'separate'")
         if not isinstance(self.freeze_agent, bool):
             raise PolicyError(f"episodes.freeze_agent: {self.freeze_agent!r} is not true or false")
+        object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))
+
+
+def _reward_range(value: Any) -> tuple[float, float] | None:
+    """``[low, high]`` of finite numbers, or ``None`` / ``"any"`` for no range."""
+    if value is None or value == "any":
+        return None
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+            and value[0] <= value[1]):
+        return (float(value[0]), float(value[1]))
+    raise PolicyError(f"episodes.reward_range: {value!r} is not [low, high] (finite, low <= high) or \"any\"")
 
 
 def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> EpisodeSettings:
     table = data.get("episodes", {})
     if not isinstance(table, Mapping):
-        raise PolicyError(f"{source}: [episodes] must be a table")
+        raise PolicyError(f"{source}: 'episodes' must be a table ([episodes]), got {table!r}")
     known = {f.name for f in dataclasses.fields(EpisodeSettings)}
     unknown = set(table) - known
     if "on_tamper" in unknown:
@@ -80,3 +97,31 @@ def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str =
         return EpisodeSettings(**values)
     except PolicyError as exc:
         raise PolicyError(f"{source}: {exc}") from None
+
+
+FROZEN_TIMEOUT_NOTE = (
+    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent), and the tests ran "
+    "out of time: a task scored on a live service the agent started (a server the tests connect to) needs "
+    "freeze_agent = false")
+FROZEN_ZERO_NOTE = (
+    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent): if this task is "
+    "scored on a live service the agent started, the service could not answer; such a task needs "
+    "freeze_agent = false")
+
+
+def frozen_evaluation_note(frozen: str | None, *, timed_out: bool, reward: float | None = None) -> str | None:
+    """The note a trial needs when a frozen evaluation ends badly, else None.
+
+    ``frozen``: how the agent was frozen (``VerifierResult.frozen``; None: it was not);
+    ``timed_out``: the verifier ran over its ``timeout_sec``; ``reward``: the verdict's
+    reward. A frozen (or, as a fallback, killed) agent cannot answer the tests: a service
+    it started hangs them until the timeout, or refuses them, and the trial shows only a
+    timeout or a 0 without saying why.
+    """
+    if not frozen:
+        return None
+    if timed_out:
+        return FROZEN_TIMEOUT_NOTE
+    if reward is not None and reward == 0:
+        return FROZEN_ZERO_NOTE
+    return None

@@ -31,6 +31,15 @@ _KILL_GRACE = 2.0
 
 @dataclass(frozen=True)
 class ExecResult:
+    """What ``episode.exec(command)`` returns.
+
+    ``stdout``, ``stderr``: the command's output, decoded as UTF-8 (undecodable bytes as
+    U+FFFD), each capped at ``output_bytes`` (see :class:`_Capture`); ``exit_code``: its
+    status (``None`` when the shell itself went away); ``timed_out``: it ran over its
+    timeout and was interrupted (``^C``), then killed; ``duration``: seconds; ``note``: what
+    else happened (the cap cut the output, the shell was restarted), else ``""``.
+    """
+
     stdout: str
     stderr: str
     exit_code: int | None
@@ -93,7 +102,7 @@ class Shell:
         out, err = _Capture(output_limit), _Capture(output_limit)
         deadline = started + timeout
         stage = "running"  # -> "interrupted" -> "killed"
-        note = ""
+        note = ""  # nothing to add yet (the output cap's note comes from the captures)
         while True:
             now = time.monotonic()
             if now >= deadline:
@@ -117,13 +126,11 @@ class Shell:
                     self.alive = False
                     return self._result(out, err, None, stage != "running", started, "the shell exited")
                 (out if fd == self._stdout else err).add(data)
-            if (out.truncated or err.truncated) and not note:
-                note = f"output over {output_limit} bytes per stream: the rest was dropped"
             code_text = out.after(out_mark)
             if code_text is not None and b"\x1e" in code_text and err.after(err_mark) is not None:
                 code_text = code_text.split(b"\x1e", 1)[0]
                 code = int(code_text) if code_text.isdigit() else None
-                return self._result(out.before(out_mark), err.before(err_mark), code, stage != "running", started, note)
+                return self._result(out, err, code, stage != "running", started, note, (out_mark, err_mark))
 
     def _interrupt(self) -> None:
         try:
@@ -145,51 +152,88 @@ class Shell:
             pass
 
     @staticmethod
-    def _result(out: bytes | _Capture, err: bytes | _Capture, code: int | None, timed_out: bool, started: float,
-                note: str) -> ExecResult:
-        out_b = out.text() if isinstance(out, _Capture) else out
-        err_b = err.text() if isinstance(err, _Capture) else err
-        return ExecResult(out_b.decode(errors="replace"), err_b.decode(errors="replace"), code, timed_out,
-                          time.monotonic() - started, note)
+    def _result(out: _Capture, err: _Capture, code: int | None, timed_out: bool, started: float, note: str,
+                marks: tuple[bytes | None, bytes | None] = (None, None)) -> ExecResult:
+        notes = [note] if note else []
+        texts = []
+        for name, capture, mark in (("stdout", out, marks[0]), ("stderr", err, marks[1])):
+            kept, size = capture.content(mark)
+            texts.append(kept.decode(errors="replace"))
+            if len(kept) < size:
+                notes.append(f"{name} was {size} bytes, over the cap of {capture.limit} per stream (output_bytes): "
+                             f"{capture.describe_cut()}")
+        return ExecResult(texts[0], texts[1], code, timed_out, time.monotonic() - started, "; ".join(notes))
+
+
+DROPPED = b"\n[... output dropped ...]\n"
+"""What stands for the dropped middle of a stream's output; counted in the cap."""
 
 
 class _Capture:
-    """One stream's output: the first ``limit`` bytes, plus a short tail in which the
-    end-of-command marker is looked for even when the middle was dropped."""
+    """One stream's output, capped at exactly ``limit`` bytes.
 
-    _TAIL = 4096
+    Output that fits is kept whole. Longer output becomes its first bytes, :data:`DROPPED`,
+    and its last bytes: ``limit`` bytes in all, the marker included (the head gets the odd
+    byte). A ``limit`` too small to hold the marker and a byte on each side keeps only the
+    first ``limit`` bytes. The cap counts bytes as written; decoding turns a character cut
+    at an edge into U+FFFD.
+
+    Memory stays near ``limit``: beyond the head, only a window of the last
+    ``tail_size + _SLACK`` bytes (up to twice that between trims) is kept, in which the
+    end-of-command mark, written after the output, is found.
+    """
+
+    _SLACK = 4096
 
     def __init__(self, limit: int):
-        self.limit = limit
-        self.head = bytearray()
-        self.tail = bytearray()
+        self.limit = max(int(limit), 1)
+        room = self.limit - len(DROPPED)
+        self.head_size = (room + 1) // 2 if room >= 2 else self.limit
+        self.tail_size = self.limit - len(DROPPED) - self.head_size if room >= 2 else 0
+        self.window = bytearray()  # the whole stream, until it outgrows limit + _SLACK; then its end
+        self.head = b""            # the first head_size bytes, once the stream has outgrown that
+        self.total = 0
         self.truncated = False
 
     def add(self, data: bytes) -> None:
-        room = self.limit - len(self.head)
-        if room > 0 and not self.truncated:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
+        self.total += len(data)
+        self.window += data
+        if not self.truncated:
+            if len(self.window) <= self.limit + self._SLACK:
+                return
             self.truncated = True
-            self.tail += data
-            del self.tail[:-self._TAIL]
-
-    def _all(self) -> bytes:
-        return bytes(self.tail if self.truncated else self.head)
+            self.head = bytes(self.window[: self.head_size])
+            del self.window[: self.head_size]
+        keep = self.tail_size + self._SLACK
+        if len(self.window) > 2 * keep:  # trimmed in batches: amortised O(1) per byte
+            del self.window[: len(self.window) - keep]
 
     def after(self, mark: bytes) -> bytes | None:
-        data = self._all()
-        i = data.rfind(mark)
-        return None if i < 0 else data[i + len(mark):]
+        """What follows the last ``mark`` in the stream's recent output (None: no mark yet)."""
+        recent = bytes(self.window[-self._SLACK:])
+        i = recent.rfind(mark)
+        return None if i < 0 else recent[i + len(mark):]
 
-    def before(self, mark: bytes) -> bytes:
-        if not self.truncated:
-            return bytes(self.head[: self.head.rfind(mark)])
-        return bytes(self.head) + b"\n[... output dropped ...]\n" + self._all()[: self._all().rfind(mark)]
+    def content(self, mark: bytes | None = None) -> tuple[bytes, int]:
+        """(what is kept of the output before ``mark``, the output's full size in bytes);
+        ``mark`` None: everything written."""
+        window = bytes(self.window)
+        end = window.rfind(mark) if mark is not None else -1
+        if end >= 0:
+            window = window[:end]
+        size = len(self.head) + (self.total - len(self.head) - len(self.window)) + len(window)
+        if not self.truncated and len(window) <= self.limit:
+            return window, size
+        head, rest = (self.head, window) if self.truncated else (window[: self.head_size], window[self.head_size:])
+        if self.tail_size == 0:
+            return head[: self.limit], size
+        return head + DROPPED + rest[len(rest) - self.tail_size:], size
 
-    def text(self) -> bytes:
-        return bytes(self.head) + (b"\n[... output dropped ...]\n" + bytes(self.tail) if self.truncated else b"")
+    def describe_cut(self) -> str:
+        if self.tail_size == 0:
+            return f"kept its first {self.limit} bytes"
+        return (f"kept its first {self.head_size} and last {self.tail_size} bytes around the marker "
+                f"{DROPPED.strip().decode()!r} ({self.limit} bytes in all)")
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,0 +1,58 @@
+"""The suite's throw-away users leave nothing behind (issue #7: ``seqtest`` and its home
+stayed after every run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from users import temporary_user, user_exists
+
+from sequester.episodes.settings import FROZEN_TIMEOUT_NOTE, FROZEN_ZERO_NOTE, frozen_evaluation_note
+
+NAME = "seqtmpuser"
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creating a user needs root (CI runs as root)")
+
+
+@root_only
+def test_a_temporary_user_goes_with_its_home_and_processes():
+    assert not user_exists(NAME)
+    with temporary_user(NAME) as entry:
+        home = Path(entry.pw_dir)
+        assert user_exists(NAME) and home.is_dir()
+        (home / "secret.txt").write_text("x")
+        sleeper = subprocess.Popen(["sleep", "300"], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[])
+    assert sleeper.wait(timeout=10) != 0  # stopped, so that userdel could go on
+    assert not user_exists(NAME) and not home.exists()
+    assert subprocess.run(["getent", "group", NAME], capture_output=True).returncode != 0
+
+
+@root_only
+def test_a_leftover_of_the_tests_is_removed_and_anyone_elses_kept():
+    subprocess.run(["useradd", "--create-home", "--user-group", NAME], check=True)
+    try:
+        with temporary_user(NAME):  # not recognised: used, kept
+            pass
+        assert user_exists(NAME)
+        with temporary_user(NAME, leftover=lambda entry: True):
+            pass
+        assert not user_exists(NAME) and not Path(f"/home/{NAME}").exists()
+    finally:
+        subprocess.run(["userdel", "--remove", NAME], capture_output=True)
+
+
+@root_only
+def test_the_seqtest_user_is_the_sessions(seqtest_user):
+    """Made by conftest's session fixture (removed at the session's end)."""
+    assert seqtest_user.pw_name == "seqtest" and Path(seqtest_user.pw_dir).is_dir()
+
+
+def test_frozen_evaluation_note():
+    """Issue #7: a frozen agent's service cannot answer; a timeout or a 0 then says why."""
+    assert frozen_evaluation_note("cgroup", timed_out=True) == FROZEN_TIMEOUT_NOTE
+    assert frozen_evaluation_note("SIGSTOP", timed_out=False, reward=0.0) == FROZEN_ZERO_NOTE
+    assert "freeze_agent = false" in FROZEN_TIMEOUT_NOTE and "live service" in FROZEN_TIMEOUT_NOTE
+    assert frozen_evaluation_note("cgroup", timed_out=False, reward=1.0) is None
+    assert frozen_evaluation_note(None, timed_out=True) is None  # not frozen: the usual timeout
