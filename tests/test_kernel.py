@@ -38,6 +38,9 @@ def test_syntax_error_keeps_the_kernel_alive(kernel):
     kernel.run("keep = 42")
     r = kernel.run("def broken(:")
     assert r.error.type == "SyntaxError"
+    # the program's line, nothing of the kernel's call into the compiler
+    assert 'File "<cell>", line 1' in r.error.traceback and "def broken(:" in r.error.traceback
+    assert "ast.py" not in r.error.traceback and "server.py" not in r.error.traceback
     assert kernel.run("keep").value == "42"
 
 

@@ -90,3 +90,24 @@ def test_output_within_the_cap_has_no_note():
         r = ep.exec("seq 1 1000")
     assert (r.stdout.encode(), r.stderr, r.note) == (seq(1000), "", "")
 
+
+
+@pytest.mark.parametrize("limit", [1, 10, 27, 28, 100, 1000])
+@pytest.mark.parametrize("total", [0, 99, 100, 101, 5000])
+@pytest.mark.parametrize("step", [1, 7, 10000])
+def test_the_verifiers_output_buffer_is_an_exact_cap(limit, total, step):
+    """What the verifier printed (verifier/test-stdout.txt) is kept whole while it fits,
+    else head + marker + tail in exactly ``output_bytes``, however it arrives."""
+    from sequester.episodes.nsexec import HeadTail
+
+    data = (bytes(range(256)) * 40)[:total]
+    kept = HeadTail(limit)
+    for i in range(0, total, step):
+        kept += data[i:i + step]
+    out = kept.bytes()
+    assert len(out) <= limit
+    if total <= limit:
+        assert out == data
+    else:
+        assert out.startswith(data[:kept._head_size]) and len(out) == limit
+        assert not kept._tail_size or out.endswith(data[total - kept._tail_size:])

@@ -28,32 +28,42 @@ __all__ = ["NsExec", "Worker", "HeadTail", "shared_nsexec", "write_and_close"]
 
 
 class HeadTail:
-    """A bounded buffer: the first half of ``limit`` bytes and the last half, with a
-    marker where the middle was dropped. Memory stays at ``limit`` whatever is written."""
+    """A bounded buffer of at most ``limit`` bytes, marker included: everything while it
+    fits, else the head and the tail around a marker line. Memory stays at ``limit``
+    whatever is written (the verifier's output, which the agent's programs can flood)."""
 
     _MARK = b"\n[... output dropped ...]\n"
 
     def __init__(self, limit: int):
-        self.limit = max(int(limit), 2)
+        self.limit = max(int(limit), 1)
+        room = max(self.limit - len(self._MARK), 0)
+        self._head_size = self.limit if room == 0 else room // 2
+        self._tail_size = 0 if room == 0 else room - self._head_size
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
 
     def __iadd__(self, data: bytes) -> HeadTail:
-        room = self.limit // 2 - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            extra = len(self.tail) - (self.limit - self.limit // 2)
-            if extra > 0:
-                del self.tail[:extra]
-                self.dropped += extra
+        if not self.dropped and len(self.head) + len(data) <= self.limit:
+            self.head += data
+            return self
+        if not self.dropped:  # the first overflow: split what was kept into head and tail
+            data = bytes(self.head) + bytes(data)
+            self.head = bytearray(data[:self._head_size])
+            data = data[self._head_size:]
+        self.tail += data
+        extra = len(self.tail) - self._tail_size
+        if extra > 0:
+            del self.tail[:extra]
+            self.dropped += extra
+        self.dropped = max(self.dropped, 1)
         return self
 
     def bytes(self) -> bytes:
-        return bytes(self.head) + (self._MARK if self.dropped else b"") + bytes(self.tail)
+        if not self.dropped:
+            return bytes(self.head)
+        mark = self._MARK if self._tail_size else b""
+        return bytes(self.head) + mark + bytes(self.tail)
 
 
 @dataclass

@@ -226,7 +226,10 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     tb = exc.__traceback__
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
         tb = tb.tb_next  # the kernel's own frames are noise to the caller
-    lines = traceback.format_exception(type(exc), exc, tb)
+    if isinstance(exc, SyntaxError):  # the program's line, not the kernel's call into the compiler
+        lines = traceback.format_exception_only(type(exc), exc)
+    else:
+        lines = traceback.format_exception(type(exc), exc, tb)
     message = str(exc) if not isinstance(exc, SyntaxError) else (exc.msg or "")
     if isinstance(exc, SystemExit):
         message = str(exc.code) if exc.code is not None else "0"
