@@ -48,7 +48,9 @@ def temporary_user(name: str, *, leftover: Callable[[pwd.struct_passwd], bool] =
 def remove_user(entry: pwd.struct_passwd) -> None:
     """Stop the user's processes, delete the user, its group and its home."""
     kill_processes_of(entry.pw_uid)
-    subprocess.run(["userdel", "--remove", entry.pw_name], capture_output=True, check=False)
+    # --force: a killed process nobody has waited for yet (a zombie) still counts as the
+    # user's, and would make userdel refuse.
+    subprocess.run(["userdel", "--force", "--remove", entry.pw_name], capture_output=True, check=False)
     if os.path.isdir(entry.pw_dir) and entry.pw_dir.startswith("/home/") and not user_exists(entry.pw_name):
         subprocess.run(["rm", "-rf", "--one-file-system", entry.pw_dir], check=False)
 
