@@ -495,3 +495,15 @@ def test_nothing_in_an_episode_holds_the_hosts_output(tmp_path):
     # reader is gone); the tests' programs cannot even open the verifier's init's
     assert "agent wrote 1" in proc.stderr
     assert "/proc/1/fd/1" in proc.stderr
+
+
+def test_a_frozen_evaluation_of_a_live_service_says_why_it_failed(tmp_path, episode):
+    """Issue #7: a task scored on a service the agent runs cannot pass frozen; the notes say so."""
+    script = ("if curl -s -m 3 http://127.0.0.1:8123/ >/dev/null; then echo 1; else echo 0; fi"
+              " > /logs/verifier/reward.txt\n")
+    episode.reset(make_task(tmp_path, test_sh=script))
+    episode.exec("(python3 -m http.server 8123 --bind 127.0.0.1 >/dev/null 2>&1 &) ; sleep 1")
+    live = episode.evaluate(freeze=False)
+    assert live.reward == 1.0 and not any("frozen" in n for n in live.notes)  # control
+    frozen = episode.evaluate(freeze=True)
+    assert frozen.reward == 0.0 and any("freeze_agent = false" in n for n in frozen.notes), frozen.notes

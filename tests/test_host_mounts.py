@@ -333,3 +333,12 @@ def test_user_episode_with_mounts_below_var_and_opt(host_mounts, temp_user):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     _check_view(out["view"], name)
     assert (out["oracle"], out["nop"]) == (1.0, 0.0)
+
+
+def test_the_error_names_what_is_mounted_below_the_views_folders(host_mounts):
+    """If a view still cannot be built, the message says what is in the way."""
+    from sequester.episodes.submounts import describe_mounts_below
+
+    said = describe_mounts_below([Path("/var"), Path("/opt")])
+    assert f"/var/lib/{host_mounts} (tmpfs" in said and f"/opt/{host_mounts} (tmpfs" in said
+    assert describe_mounts_below([Path("/nonexistent-top")]) == ""  # control: nothing there
