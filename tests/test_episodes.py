@@ -507,3 +507,12 @@ def test_a_frozen_evaluation_of_a_live_service_says_why_it_failed(tmp_path, epis
     assert live.reward == 1.0 and not any("frozen" in n for n in live.notes)  # control
     frozen = episode.evaluate(freeze=True)
     assert frozen.reward == 0.0 and any("freeze_agent = false" in n for n in frozen.notes), frozen.notes
+
+
+def test_the_verifier_has_its_own_dev_with_the_real_devices(tmp_path, episode):
+    script = ('if [ -c /dev/null ] && [ -c /dev/urandom ] && [ ! -e /dev/planted ] && head -c1 /dev/zero | od -An -tx1'
+              ' | grep -q 00; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+    episode.reset(make_task(tmp_path, test_sh=script))
+    episode.exec("echo x > /dev/planted; rm -f /dev/null 2>/dev/null; true")
+    assert episode.exec("test -e /dev/planted && echo yes").stdout.strip() == "yes"  # control: the agent's /dev has it
+    assert episode.evaluate().reward == 1.0

@@ -12,7 +12,8 @@ it is. What the runner itself reads by fixed absolute path comes from the verifi
 * ``/tests`` and ``/logs`` are fresh tmpfs; ``/proc`` is the verifier's own (its init
   mounts it over the agent's); ``/dev`` is a fresh tmpfs with only the standard device nodes, taken from
   the agent's view only when they really are those devices (nobody can create a device
-  node in a user namespace, so a character device 1:3 is the host's ``/dev/null``);
+  node in a user namespace, so a character device 1:3 is the host's ``/dev/null``; it is
+  checked and bound through one descriptor, so it cannot be swapped in between);
 * ``/bin``: uv starts the tests' console scripts (``pytest``) through ``#!/bin/sh``, reads
   the loader named in ``/bin/sh`` (then ``/usr/bin/env``, ``/bin/dash``, ``/bin/ls``) to
   learn the C library's version and runs it, and ``system()``, ``popen()`` and Python's
@@ -132,19 +133,39 @@ def _check_shell(runner_bin: str) -> None:
         raise OSError(errno.EPERM, "the verifier's /bin/sh is not the runner's shell")
 
 
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429  # the same on x86_64 and aarch64
+_OPEN_TREE_CLONE, _AT_EMPTY_PATH, _AT_FDCWD, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x1000, -100, 4
+
+
+def _bind_fd(fd: int, target: str) -> None:
+    """Bind what ``fd`` is (checked already) at ``target``: by descriptor, so the agent
+    cannot swap the path between the check and the mount."""
+    tree = libc.syscall(_SYS_OPEN_TREE, fd, b"", _OPEN_TREE_CLONE | _AT_EMPTY_PATH | os.O_CLOEXEC)
+    if tree < 0:
+        check(-1, f"open_tree for {target}")
+    try:
+        check(libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH),
+              f"move_mount to {target}")
+    finally:
+        os.close(tree)
+
+
 def _populate_dev(dev: str) -> None:
     _mount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=0755,size=64k")
     for name, (major, minor) in _DEVICES.items():
-        source = f"/dev/{name}"
         try:
-            st = os.stat(source, follow_symlinks=False)
+            fd = os.open(f"/dev/{name}", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue
-        if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (major, minor):
-            continue  # the agent replaced it: only a real device node is taken
-        with open(os.path.join(dev, name), "w"):
-            pass
-        _mount(source, os.path.join(dev, name), None, MS_BIND)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (major, minor):
+                continue  # the agent replaced it: only a real device node is taken
+            with open(os.path.join(dev, name), "w"):
+                pass
+            _bind_fd(fd, os.path.join(dev, name))
+        finally:
+            os.close(fd)
     for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                        ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
         os.symlink(link, os.path.join(dev, name))
