@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from users import kill_processes_of
 
 __all__ = [
     "USER", "CACHE", "unavailable", "AttackEnv", "attack_env", "get_env", "run_in_fake_root", "run_as_user",
@@ -315,20 +316,8 @@ class AttackEnv:
         if self.session.exists():
             subprocess.run(["rm", "-rf", "--one-file-system", str(self.session)], check=False)
         if self.created_user:
-            _kill_user_processes(self.uid)
-            subprocess.run(["userdel", "-r", USER], capture_output=True, check=False)
-
-
-def _kill_user_processes(uid: int) -> None:
-    """Processes of the test user still running (our harness's leftovers): by pid."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid == uid:
-                os.kill(int(entry), signal.SIGKILL)
-        except OSError:
-            pass
+            kill_processes_of(self.uid)
+            subprocess.run(["userdel", "--force", "--remove", USER], capture_output=True, check=False)
 
 
 # -- the cache ------------------------------------------------------------------------------
