@@ -54,8 +54,11 @@ def test_roots_home_and_non_system_top_level_dirs_are_hidden(kernel):
             seen = probe(k, "import os, json\nprint(json.dumps({p: (os.listdir(p) if os.path.isdir(p) else 'absent') "
                             "for p in ['/root', '/seqtest-topdir', '/home', '/etc']}))")
         assert seen["/seqtest-topdir"] in ([], "absent")
-        # /root holds only the way to the Python installation mounted back read-only.
-        assert set(seen["/root"]) <= {Path(sys.prefix).relative_to("/root").parts[0]} if sys.prefix.startswith("/root") else seen["/root"] == []
+        # /root holds only the way to the Python installations mounted back read-only (the
+        # environment's and its base's: a venv elsewhere can stand on a pyenv build in /root).
+        ways = {Path(p).resolve().relative_to("/root").parts[0] for p in {sys.prefix, sys.base_prefix}
+                if Path(p).resolve().is_relative_to("/root")}
+        assert set(seen["/root"]) <= ways
         assert seen["/home"] == []
         assert "passwd" in seen["/etc"]  # the system stays visible
     finally:
