@@ -81,6 +81,9 @@ def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
     for name in ("tree-current", "tree-old", "tree-in-use"):
         (folder / name / "lib").mkdir(parents=True)
         (folder / name / "ready").write_text("x\n")
+    for legacy in ("bin", "cache", "wheels"):  # the earlier toolchain's layout
+        (folder / legacy).mkdir()
+    (folder / "ready-pytest_8.4.1").write_text("x\n")
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
          "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",

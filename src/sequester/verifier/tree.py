@@ -134,7 +134,15 @@ def _hold(tree: Path) -> None:
 
 
 def _prune(folder: Path, keep: Path) -> None:
-    """Remove the other trees no process holds (an exclusive lock is free only then)."""
+    """Remove the other trees no process holds (an exclusive lock is free only then), and
+    what the earlier toolchain layout left at the top (``bin``, ``cache``, ``wheels``,
+    ``ready-*``: the uv-only toolchain, mounted by no current version)."""
+    for name in ("bin", "cache", "wheels", *(p.name for p in folder.glob("ready-*"))):
+        legacy = folder / name
+        if legacy.is_dir() and not legacy.is_symlink():
+            shutil.rmtree(legacy, ignore_errors=True)
+        elif legacy.is_file():
+            legacy.unlink(missing_ok=True)
     for old in folder.glob("tree-*"):
         if old == keep or old in _held:
             continue
