@@ -83,3 +83,14 @@ def seqtest_user():
 
     with temporary_user(SEQTEST_USER, leftover=left_by_the_tests) as entry:
         yield entry
+
+
+@pytest.fixture
+def episode():
+    """A fresh episode, closed after the test."""
+    from sequester.episodes.episode import Episode
+
+    ep = Episode()
+    yield ep
+    ep.close()
+

@@ -7,7 +7,7 @@ import pytest
 from sequester.episodes.episode import Episode
 from sequester.errors import TaskError
 from sequester.tasks.config import parse_task_config
-from test_episodes import make_task
+from tasks import make_task
 
 # 1 only if the artifact arrived and nothing else of the agent's did.
 CHECK = ('if [ "$(cat /app/out 2>/dev/null)" = ok ] && [ ! -e /app/other ] && [ ! -e /usr/local/bin/planted ]'
