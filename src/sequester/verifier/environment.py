@@ -18,17 +18,25 @@ from .pysite import PYTHONPATH_VAR, RUNNER_FD_VAR
 __all__ = ["runner_env", "DEFAULT_PATH", "RUNNER_FD_VAR"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Variables that change how the loader, the C library or a shell start a program: the
-# runner's programs must not take them from the image (the task may still set them).
-_LOADER_AND_SHELL = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "GLIBC_TUNABLES", "GCONV_PATH", "LOCPATH",
-                     "BASH_ENV", "ENV", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTEST_ADDOPTS",
-                     "PYTEST_PLUGINS")
+# Variables by which the runner's own programs (the loader and C library, bash, Python and
+# pytest, OpenSSL under curl and Python's ssl, curl, terminfo and readline) read code,
+# configuration or trust from a path: the image's ENV points them into the view, which is
+# the agent's to write (OPENSSL_CONF naming an agent's provider module; SSL_CERT_FILE a
+# bundle the agent added its CA to, for an "astral.sh" it serves itself). The runner never
+# takes them from the image; the task's own [verifier] env may still set them.
+_RUNNER_INPUTS = (
+    "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "GLIBC_TUNABLES", "GCONV_PATH", "LOCPATH", "NLSPATH",
+    "BASH_ENV", "ENV", "INPUTRC", "TERMINFO", "TERMINFO_DIRS",
+    "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX", "PYTEST_ADDOPTS", "PYTEST_PLUGINS",
+    "OPENSSL_CONF", "OPENSSL_MODULES", "OPENSSL_ENGINES", "SSL_CERT_FILE", "SSL_CERT_DIR", "SSLKEYLOGFILE",
+    "CURL_CA_BUNDLE", "CURL_HOME", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS", "REQUESTS_CA_BUNDLE",
+)
 
 
 def runner_env(image_env: Mapping[str, str], task_env: Mapping[str, str], *, agent_home: str = "/root",
                runner_fd: int | None = None) -> dict[str, str]:
     env = {"HOME": agent_home, "LANG": "C.UTF-8", "TERM": "dumb"}
-    env.update({k: v for k, v in image_env.items() if k not in _LOADER_AND_SHELL})
+    env.update({k: v for k, v in image_env.items() if k not in _RUNNER_INPUTS})
     env.update(task_env)
     entries = [p for p in env.get("PATH", DEFAULT_PATH).split(":") if p and p != str(layout.BIN)]
     env["PATH"] = ":".join([str(layout.BIN), *entries])

@@ -15,7 +15,10 @@ moment); it passes it as ``SEQUESTER_PYTHONPATH`` instead, and the tree's
   the tests, but a module the agent planted there cannot shadow the standard library,
   pytest or its plugins;
 * appends the task's ``PYTHONPATH`` entries to ``sys.path`` and puts ``PYTHONPATH`` back
-  in the environment, so the programs the tests start get it as the task wrote it.
+  in the environment, so the programs the tests start get it as the task wrote it;
+* in pytest, lets only the distributions of the tree and the running environment count
+  for plugin autoloading (a ``*.dist-info`` with a ``pytest11`` entry point in ``/app``
+  would otherwise load the agent's plugin into the verifier's pytest).
 
 No user site: the runner's virtual environments disable it, and the ``python3`` in the
 tree's ``bin/`` runs with ``-s`` (its ``.pth`` files, the agent's to write, would run
@@ -66,17 +69,31 @@ if _extra is not None:
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
     os.environ["PYTHONPATH"] = _extra
 del _extra
+_argv = getattr(sys, "orig_argv", [])
+_is_pytest = (len(_argv) > 1 and os.path.basename(_argv[1]) in ("pytest", "py.test")) or _argv[1:3] == ["-m", "pytest"]
+if _is_pytest:
+    # pytest loads every installed distribution's "pytest11" entry point as a plugin: only
+    # those of the tree and the running environment count (an *.dist-info folder in /app,
+    # on a task's PYTHONPATH or the working folder, would plant one).
+    import importlib.metadata as _metadata
+
+    def _trusted_distributions(_all=_metadata.distributions, **kwargs):
+        for dist in _all(**kwargs):
+            where = getattr(dist, "_path", None)
+            if where is None or _TrustedFirst._ours(str(where)):
+                yield dist
+
+    _metadata.distributions = _trusted_distributions
 # Tell the host that the tests' pytest started (its bootstrap worked): written on a pipe
 # the agent's programs can add to but never take back.
-_fd, _argv = os.environ.get({RUNNER_FD_VAR!r}, ""), getattr(sys, "orig_argv", [])
-if _fd.isdigit() and ((len(_argv) > 1 and os.path.basename(_argv[1]) in ("pytest", "py.test"))
-                      or _argv[1:3] == ["-m", "pytest"]):
+_fd = os.environ.get({RUNNER_FD_VAR!r}, "")
+if _fd.isdigit() and _is_pytest:
     try:
         os.write(int(_fd), b"pytest\\n")
         os.close(int(_fd))  # the programs the tests start get nothing of it
     except OSError:
         pass
-del _fd, _argv
+del _fd, _argv, _is_pytest
 '''
 
 

@@ -50,7 +50,10 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     bin_dir = root / "bin"
     for name in tools:
         if name == "curl":
-            _script(bin_dir / "curl", f'CURL_HOME={layout.RUN_HOME}; export CURL_HOME\nexec {layout.LIBEXEC}/curl "$@"\n')
+            # Trust only the host's CA bundle, copied into the tree when it was built: the
+            # view's bundle, and /etc/hosts naming a server of the agent's, decide nothing.
+            _script(bin_dir / "curl", f'CURL_HOME={layout.RUN_HOME}; export CURL_HOME\n'
+                    f'exec {layout.LIBEXEC}/curl --cacert {layout.ETC}/ca-certificates.crt "$@"\n')
         else:
             os.symlink(f"../libexec/{name}", bin_dir / name)
     os.symlink("bash", bin_dir / "sh")

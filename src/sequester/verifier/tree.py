@@ -50,7 +50,7 @@ __all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
 log = logging.getLogger("sequester.verifier")
 
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
-BUILD_FORMAT = "7"
+BUILD_FORMAT = "8"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = ("bash", "cat", "cp", "mv", "rm", "mkdir", "rmdir", "ls", "ln", "chmod", "touch", "head", "tail", "wc", "sort",
          "uniq", "cut", "tr", "tee", "env", "test", "true", "false", "echo", "printf", "sleep", "dirname", "basename",
@@ -234,7 +234,17 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     for path in libraries:
         _patch(patchelf, path, interpreter=None, rpath=":".join(rpath))
     write_shims(root, tools=sorted(tools), pythons=pythons, has_uvx=uvx_bin is not None)
+    _copy_ca_bundle(root / "etc" / "ca-certificates.crt")
     _download_wheels(root / "wheels")
+
+
+def _copy_ca_bundle(dest: Path) -> None:
+    """The host's CA bundle (the trust the runner's curl uses); an empty one without it."""
+    for candidate in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem"):
+        if Path(candidate).is_file():
+            shutil.copyfile(candidate, dest)
+            return
+    dest.write_text("")
 
 
 def _blank(path: Path, paths: tuple[bytes, ...] | None) -> None:
