@@ -189,3 +189,15 @@ def test_the_verifier_has_its_own_dev_with_the_real_devices(tmp_path, episode):
     episode.exec("echo x > /dev/planted; rm -f /dev/null 2>/dev/null; true")
     assert episode.exec("test -e /dev/planted && echo yes").stdout.strip() == "yes"  # control: the agent's /dev has it
     assert episode.evaluate().reward == 1.0
+
+
+def test_a_flooded_logs_folder_still_gives_the_verdict(tmp_path, episode):
+    """The tests' programs can fill /logs/verifier: what the host reads back stays bounded,
+    and the reward files come first."""
+    script = ("cd /logs/verifier && for i in $(seq 1 5000); do : > a$i; done; "
+              "for i in 1 2 3 4 5 6 7 8 9 10; do head -c 1000000 /dev/zero > big$i; done; "
+              "echo 1 > /logs/verifier/reward.txt\n")
+    episode.reset(make_task(tmp_path, test_sh=script))
+    result = episode.evaluate()
+    assert result.reward == 1.0
+    assert sum(len(d) for d in result.files.values()) <= 8 << 20 and len(result.files) <= 64

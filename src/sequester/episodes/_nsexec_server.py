@@ -190,16 +190,25 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
     os._exit(0)
 
 
+_FILES_TOTAL = 8 << 20  # all files read back, together (the report must stay small)
+_FILES_SCANNED = 4096   # folder entries looked at (the tests' programs can make millions)
+
+
 def _verdict_files() -> dict[str, str]:
-    """Regular files directly in /logs/verifier (no symlinks), base64, size-capped. The
-    tests' programs may have removed or replaced the folder: then there are none (the
-    agent's 0), never an error."""
+    """Regular files directly in /logs/verifier (no symlinks), base64, each and all
+    together size-capped; the reward files first, then the others in name order among the
+    first entries of the folder. The tests' programs may have removed or replaced the
+    folder, or filled it: then there are none or fewer (the agent's 0), never an error."""
     out: dict[str, str] = {}
     try:
-        names = sorted(os.listdir("/logs/verifier"))[:64]
+        with os.scandir("/logs/verifier") as entries:
+            names = sorted(e.name for _, e in zip(range(_FILES_SCANNED), entries))
     except OSError:
         return out
-    for name in names:
+    first = [n for n in ("reward.json", "reward.txt") if n in names]
+    names = first + [n for n in names if n not in first]
+    total = 0
+    for name in names[:64]:
         path = f"/logs/verifier/{name}"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -211,8 +220,9 @@ def _verdict_files() -> dict[str, str]:
             data = os.read(fd, _FILE_LIMIT + 1)
         finally:
             os.close(fd)
-        if len(data) <= _FILE_LIMIT:
+        if len(data) <= _FILE_LIMIT and total + len(data) <= _FILES_TOTAL:
             out[name] = base64.b64encode(data).decode()
+            total += len(data)
     return out
 
 

@@ -85,7 +85,8 @@ class Worker:
 
         ``also`` are (fd, buffer) pairs drained meanwhile (e.g. the verifier's output).
         """
-        chunks = HeadTail(1 << 22)  # a report is small; the worker is trusted, but bound it anyway
+        # A report holds at most 8 MiB of verdict files (base64: 4/3 of that); bound it anyway.
+        chunks = HeadTail(16 << 20)
         watched: dict[int, bytearray | HeadTail] = {self.result: chunks, **{fd: buf for fd, buf in also}}
         try:
             while self.result in watched:
