@@ -24,7 +24,7 @@ __all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
 
 log = logging.getLogger("sequester.episodes")
 
-ARTIFACT_LIMIT = 1 << 30
+ARTIFACT_LIMIT = 256 << 20  # the tar is held in the host's memory while it is copied
 
 
 def evaluate_separately(episode: Episode, agent_init: int, *,
