@@ -137,3 +137,19 @@ def test_the_report_never_raises_and_says_when_incomplete():
     lines = tampering_report([], ["cannot enter /usr/x\n: Permission denied"])
     assert lines[0].startswith("0 changes") and lines[-1].startswith("the scan is incomplete")
     assert "\\n" in lines[-1] and all("\n" not in line for line in lines)
+
+
+def test_skeletons_untouched_for_a_day_are_removed_and_recent_ones_kept(tmp_path):
+    """Composed folders' skeletons (one per host layout) do not pile up in the state folder."""
+    import os
+    import time
+
+    from sequester.episodes.state import SKELETON_MAX_AGE, remove_stale
+
+    old, recent = tmp_path / "skeleton-var-old", tmp_path / "skeleton-var-recent"
+    for folder in (old, recent):
+        (folder / "lib").mkdir(parents=True)
+    past = time.time() - SKELETON_MAX_AGE - 60
+    os.utime(old, (past, past))
+    removed = remove_stale(tmp_path)
+    assert removed == [old] and not old.exists() and recent.is_dir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,10 @@ def remove_stale(base: Path) -> list[Path]:
     except OSError:
         return removed
     for name in names:
+        if name.startswith("skeleton-"):  # a composed folder's skeleton (see submounts.py)
+            if _older_than(base / name, SKELETON_MAX_AGE):
+                removed += _remove_logged(base / name)
+            continue
         pid_text = name.split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
             continue
@@ -71,6 +76,27 @@ def remove_stale(base: Path) -> list[Path]:
             continue
         removed.append(base / name)
     return removed
+
+
+# Skeletons are shared by the episodes of one host layout and rebuilt when missing; one
+# untouched this long belongs to a layout long gone (a mount since removed).
+SKELETON_MAX_AGE = 24 * 3600
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.lstat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _remove_logged(path: Path) -> list[Path]:
+    try:
+        remove_tree(path)
+    except Exception as exc:  # noqa: BLE001 - one bad folder must not fail a later job
+        log.warning("could not remove %s: %s", path, exc)
+        return []
+    return [path]
 
 
 def _alive(pid: int) -> bool:

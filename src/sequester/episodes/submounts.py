@@ -370,6 +370,11 @@ def make_skeleton(composite: Composite) -> None:
         finally:
             if building.exists():
                 shutil.rmtree(building, ignore_errors=True)
+    else:
+        try:
+            os.utime(root)  # in use: stale-state removal takes only skeletons untouched for a day
+        except OSError:
+            pass
     _make_items(composite.uppers, None, None)
 
 
