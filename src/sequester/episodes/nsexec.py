@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SandboxError
+from ..sandbox.bwrap import read_pending
 
 __all__ = ["NsExec", "Worker", "HeadTail", "shared_nsexec", "write_and_close"]
 
@@ -102,7 +103,7 @@ class Worker:
                         del watched[fd]
             for fd, buf in also:  # whatever is left of the other pipes after the report
                 if fd in watched:
-                    buf += _drain(fd, 1 << 20)
+                    buf += read_pending(fd, limit=1 << 20)
         finally:
             os.close(self.result)
         line = chunks.bytes().split(b"\n", 1)[0]
@@ -242,21 +243,6 @@ class NsExec:
         if "error" in report:
             raise SandboxError(f"could not {what}: {report['error']}")
         return report
-
-
-def _drain(fd: int, limit: int) -> bytes:
-    """What is already in a pipe, at most ``limit`` bytes, without waiting for more."""
-    os.set_blocking(fd, False)
-    chunks, size = [], 0
-    try:
-        while size < limit and (chunk := os.read(fd, min(65536, limit - size))):
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError:  # BlockingIOError: nothing more for now
-        pass
-    finally:
-        os.set_blocking(fd, True)
-    return b"".join(chunks)
 
 
 def write_and_close(fd: int, data: bytes) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import SandboxError, SequesterError
 from ..policy import Policy
 from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
-from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
+from ..sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
 from ..sandbox.host import HostFacts, gather_host_facts
 from ..sandbox.launch import ROOT_SECRETS
 from ..sandbox.mounts import SYSTEM_DIRS, MountKind, MountOp, hidden_paths
@@ -145,7 +145,7 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
         close_fd(err_w)
     try:
         if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
-            said = _pending(err_r).decode(errors="replace").strip()
+            said = read_pending(err_r, limit=4096).decode(errors="replace").strip()
             below = describe_mounts_below(overlaid)  # issue #7: name what may have been in the way
             raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
                                + (f" (mounted below the host folders of the view now: {below})" if below else ""))
@@ -186,11 +186,3 @@ def hidden_for(task: Task, facts: HostFacts, settings: EpisodeSettings,
 
 def _wait_readable(fd: int, timeout: float) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
-
-
-def _pending(fd: int, limit: int = 4096) -> bytes:
-    os.set_blocking(fd, False)
-    try:
-        return os.read(fd, limit)
-    except OSError:
-        return b""

@@ -274,7 +274,7 @@ class Kernel:
                         if messages:
                             for out_fd, name in names.items():
                                 # Written before the result message: already in the pipe.
-                                if data := read_pending(out_fd):
+                                if data := read_pending(out_fd, limit=1 << 20):  # the rest: next cell
                                     take(name, data)
                             return messages[0], text("stdout"), text("stderr")
                         continue

@@ -159,14 +159,17 @@ def _read_all(fd: int, timeout: float) -> bytes:
         data += chunk
 
 
-def read_pending(fd: int) -> bytes:
+def read_pending(fd: int, limit: int | None = None) -> bytes:
     """What is already in a pipe, without waiting for more (a dead child's last words,
-    output written before a message that says it is all there)."""
+    output written before a message that says it is all there), at most ``limit`` bytes:
+    a writer that keeps writing cannot keep the reader here, nor grow its buffer."""
     os.set_blocking(fd, False)
-    chunks = []
+    chunks, size = [], 0
     try:
-        while chunk := os.read(fd, 65536):
+        while (limit is None or size < limit) and (
+                chunk := os.read(fd, 65536 if limit is None else min(65536, limit - size))):
             chunks.append(chunk)
+            size += len(chunk)
     except OSError:  # BlockingIOError: nothing more for now
         pass
     finally:
