@@ -70,3 +70,13 @@ def test_what_exec_returns_is_documented():
 def test_every_exit_status_is_documented():
     for status in ("0", "1", "2", "3", "130"):
         assert re.search(rf"^\| {status} \|", README, flags=re.M), status
+
+
+def test_every_image_subcommand_and_option_is_documented():
+    image = subcommands()["image"]
+    action = next(a for a in image._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in action.choices.items():
+        assert f"sequester image {name}" in README, name
+        for option in parser._actions:
+            if option.option_strings and "-h" not in option.option_strings and "--config" not in option.option_strings:
+                assert any(o in README for o in option.option_strings), (name, option.option_strings)

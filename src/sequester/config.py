@@ -1,6 +1,7 @@
 """The whole config file, one schema: ``[runtime]`` and ``[limits]`` (the kernel's
 :class:`~sequester.policy.Policy`) and ``[episodes]`` (the
-:class:`~sequester.episodes.settings.EpisodeSettings`).
+:class:`~sequester.episodes.settings.EpisodeSettings`) and ``[images]`` (their
+:class:`~sequester.images.settings.ImageSettings`).
 
 Every command reads the file through :func:`load_config`, so each of them rejects the same
 mistakes the same way: an unknown table (``[episode]``), an unknown key in a known table
@@ -10,6 +11,7 @@ names the file and the key; the CLI exits 2 with it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .episodes.settings import EpisodeSettings, settings_from_mapping
+from .images.settings import images_from_mapping
 from .policy import Policy, policy_from_mapping, read_config
 
 __all__ = ["Config", "config_from_mapping", "load_config"]
@@ -34,7 +37,9 @@ class Config:
 def config_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> Config:
     """Validate every table of parsed TOML (relative paths are taken from ``base_dir``)."""
     policy = policy_from_mapping(data, base_dir, source)  # the tables, [runtime], [limits]
-    return Config(policy, settings_from_mapping(data, base_dir, source), source)
+    episodes = settings_from_mapping(data, base_dir, source)
+    episodes = dataclasses.replace(episodes, images=images_from_mapping(data, base_dir, source))
+    return Config(policy, episodes, source)
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:

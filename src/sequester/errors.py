@@ -10,6 +10,7 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── SandboxUnavailableError  isolation was required but namespaces cannot be made here
     ├── SandboxError             launching or staging a sandbox failed (nothing was left running)
     ├── TaskError                a task directory is malformed; names the file and field
+    ├── ImageError               an image cannot be had, unpacked or used; names the reference and why
     ├── KernelError              misuse of a kernel or a kernel that cannot go on
     │   └── KernelClosedError    the kernel was closed (or its lifetime ran out)
     ├── EpisodeError             an episode used out of order (sequester.episodes.episode)
@@ -30,6 +31,7 @@ __all__ = [
     "KernelError",
     "KernelClosedError",
     "TaskError",
+    "ImageError",
 ]
 
 
@@ -70,3 +72,10 @@ class KernelError(SequesterError):
 
 class KernelClosedError(KernelError):
     """The kernel is closed: it was closed, never opened, or its lifetime ran out."""
+
+
+class ImageError(SequesterError, ValueError):
+    """An image cannot be pulled, imported, unpacked or used (unknown reference,
+    unreachable registry, digest mismatch, malformed or hostile layer, no manifest for
+    this platform). The message names the reference or layer and the reason; nothing
+    half-made is ever left in the store."""

@@ -39,14 +39,14 @@ def die_with_parent(parent: int | None) -> None:
         os._exit(1)
 
 
-def enter(target: int, *, user: str, pid: bool, cgroup: str | None) -> None:
+def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None) -> None:
     """Join ``target``'s namespaces. First the parent of the agent's user namespace (the
     one bwrap made, which owns the episode's other namespaces): there we hold every
     capability, as root or as the user who made it, which joining the others needs. Then
     the mount, network, IPC and UTS namespaces (and PID, for children); last, for
     ``user="agent"``, the agent's own user namespace."""
-    if cgroup:
-        with open(cgroup, "w") as f:
+    for procs in [cgroup] if isinstance(cgroup, str) else (cgroup or ()):  # the freezer's, the limits'
+        with open(procs, "w") as f:
             f.write(str(os.getpid()))
     fds = {name: os.open(f"/proc/{target}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
            for name in ("mnt", "net", "ipc", "uts", "pid", "user")}

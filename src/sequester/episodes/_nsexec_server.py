@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import signal
 import socket
 import stat
@@ -101,6 +102,8 @@ def _exec_agent_process(req: dict[str, Any], result: int, stdin: int, stdout: in
         if req.get("ctty"):
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(req.get("cwd") or "/")
+        for name, value in (req.get("rlimits") or {}).items():  # task limits (see episodes.limits)
+            resource.setrlimit(getattr(resource, name), (value, value))
         restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as exc:  # noqa: BLE001 - the result pipe is gone by now

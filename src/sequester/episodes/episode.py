@@ -31,11 +31,16 @@ from pathlib import Path
 
 from ..errors import SandboxError, SequesterError
 from ..guard import seccomp
-from ..sandbox.argv import CONTAINER_CAPS
+from ..images import ImageRecord, ImageStore
+from ..images.choose import Choice, choose_image
+from ..images.stack import image_path_kind
 from ..sandbox.bwrap import close_fd
 from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
+from .cgroup_limits import remove_stale_groups
+from .image_start import image_workdir, start_on_image
+from .limits import apply_limits
 from .evaluation import judge, run_tests, runner_works, zero_result
 from .layers import report_episode
 from .nsexec import NsExec, shared_nsexec
@@ -50,6 +55,7 @@ __all__ = ["Episode", "EpisodeError", "ExecResult"]
 log = logging.getLogger("sequester.episodes")
 
 _READ_LIMIT = 64 * 1024 * 1024
+_CHOOSE = object()  # reset(): choose the image from the task and the image source
 _stale_cleaned: set[Path] = set()
 
 
@@ -111,33 +117,87 @@ class Episode:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None, shell: bool = True) -> Episode:
+    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None, shell: bool = True,
+              image_source: str | None = None, image: ImageRecord | None | object = _CHOOSE) -> Episode:
         """Start the episode on ``task`` (a loaded task or its folder), replacing any
         earlier one. ``workdir`` overrides the task's working directory; ``shell=False``
-        starts no agent shell (a separate verifier's environment)."""
+        starts no agent shell (a separate verifier's environment). ``image_source``
+        (default: the settings' ``[images] source``, ``auto``): the system the episode
+        runs on (see :mod:`sequester.images.choose`); ``image``: this image record, or
+        ``None`` for host mode, instead of choosing. An image that cannot be had raises
+        :class:`~sequester.errors.ImageError` before anything starts."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
         if not namespace_support().available:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
-        chosen = workdir or task.config.environment.workdir or task.default_workdir or str(task.path)
-        if not chosen.startswith("/"):
-            raise EpisodeError(f"workdir {chosen!r} is not an absolute path")
-        self._nsexec = self._nsexec or shared_nsexec()
-        if self.settings.state_dir not in _stale_cleaned:
-            remove_stale(self.settings.state_dir)
-            _stale_cleaned.add(self.settings.state_dir)
-        dirs = EpisodeDirs.create(self.settings.state_dir)
+        store = ImageStore(self.settings.images)
+        if image is _CHOOSE:
+            choice = choose_image(task, image_source or self.settings.images.source, store)
+        else:
+            choice = Choice(image, "image" if image is not None else "host")  # type: ignore[arg-type]
+        lease = store.lease(choice.record) if choice.record is not None else None
         try:
-            self._run = start_episode(task, chosen, dirs, self.settings, self.extra_hidden)
+            if lease is not None:
+                chosen = image_workdir(task, lease, workdir)
+            else:
+                chosen = workdir or task.config.environment.workdir or task.default_workdir or str(task.path)
+            if not chosen.startswith("/"):
+                raise EpisodeError(f"workdir {chosen!r} is not an absolute path")
+            self._nsexec = self._nsexec or shared_nsexec()
+            if self.settings.state_dir not in _stale_cleaned:
+                remove_stale(self.settings.state_dir)
+                remove_stale_groups()
+                _stale_cleaned.add(self.settings.state_dir)
+            dirs = EpisodeDirs.create(self.settings.state_dir)
+            try:
+                if lease is not None:
+                    self._run = start_on_image(task, chosen, dirs, self.settings, lease)
+                else:
+                    self._run = start_episode(task, chosen, dirs, self.settings, self.extra_hidden)
+            except BaseException:
+                dirs.remove()
+                raise
         except BaseException:
-            dirs.remove()
+            if lease is not None:
+                lease.release()
             raise
+        self._run.notes[:0] = list(choice.notes)
         self._state = _State.RUNNING
+        try:
+            if lease is not None and chosen != "/" and image_path_kind(lease.layers, chosen) == "none":
+                self._make_dir(chosen)
+            self._run.notes += apply_limits(task, self._run, max_processes=self.settings.max_processes)
+        except BaseException:
+            self._stop()
+            raise
         if shell:
             self._start_shell()
         return self
+
+    def _make_dir(self, path: str) -> None:
+        """``path`` as a folder in the agent's view (an image without its working directory)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(".")
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        self._nsexec_call().extract(self._running().bwrap.pid, path, buf.getvalue())
+
+    @property
+    def image(self) -> ImageRecord | None:
+        """The image the episode runs on; ``None``: host mode."""
+        return self._running().image
+
+    @property
+    def system(self) -> dict[str, object]:
+        """What the episode runs on, for a trial's record: the image by digest, or host mode."""
+        record = self._running().image
+        if record is None:
+            return {"mode": "host"}
+        return {"mode": "image", "image": record.names[0] if record.names else None, "digest": record.digest,
+                "id": record.id, "source": record.source}
 
     def _start_shell(self) -> None:
         run = self._running()
@@ -152,10 +212,10 @@ class Episode:
         try:
             assert self._nsexec is not None
             pid = self._nsexec.spawn(
-                run.bwrap.pid, ["bash", "--noprofile", "--norc", "/dev/fd/3"], env=run.env, cwd=run.workdir,
-                stdin=slave, stdout=out_w, stderr=slave, extra=[control_r], ctty=True, caps=CONTAINER_CAPS,
+                run.bwrap.pid, list(run.shell_argv), env=run.env, cwd=run.workdir,
+                stdin=slave, stdout=out_w, stderr=slave, extra=[control_r], ctty=True, caps=run.agent_caps,
                 seccomp_bpf=seccomp.compile_filter("agent"), seccomp_nr=seccomp.syscall_number("seccomp"),
-                cgroup=run.freezer.procs_path,
+                cgroup=run.agent_cgroups, rlimits=run.rlimits,
             )
         except BaseException:
             for fd in (master, control_w, out_r):
@@ -308,7 +368,8 @@ class Episode:
             return
         errors = []
         for step in (run.freezer.thaw, (run.shell.close if run.shell else None), run.bwrap.kill, run.freezer.remove,
-                     run.dirs.remove):
+                     (run.limit_groups.remove if run.limit_groups else None), run.dirs.remove,
+                     (run.lease.release if run.lease else None)):
             if step is None:
                 continue
             try:

@@ -38,7 +38,7 @@ def evaluate_separately(episode: Episode, agent_init: int, *,
     artifacts = task.config.artifacts if with_artifacts else ()
     fresh = Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec)
     try:
-        fresh.reset(task, workdir=workdir, shell=False)
+        fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
         if not artifacts and with_artifacts:
             notes.append("the task declares no artifacts: the tests saw none of the agent's work")
         else:

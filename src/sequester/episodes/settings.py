@@ -6,6 +6,7 @@
     verifier_env = "shared"     # or "separate": the tests run in a fresh view holding only the task's artifacts
     reward_range = [0, 1]       # rewards outside it are invalid (the agent's 0); "any": any finite number
     output_bytes = 10000000     # cap on one exec's output and on the verifier's output
+    max_processes = 4096        # processes the agent may have at once (RLIMIT_NPROC)
     state_dir = "/var/tmp/..."  # where episodes keep their writable layers
     toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
+from ..images.settings import ImageSettings
 
 __all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
            "frozen_evaluation_note"]
@@ -50,9 +52,13 @@ class EpisodeSettings:
     reward_range: tuple[float, float] | None = (0.0, 1.0)
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     toolchain_dir: Path = dataclasses.field(default_factory=default_toolchain_dir)
+    # The [images] table (a table of its own in a config file): where images come from.
+    images: ImageSettings = dataclasses.field(default_factory=ImageSettings)
+    # RLIMIT_NPROC of the agent's processes: a fork bomb stops here, not at the host's limit.
+    max_processes: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("exec_timeout", "output_bytes"):
+        for name in ("exec_timeout", "output_bytes", "max_processes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
@@ -80,7 +86,7 @@ def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str =
     table = data.get("episodes", {})
     if not isinstance(table, Mapping):
         raise PolicyError(f"{source}: 'episodes' must be a table ([episodes]), got {table!r}")
-    known = {f.name for f in dataclasses.fields(EpisodeSettings)}
+    known = {f.name for f in dataclasses.fields(EpisodeSettings)} - {"images"}
     unknown = set(table) - known
     if "on_tamper" in unknown:
         raise PolicyError(f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "

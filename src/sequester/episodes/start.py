@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import SandboxError, SequesterError
 from ..policy import Policy
@@ -33,7 +34,12 @@ from .state import EpisodeDirs
 from .submounts import describe_mounts_below, gather_submounts, make_skeleton, staged_names
 from .view import plan_episode_layout
 
-__all__ = ["RunningEpisode", "start_episode", "hidden_for", "runner_tree", "AGENT_PATH"]
+if TYPE_CHECKING:
+    from ..images import ImageLease, ImageRecord
+    from .cgroup_limits import LimitGroups
+
+__all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "runner_tree", "AGENT_PATH", "INIT_SCRIPT",
+           "HOST_SHELL"]
 
 log = logging.getLogger("sequester.episodes")
 
@@ -42,6 +48,8 @@ log = logging.getLogger("sequester.episodes")
 # background processes the agent starts keep running until close() and leave no zombies.
 # It says "r" on the ready pipe once bwrap has finished building the view.
 _INIT = 'printf r >&"$0"; eval "exec $0>&-"; while :; do sleep 86400 & wait $!; done'
+INIT_SCRIPT = _INIT
+HOST_SHELL = ("bash", "--noprofile", "--norc", "/dev/fd/3")
 AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _runner_lock = threading.Lock()
 _runners: dict[Path, Path | None] = {}
@@ -64,6 +72,18 @@ class RunningEpisode:
     symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
     runner: Path | None = None  # the verifier's runner tree on the host
     view_points: frozenset = frozenset()  # where the view's own mounts are (not the agent's changes)
+    image: ImageRecord | None = None  # the image the view is made of; None: host mode
+    lease: ImageLease | None = None  # held while the episode runs (the store keeps its layers)
+    shell_argv: tuple[str, ...] = HOST_SHELL  # the agent's persistent shell (reads /dev/fd/3)
+    agent_caps: tuple[str, ...] = CONTAINER_CAPS  # an image's non-root User gets none
+    rlimits: dict[str, int] = field(default_factory=dict)  # set on every agent process (see .limits)
+    limit_groups: LimitGroups | None = None  # the episode's cgroups (see .cgroup_limits)
+
+    @property
+    def agent_cgroups(self) -> list[str]:
+        """The ``cgroup.procs`` files every agent process joins on its way in."""
+        return [*([self.freezer.procs_path] if self.freezer.procs_path else []),
+                *(self.limit_groups.procs if self.limit_groups else [])]
 
 
 def runner_tree(folder: Path) -> Path | None:
@@ -126,6 +146,18 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
         cwd=Path("/"), identity=Identity.ROOT, caps=CONTAINER_CAPS, hostname=task.name[:63] or "sequester",
         as_pid_1=True, readonly_root=False,
     )
+    started, freezer = launch_init(spec, overlaid)
+    timeout = task.config.agent.timeout_sec
+    return RunningEpisode(task, workdir, dirs, started, freezer, env,
+                    time.monotonic() + timeout if timeout else None, notes=notes,
+                    symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner,
+                    view_points=view_points(op.dest for op in mounts))
+
+
+def launch_init(spec: SandboxSpec, overlaid: list[Path] = ()) -> tuple[StartedBwrap, Freezer]:
+    """Start the episode's init under bwrap and wait until the view is up; its freezer.
+    ``overlaid``: the host folders the view overlays (named when bwrap fails on a mount
+    below one of them)."""
     ready_r, ready_w = os.pipe()
     # The init (and so every agent process) must hold nothing of the host's: not its
     # stdout or stderr, which would let `echo ... > /proc/1/fd/1` forge the operator's
@@ -156,11 +188,8 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
     finally:
         close_fd(ready_r)
         close_fd(err_r)
-    timeout = task.config.agent.timeout_sec
-    return RunningEpisode(task, workdir, dirs, started, freezer, env,
-                    time.monotonic() + timeout if timeout else None, notes=notes,
-                    symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner,
-                    view_points=view_points(op.dest for op in mounts))
+    return started, freezer
+
 
 def hidden_for(task: Task, facts: HostFacts, settings: EpisodeSettings,
                extra_hidden: tuple[Path, ...]) -> tuple[set[Path], list[tuple[Path, bool]]]:

@@ -48,6 +48,8 @@ _HARBOR_NAMES: dict[str, str] = {
     "SandboxError": "SandboxBuildFailedError",
     "SandboxUnavailableError": "SandboxBuildFailedError",
     "FreezeError": "SandboxBuildFailedError",
+    # the task's image could not be had or unpacked: its environment could not be built
+    "ImageError": "SandboxBuildFailedError",
 }
 
 # sequester's errors that Harbor has no name for: the name stays, with the policy Harbor

@@ -18,6 +18,9 @@ from pathlib import Path
 
 from ..agents import load_agent
 from ..episodes.settings import EpisodeSettings
+from ..images import ImageStore
+from ..images.choose import prefetch_images
+from ..images.progress import NO_PROGRESS, Progress
 from ..errors import PolicyError
 from ..tasks import Task, find_tasks
 from .harbor import ENVIRONMENT_IMPORT_PATH, agent_config, task_config
@@ -35,7 +38,8 @@ def default_job_name() -> str:
 
 def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jobs_dir: str | os.PathLike[str],
             job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
-            progress: Callable[[TrialResult], None] | None = None) -> JobResult:
+            progress: Callable[[TrialResult], None] | None = None,
+            image_progress: Progress = NO_PROGRESS) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
 
@@ -51,6 +55,9 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     if not tasks:
         raise PolicyError("no tasks given")
     load_agent(agent_spec)  # a bad spec fails here, before any folder is made
+    # The tasks' images, before any trial starts: one that cannot be had is an ImageError
+    # here with --image-source prebuilt (auto: those trials run in host mode, with a note).
+    prefetch_images(tasks, settings.images.source, ImageStore(settings.images), progress=image_progress)
     job_name = default_job_name() if job_name is None else job_name
     try:
         check_name(job_name, "job name")

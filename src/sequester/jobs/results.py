@@ -118,6 +118,8 @@ class TrialResult:
     task_checksum: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     verifier_environment_mode: str | None = None
+    # What the episode ran on: {"mode": "image", "image": ref, "digest": ..., "id": ...} or {"mode": "host"}.
+    system: dict[str, Any] | None = None
 
     @property
     def reward(self) -> float | None:
@@ -139,6 +141,7 @@ class TrialResult:
             "started_at": self.started_at, "finished_at": self.finished_at,
             "environment_setup": self.environment_setup.to_dict(), "agent_execution": self.agent_execution.to_dict(),
             "verifier": self.verifier.to_dict(), "tampering": list(self.tampering), "notes": list(self.notes),
+            "system": dict(self.system) if self.system is not None else None,
         }
 
 

@@ -55,9 +55,19 @@ def new_trial_name(task_name: str) -> str:
     return f"{task_name}__{''.join(secrets.choice(_ALPHABET) for _ in range(6))}"
 
 
-def settings_to_dict(settings: EpisodeSettings) -> dict[str, Any]:
-    return {f.name: (str(value) if isinstance(value := getattr(settings, f.name), Path) else value)
-            for f in dataclasses.fields(settings)}
+def settings_to_dict(settings: Any) -> dict[str, Any]:
+    """A settings dataclass (nested ones too: ``[images]``) as JSON-ready data."""
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return settings_to_dict(value)
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    return {f.name: plain(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
 
 
 def write_json(path: Path, data: object) -> None:
@@ -263,6 +273,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
     tampering: list[str] = []
     notes: list[str] = []
     episode: Episode | None = None
+    system: dict[str, Any] | None = None
     mode = settings.verifier_env or task.config.verifier.environment_mode or "shared"
     with trial_log.capture():
         try:
@@ -278,6 +289,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                         cancel.check()
                     episode = Episode(settings, hide=hide)
                     episode.reset(task)
+                    system = episode.system
                     if cancel is not None:
                         watch.enter_context(cancel.watching(episode))
                         cancel.check()
@@ -317,6 +329,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                 agent_execution=phase.get("agent_execution"), verifier=phase.get("verifier"),
                 tampering=tampering, notes=notes, source=source, task_path=str(task.path), task_checksum=checksum,
                 config=config, verifier_environment_mode=mode if "verifier" in phase.timings else None,
+                system=system,
             )
             write_json(paths.result_path, result.to_dict())
     return result

@@ -68,6 +68,9 @@ class SandboxSpec:
     # The assembled root (bwrap's tmpfs) read-only at the end. An episode keeps it
     # writable, as a container's: new top-level folders live in that tmpfs.
     readonly_root: bool = True
+    # ROOT: who the agent is in its namespace (an image's ``User``): the caller maps to it.
+    uid: int = 0
+    gid: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,9 @@ def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
         case MountKind.BIND:
             return ["--bind", str(op.source), str(op.dest)]
         case MountKind.OVERLAY:
-            return ["--overlay-src", str(op.source), "--overlay", str(op.upper), str(op.work), str(op.dest)]
+            # bwrap stacks its --overlay-src folders in order: the last is the topmost.
+            sources = [arg for lower in (op.lowers or (op.source,)) for arg in ("--overlay-src", str(lower))]
+            return [*sources, "--overlay", str(op.upper), str(op.work), str(op.dest)]
         case MountKind.SYMLINK:
             return ["--symlink", str(op.target), str(op.dest)]
         case MountKind.HIDE_FILE:
@@ -122,7 +127,7 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     else:
         argv += ["--disable-userns"]
         if spec.identity is Identity.ROOT:
-            argv += ["--uid", "0", "--gid", "0"]
+            argv += ["--uid", str(spec.uid), "--gid", str(spec.gid)]
     argv += ["--cap-drop", "ALL"]
     for cap in spec.caps:
         argv += ["--cap-add", cap]

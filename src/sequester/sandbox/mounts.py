@@ -74,6 +74,8 @@ class MountOp:
     target: str | None = None
     upper: Path | None = None
     work: Path | None = None
+    # OVERLAY of an image's layers: the lower folders, lowest first (``source`` unused).
+    lowers: tuple[Path, ...] = ()
 
 
 def _top(facts: HostFacts) -> list[DirEntry]:

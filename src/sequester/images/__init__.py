@@ -1,0 +1,15 @@
+"""OCI images without a daemon: fetch (:mod:`.skopeo`), store (:mod:`.store`), unpack
+(:mod:`.unpack`), and the plan of an episode's view on an image (:mod:`.view`).
+
+    store = ImageStore(ImageSettings())
+    record = store.get("python:3.13-slim-bookworm")   # from the store, else pulled
+    lease = store.lease(record)                        # the layer folders, held for an episode
+"""
+
+from .records import ImageRecord, LayerRef
+from .reference import Reference, parse_reference
+from .settings import IMAGE_SOURCES, ImageSettings, images_from_mapping
+from .store import ImageLease, ImageStore
+
+__all__ = ["ImageStore", "ImageLease", "ImageRecord", "LayerRef", "ImageSettings", "images_from_mapping",
+           "IMAGE_SOURCES", "Reference", "parse_reference"]

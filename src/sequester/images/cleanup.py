@@ -1,0 +1,76 @@
+"""Removing from the image store: an image (never one an episode holds), and whatever no
+image needs any more (layers, blobs, temporary folders, use marks). The caller holds the
+store's ``gc.lock`` exclusively, so no fetch runs meanwhile (a fetch holds it shared from
+its first blob to its record)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..episodes.remove import remove_tree
+from ..errors import ImageError
+from .records import ImageRecord, hex_of
+
+if TYPE_CHECKING:
+    from .store import ImageStore
+
+__all__ = ["drop_record", "collect_garbage"]
+
+
+def drop_record(self: ImageStore, record: ImageRecord) -> None:
+    """Remove ``record`` (refused while an episode holds a lease on it)."""
+    used = self.root / "images" / f"{hex_of(record.id)}.used"
+    fd = os.open(used, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ImageError(f"image {record.names[0] if record.names else record.short_id} is in use by a "
+                             "running episode") from None
+        with self._lock("lock", fcntl.LOCK_EX):
+            (self.root / "images" / f"{hex_of(record.id)}.json").unlink(missing_ok=True)
+            used.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+def collect_garbage(self: ImageStore) -> int:
+    """Remove what no record needs; the caller holds gc.lock exclusively."""
+    records = self.records()
+    keep_layers = {hex_of(layer.diff_id) for r in records for layer in r.layers}
+    keep_blobs = {hex_of(d) for r in records for d in (r.id, r.config_digest)}
+    freed = 0
+    for entry in (self.root / "layers").iterdir():
+        name = entry.name.removesuffix(".json")
+        if name not in keep_layers:
+            freed += _size(entry)
+            remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+    for entry in (self.root / "blobs" / "sha256").iterdir():
+        if entry.name not in keep_blobs:
+            freed += _size(entry)
+            entry.unlink(missing_ok=True)
+    for entry in (self.root / "images").glob("*.used"):  # left by a lease of an image since removed
+        if not entry.with_suffix(".json").exists():
+            entry.unlink(missing_ok=True)
+    for entry in (self.root / "tmp").iterdir():
+        freed += _size(entry)
+        remove_tree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
+    return freed
+
+
+def _size(path: Path) -> int:
+    total = 0
+    try:
+        if path.is_dir() and not path.is_symlink():
+            for root, _, files in os.walk(path):
+                for f in files:
+                    with contextlib.suppress(OSError):
+                        total += os.lstat(os.path.join(root, f)).st_blocks * 512
+        else:
+            total = path.lstat().st_blocks * 512
+    except OSError:
+        pass
+    return total

@@ -1,0 +1,382 @@
+"""The image store: content-addressed, one copy of each layer, shared read-only by episodes.
+
+    STORE/
+      blobs/sha256/<hex>     manifests, configs (and layer blobs while they are unpacked)
+      layers/<diff-id hex>/  each layer unpacked once: an overlayfs lower folder
+      layers/<hex>.json      what unpacking it found (sizes, counts)
+      images/<id hex>.json   one record per image (:mod:`.records`); <hex>.used: last use
+      tmp/                   skopeo's layouts and temporary files, removed after each fetch
+      gc.lock, lock          fetches hold gc.lock shared, prune exclusive; lock: record writes
+
+The store folder is 0700: an image's setuid programs and its files are nobody else's
+to run or read (a root caller's store would otherwise hand every local user the image's
+setuid-root binaries).
+
+Fetching (:meth:`ImageStore.pull`, :meth:`ImageStore.import_source`) goes through skopeo
+(:mod:`.skopeo`) into ``blobs``; this module checks each manifest and config against its
+digest, and :func:`~.unpack.unpack_layer` checks each layer against both of its digests
+while it unpacks it into a temporary folder renamed into place only when complete.
+Episodes hold :meth:`ImageStore.lease` while they run; ``rm`` and ``prune`` never remove
+an image that is leased.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ImageError
+from . import skopeo as sk
+from .credentials import authfile_for
+from .manifest import (Descriptor, Platform, host_platform, is_index, parse_config, parse_json, parse_manifest,
+                       select_platform, sha256_digest)
+from .progress import NO_PROGRESS, Progress
+from .records import ImageRecord, LayerRef, hex_of, read_record, write_record
+from .reference import parse_reference
+from .settings import ImageSettings
+from .sources import Source, SourceKind, classify, compression_of
+from .synth import rootfs_image
+from .unpack import unpack_layer
+from .cleanup import collect_garbage, drop_record
+
+__all__ = ["ImageStore", "ImageLease"]
+
+log = logging.getLogger("sequester.images")
+
+
+@dataclass
+class ImageLease:
+    """An episode's use of an image: its layer folders (lowest first) until :meth:`release`."""
+
+    record: ImageRecord
+    layers: tuple[Path, ...]
+    _fd: int | None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class ImageStore:
+    def __init__(self, settings: ImageSettings | None = None):
+        self.settings = settings or ImageSettings()
+        self.root = self.settings.store_dir
+        self.platform: Platform = host_platform()
+
+    # -- folders --------------------------------------------------------------------------
+
+    def _ensure(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for sub in ("blobs/sha256", "layers", "images", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        policy = self.root / "policy.json"
+        if not policy.exists():
+            policy.write_text(sk.POLICY)
+
+    def blob(self, digest: str) -> Path:
+        return self.root / "blobs" / "sha256" / hex_of(digest)
+
+    def layer_dir(self, diff_id: str) -> Path:
+        return self.root / "layers" / hex_of(diff_id)
+
+    @contextlib.contextmanager
+    def _lock(self, name: str, kind: int, *, wait: float = 600) -> Iterator[None]:
+        self._ensure()
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, kind | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ImageError(f"the image store {self.root} is busy (another prune or fetch)") from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def records(self) -> list[ImageRecord]:
+        folder = self.root / "images"
+        if not folder.is_dir():
+            return []
+        return [read_record(p) for p in sorted(folder.glob("*.json")) if not p.name.startswith(".")]
+
+    def find(self, name: str) -> ImageRecord | None:
+        """By reference (normalised), by id or digest, or by an id prefix of 12 or more."""
+        records = self.records()
+        wanted = {name}
+        try:
+            wanted.add(str(parse_reference(name)))
+        except ImageError:
+            pass
+        for r in records:
+            if wanted & set(r.names) or name in (r.id, r.source_digest) or (
+                    len(name) >= 12 and hex_of(r.id).startswith(hex_of(name))):
+                return r
+        return None
+
+    def last_used(self, record: ImageRecord) -> float:
+        try:
+            return (self.root / "images" / f"{hex_of(record.id)}.used").stat().st_mtime
+        except OSError:
+            return record.created
+
+    def lease(self, record: ImageRecord) -> ImageLease:
+        """Hold ``record`` for an episode: its layers are there and stay until released."""
+        used = self.root / "images" / f"{hex_of(record.id)}.used"
+        fd = os.open(used, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.utime(fd)
+            if not (self.root / "images" / f"{hex_of(record.id)}.json").exists():
+                raise ImageError(f"image {record.names[0] if record.names else record.short_id} was removed")
+            layers = tuple(self.layer_dir(layer.diff_id) for layer in record.layers)
+            for layer, path in zip(record.layers, layers):
+                if not path.is_dir():
+                    raise ImageError(f"image {record.short_id}: layer {layer.diff_id} is missing from the store "
+                                     f"({path}); pull or import the image again")
+        except BaseException:
+            os.close(fd)
+            raise
+        return ImageLease(record, layers, fd)
+
+    # -- fetching -----------------------------------------------------------------------
+
+    def get(self, text: str, *, progress: Progress = NO_PROGRESS) -> ImageRecord:
+        """The image ``text`` names: from the store when it is there, else pulled (aliases applied)."""
+        return self.find(text) or self.pull(text, progress=progress)
+
+    def pull(self, text: str, *, progress: Progress = NO_PROGRESS) -> ImageRecord:
+        """Fetch ``text`` (a reference, or what ``[images] aliases`` maps it to) into the store."""
+        alias = self.settings.aliases.get(text)
+        if alias is None and _is_reference(text):
+            # Keys are references too: "python:3.13" also names docker.io/library/python:3.13.
+            wanted = str(parse_reference(text))
+            alias = next((v for k, v in self.settings.aliases.items() if _is_reference(k)
+                          and str(parse_reference(k)) == wanted), None)
+        if alias is not None:
+            source = classify(alias)
+            name = str(parse_reference(text)) if _is_reference(text) else text
+            return self._fetch(source, name, progress, what=f"{text} (alias of {alias})")
+        ref = parse_reference(text)
+        return self._fetch(Source(SourceKind.REGISTRY, str(ref)), str(ref), progress, what=str(ref))
+
+    def import_source(self, text: str, tag: str | None, *, progress: Progress = NO_PROGRESS) -> ImageRecord:
+        """Import a file, folder or engine image (see :mod:`.sources`) under ``tag``."""
+        source = classify(text)
+        if source.kind is SourceKind.REGISTRY:
+            raise ImageError(f"{text}: no such file or folder (to fetch from a registry, use 'image pull')")
+        if tag is not None and _is_reference(tag):
+            tag = str(parse_reference(tag))
+        return self._fetch(source, tag, progress, what=text)
+
+    def _fetch(self, source: Source, name: str | None, progress: Progress, *, what: str) -> ImageRecord:
+        self._ensure()
+        with self._lock("gc.lock", fcntl.LOCK_SH):
+            tmp = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.root / "tmp"))
+            try:
+                if source.kind in (SourceKind.ROOTFS_DIR, SourceKind.ROOTFS_TAR):
+                    manifest_digest, fetched_from, source_digest = rootfs_image(self, source, tmp, progress), \
+                        f"{source.kind.value}:{source.location}", None
+                else:
+                    manifest_digest, fetched_from, source_digest = self._skopeo_fetch(source, tmp, progress, what)
+                record = self._unpack_and_record(manifest_digest, name, fetched_from, source_digest, progress, what)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return record
+
+    def _skopeo_fetch(self, source: Source, tmp: Path, progress: Progress, what: str) -> tuple[str, str, str | None]:
+        skopeo = sk.skopeo_path()
+        common = dict(policy=self.root / "policy.json", plat=self.platform, tmpdir=tmp)
+        if source.kind is SourceKind.REGISTRY:
+            ref = parse_reference(source.location)
+            fetch = ref.mirrored(self.settings.mirrors)
+            tls = fetch.registry not in self.settings.insecure
+            with authfile_for(fetch.registry) as authfile:
+                # skopeo takes a tag or a digest, not both; the digest is what counts.
+                asked = f"{fetch.name}@{ref.digest}" if ref.digest else str(fetch)
+                raw = sk.run_skopeo(sk.inspect_argv(skopeo, f"docker://{asked}", tls_verify=tls, authfile=authfile,
+                                                    **common), what)
+                source_digest = ref.digest or sha256_digest(raw)
+                if ref.digest and sha256_digest(raw) != ref.digest:
+                    raise ImageError(f"{what}: the registry's manifest has digest {sha256_digest(raw)}, "
+                                     f"not the {ref.digest} asked for")
+                doc = parse_json(raw, what)
+                chosen = select_platform(doc, self.platform, what).digest if is_index(doc) else sha256_digest(raw)
+                location = f"docker://{fetch.name}@{chosen}"
+                progress.phase(f"pulling {ref.short}", None)
+                sk.run_skopeo(sk.copy_argv(skopeo, location, tmp / "layout", self.root / "blobs", tls_verify=tls,
+                                           authfile=authfile, **common), what, on_line=_progress_lines(progress))
+            fetched_from = location
+        else:
+            if source.kind is SourceKind.OCI_LAYOUT:
+                self._check_layout_platform(source, what)
+            progress.phase(f"importing {Path(source.location).name}", None)
+            sk.run_skopeo(sk.copy_argv(skopeo, source.skopeo, tmp / "layout", self.root / "blobs",
+                                       daemon_host=os.environ.get("DOCKER_HOST"), **common), what,
+                          on_line=_progress_lines(progress))
+            fetched_from, source_digest = source.skopeo, None
+        index = parse_json((tmp / "layout" / "index.json").read_bytes(), f"{what}: the fetched layout's index")
+        return select_manifest(index, what), fetched_from, source_digest
+
+    def _check_layout_platform(self, source: Source, what: str) -> None:
+        """A layout whose index lists only other platforms: say so before skopeo copies anything."""
+        path = Path(source.location.rsplit(":", 1)[0] if not Path(source.location).exists() else source.location)
+        try:
+            index = parse_json((path / "index.json").read_bytes(), f"{what}: index.json")
+        except OSError as exc:
+            raise ImageError(f"{what}: not an OCI layout ({exc})") from None
+        for entry in index.get("manifests") or ():
+            if isinstance(entry, dict) and entry.get("mediaType") in ("application/vnd.oci.image.index.v1+json",):
+                nested = self.blob(entry.get("digest", ""))
+                blob = path / "blobs" / "sha256" / hex_of(str(entry.get("digest", "")))
+                for candidate in (blob, nested):
+                    if candidate.is_file():
+                        select_platform(parse_json(candidate.read_bytes(), what), self.platform, what)
+                        break
+
+    def _read_blob(self, digest: str, what: str) -> bytes:
+        try:
+            data = self.blob(digest).read_bytes()
+        except OSError as exc:
+            raise ImageError(f"{what}: blob {digest} is missing after the fetch ({exc})") from None
+        if sha256_digest(data) != digest:
+            raise ImageError(f"{what}: blob {digest} does not match its digest (it hashes to {sha256_digest(data)})")
+        return data
+
+    def _unpack_and_record(self, manifest_digest: str, name: str | None, fetched_from: str,
+                           source_digest: str | None, progress: Progress, what: str) -> ImageRecord:
+        manifest = parse_manifest(parse_json(self._read_blob(manifest_digest, what), f"{what}: manifest"), what)
+        config = parse_config(parse_json(self._read_blob(manifest.config.digest, what), f"{what}: config"), what)
+        if len(config.diff_ids) != len(manifest.layers):
+            raise ImageError(f"{what}: the manifest has {len(manifest.layers)} layers but the config names "
+                             f"{len(config.diff_ids)}")
+        if config.platform and config.platform.architecture and config.platform.architecture != self.platform.architecture:
+            raise ImageError(f"{what}: the image is for {config.platform}, this machine is {self.platform}")
+        layers, size = [], 0
+        for i, (desc, diff_id) in enumerate(zip(manifest.layers, config.diff_ids)):
+            size += self._ensure_layer(desc, diff_id, progress, f"{what}: layer {i + 1}/{len(manifest.layers)}")
+            layers.append(LayerRef(desc.digest, diff_id, desc.media_type, desc.size))
+        with self._lock("lock", fcntl.LOCK_EX):
+            existing = self.find(manifest_digest)
+            names = list(existing.names) if existing else []
+            if name and name not in names:
+                names.append(name)
+                for other in self.records():  # a name belongs to one image: the newest
+                    if other.id != manifest_digest and name in other.names:
+                        write_record(self.root / "images", _renamed(other, tuple(n for n in other.names if n != name)))
+            record = ImageRecord(id=manifest_digest, names=tuple(names), source=fetched_from,
+                                 source_digest=source_digest or (existing.source_digest if existing else None),
+                                 config_digest=manifest.config.digest, config=config, layers=tuple(layers),
+                                 size=size, created=existing.created if existing else time.time())
+            write_record(self.root / "images", record)
+        for layer in layers:  # unpacked: the compressed copy is not needed (one copy of each layer)
+            with contextlib.suppress(OSError):
+                self.blob(layer.digest).unlink()
+        log.info("image %s: %s (%d layers, %d bytes)", name or manifest_digest, manifest_digest, len(layers), size)
+        return record
+
+    def _ensure_layer(self, desc: Descriptor, diff_id: str, progress: Progress, what: str) -> int:
+        folder, stats = self.layer_dir(diff_id), self.root / "layers" / f"{hex_of(diff_id)}.json"
+        if not folder.is_dir():
+            blob = self.blob(desc.digest)
+            if not blob.is_file():
+                raise ImageError(f"{what}: blob {desc.digest} was not fetched")
+            progress.phase(f"unpacking {hex_of(diff_id)[:12]}", None)  # (advances in uncompressed bytes)
+            media_type = desc.media_type
+            if _declared_compression(media_type) != compression_of(blob):
+                # skopeo 1.9 copying a docker-archive with uncompressed layers labels them
+                # tar+gzip: let the unpacker read the bytes (both digests are still checked).
+                media_type = ""
+            try:
+                result = unpack_layer(blob, folder, media_type=media_type, digest=desc.digest, diff_id=diff_id,
+                                      progress=progress.advance)
+            except (ImageError, OSError) as exc:
+                if not folder.is_dir():  # else: a concurrent fetch unpacked the same layer first
+                    raise ImageError(f"{what}: {exc}") from None
+            else:
+                stats.write_text(json.dumps({"bytes": result.bytes, "entries": result.entries,
+                                             "devices_skipped": result.devices_skipped}))
+            progress.done()
+        try:
+            return int(json.loads(stats.read_text())["bytes"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    # -- removing -------------------------------------------------------------------------
+
+    def remove(self, name: str) -> ImageRecord:
+        """Remove an image (not while an episode uses it), then the layers nothing else uses."""
+        record = self.find(name)
+        if record is None:
+            raise ImageError(f"image {name!r} is not in the store {self.root}")
+        with self._lock("gc.lock", fcntl.LOCK_EX):
+            drop_record(self, record)
+            collect_garbage(self)
+        return record
+
+    def prune(self, unused_for: float | None = None) -> tuple[list[ImageRecord], int]:
+        """Remove images not used for ``unused_for`` seconds (None: none), then every layer,
+        blob and temporary folder no image needs. Returns the removed images and bytes freed."""
+        removed = []
+        with self._lock("gc.lock", fcntl.LOCK_EX):
+            if unused_for is not None:
+                for record in self.records():
+                    if time.time() - self.last_used(record) > unused_for:
+                        with contextlib.suppress(ImageError):
+                            drop_record(self, record)
+                            removed.append(record)
+            freed = collect_garbage(self)
+        return removed, freed
+
+def select_manifest(index: dict, what: str) -> str:
+    entries = index.get("manifests")
+    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
+        raise ImageError(f"{what}: the fetched layout does not hold exactly one image")
+    digest = entries[0].get("digest")
+    if not isinstance(digest, str):
+        raise ImageError(f"{what}: the fetched layout's index has no digest")
+    return digest
+
+
+def _renamed(record: ImageRecord, names: tuple[str, ...]) -> ImageRecord:
+    from dataclasses import replace
+    return replace(record, names=names)
+
+
+def _is_reference(text: str) -> bool:
+    try:
+        parse_reference(text)
+        return True
+    except ImageError:
+        return False
+
+
+def _progress_lines(progress: Progress):
+    def on_line(line: str) -> None:
+        if line.startswith("Copying blob"):
+            progress.note(line)
+    return on_line
+
+
+def _declared_compression(media_type: str) -> str:
+    if media_type.endswith(("+gzip", ".tar.gzip")) or "gzip" in media_type:
+        return "gzip"
+    if "zstd" in media_type:
+        return "zstd"
+    return ""
