@@ -183,14 +183,19 @@ cat /opt/seqtool/tool.txt
 @pytest.fixture(scope="module")
 def host_mounts():
     """tmpfs at /var/lib/<name> with a nested tmpfs inside, a bind at /var/cache/<name>-bind,
-    a tmpfs at /opt/<name>; each holds a secret.txt. Unmounted and removed afterwards."""
+    a tmpfs at /opt/<name>, and one below a folder only root may enter
+    (/var/lib/<name>-private/inner, as podman's storage mount below its 0700
+    /var/lib/containers); each holds a secret.txt. Unmounted and removed afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting on the host needs root (CI runs as root)")
     name = f"seqtest-{secrets.token_hex(4)}"
     bind_source = Path(tempfile.mkdtemp(prefix="seqtest-bind-", dir="/var/tmp"))
-    points = [Path(f"/var/lib/{name}"), Path(f"/var/lib/{name}/nested"), Path(f"/var/cache/{name}-bind"), Path(f"/opt/{name}")]
+    private = Path(f"/var/lib/{name}-private")
+    points = [Path(f"/var/lib/{name}"), Path(f"/var/lib/{name}/nested"), Path(f"/var/cache/{name}-bind"), Path(f"/opt/{name}"),
+              private / "inner"]
     mounted: list[Path] = []
     try:
+        private.mkdir(mode=0o700)
         for p in points:
             p.mkdir(parents=True, exist_ok=True)
             if p.name.endswith("-bind"):
@@ -209,6 +214,8 @@ def host_mounts():
             if p.exists() and not os.path.ismount(p):
                 shutil.rmtree(p, ignore_errors=True)
         shutil.rmtree(bind_source, ignore_errors=True)
+        if private.exists() and not os.path.ismount(private / "inner"):
+            shutil.rmtree(private, ignore_errors=True)
         for stray in (Path(f"/var/lib/dpkg/{name}-probe"), Path(f"/var/lib/{name}-new")):
             assert not stray.exists(), f"{stray} reached the host"
 

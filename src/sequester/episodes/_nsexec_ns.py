@@ -19,9 +19,50 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_REC, MS_PRIVATE, MNT_DETACH = 0x4000, 1 << 18, 2
 NS_GET_PARENT = 0xB702
 PR_SET_PDEATHSIG = 1
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs's flags -> mount(2)'s: a remount must repeat the flags a mount was locked with.
+_KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
+               (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
+# Attack: a root caller's agent (and every program its tests run) is host uid 0, and
+# procfs lets host uid 0 write the kernel's global settings whatever its capabilities
+# (kernel.core_pattern = "|/path" runs a program as host root at the next crash;
+# sysrq-trigger reboots the host). These are bound read-only over themselves, as Docker does.
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+# Attack: bwrap binds the host's own device nodes into /dev; host uid 0 could chmod, chown
+# or touch the host's /dev/null itself. On a read-only mount those are refused, while the
+# devices still read and write.
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
 
+
+
+def remount_readonly(path: str) -> None:
+    """``path`` (a mount point) read-only, its other flags kept."""
+    flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+    current = os.statvfs(path).f_flag
+    for st_flag, ms_flag in _KEPT_FLAGS:
+        if current & st_flag:
+            flags |= ms_flag
+    check(libc.mount(None, path.encode(), None, flags, None), f"remount {path} read-only")
+
+
+def harden_proc(proc: str = "/proc") -> None:
+    """The parts of a fresh procfs that reach beyond its namespaces, read-only."""
+    for name in PROC_READONLY:
+        path = f"{proc}/{name}"
+        if os.path.lexists(path):
+            check(libc.mount(path.encode(), path.encode(), None, MS_BIND | MS_REC, None), f"bind {path}")
+            remount_readonly(path)
+
+
+def harden_dev(dev: str = "/dev") -> None:
+    """The host's device nodes of the view's /dev, read-only mounts (see DEV_NODES)."""
+    for name in DEV_NODES:
+        path = f"{dev}/{name}"
+        if os.path.lexists(path) and os.path.ismount(path):
+            remount_readonly(path)
 
 
 def check(result: int, what: str) -> None:

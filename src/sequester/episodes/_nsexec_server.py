@@ -40,8 +40,9 @@ from typing import Any
 
 from sequester.episodes._nsexec_files import extract, op_files
 from sequester.episodes._nsexec_root import build_root
-from sequester.episodes._nsexec_ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_PRIVATE, MS_REC, PR_SET_PDEATHSIG,
-                                           check, die_with_parent, enter, libc, read_all, report, restrict)
+from sequester.episodes._nsexec_ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_PRIVATE, MS_REC,
+                                           PR_SET_PDEATHSIG, check, die_with_parent, enter, harden_dev, harden_proc,
+                                           libc, read_all, report, restrict)
 
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
@@ -155,6 +156,7 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
         for point in sorted(req.get("proc_submounts", []), key=len, reverse=True):
             libc.umount2(point.encode(), MNT_DETACH)
         check(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")
+        harden_proc("/proc")  # the tests' programs are host root too, for a root caller
         script = os.fork()
         if script == 0:
             try:
@@ -185,6 +187,18 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                 break
             if pid == script:
                 status = st
+                break
+        # Attack: a program the tests started in the background rewriting the reward after
+        # the script is done. The script's end is the verdict: everything else of the
+        # verifier's namespace dies before a file is read (we are its init).
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:  # nothing else is left
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
                 break
         report(result, {"exit_code": os.waitstatus_to_exitcode(status) if status is not None else None,
                         "files": _verdict_files(), "notes": notes})
@@ -229,7 +243,16 @@ def _verdict_files() -> dict[str, str]:
     return out
 
 
-_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify}
+def op_harden(req: dict[str, Any], fds: list[int]) -> None:
+    """In the episode's mount namespace (as its owner, the parent user namespace): the
+    view's /proc and /dev hardened before any agent process starts (see _nsexec_ns)."""
+    enter(req["target"], user="parent", pid=False, cgroup=None)
+    harden_proc("/proc")
+    harden_dev("/dev")
+    report(fds[0], {"ok": True})
+
+
+_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden}
 
 
 def serve(sock: socket.socket) -> None:

@@ -59,6 +59,13 @@ _CHOOSE = object()  # reset(): choose the image from the task and the image sour
 _stale_cleaned: set[Path] = set()
 
 
+def _pid_ns_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
 class EpisodeError(SequesterError):
     """An episode was used out of order (exec before reset, after close, ...)."""
 
@@ -166,6 +173,7 @@ class Episode:
         self._run.notes[:0] = list(choice.notes)
         self._state = _State.RUNNING
         try:
+            self._nsexec.harden(self._run.bwrap.pid)  # before any agent process exists
             if lease is not None and chosen != "/" and image_path_kind(lease.layers, chosen) == "none":
                 self._make_dir(chosen)
             self._run.notes += apply_limits(task, self._run, max_processes=self.settings.max_processes)
@@ -224,7 +232,7 @@ class Episode:
         finally:
             for fd in (slave, control_r, out_w):
                 close_fd(fd)
-        run.shell = Shell(pid, control_w, out_r, master)
+        run.shell = Shell(pid, control_w, out_r, master, pid_ns=_pid_ns_of(run.bwrap.pid))
         try:
             os.write(control_w, SHELL_SETUP.encode())
         except OSError:
@@ -247,12 +255,21 @@ class Episode:
                 return ExecResult("", "", None, True, 0.0, "the episode's agent time ([agent] timeout_sec) is over")
             limit = min(limit, left)
         if run.shell is None or not run.shell.alive:
-            self._start_shell()
+            try:
+                self._start_shell()
+            except SandboxError as exc:
+                # The agent's own doing (its processes fill its limit, say): the command
+                # does not run, and the trial goes on to its verdict.
+                return ExecResult("", "", None, False, 0.0, f"the agent's shell could not be restarted, so the "
+                                  f"command did not run: {exc}")
             run.notes.append("the agent's shell exited and was restarted (cwd and variables were reset)")
         assert run.shell is not None
         result = run.shell.run(command, limit, self.settings.output_bytes)
         if not run.shell.alive:
-            self._start_shell()
+            try:
+                self._start_shell()
+            except SandboxError as exc:  # tried again at the next exec
+                log.info("the agent's shell could not be restarted: %s", exc)
         return result
 
     def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:

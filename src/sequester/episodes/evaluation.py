@@ -139,6 +139,12 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
         raise BootstrapFailed(
             "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
             f"test script asks for; the script exited {exit_code})", **seen)
+    if "reward.json" in files and not v.tests_mention(task, b"reward.json"):
+        # Attack: a program the tests ran (the agent's) writing reward.json, which wins over
+        # the reward.txt the script writes. A task whose tests never name reward.json gets
+        # its verdict from reward.txt only.
+        files = {k: val for k, val in files.items() if k != "reward.json"}
+        notes = (*notes, "reward.json ignored: none of the task's tests write it (a program they ran did)")
     try:
         rewards = v.parse_rewards(files, reward_range)
     except v.VerifierError as exc:

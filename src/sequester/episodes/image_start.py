@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..errors import ImageError, SandboxError
 from ..images import ImageLease
-from ..images.stack import TopEntry, merge_tops, resolve_user
+from ..images.stack import TopEntry, image_path_kind, merge_tops, resolve_user
 from ..images.synth import DEFAULT_PATH
+from ..guard import seccomp
 from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.mounts import MountKind
 from ..tasks import Task
@@ -62,6 +63,8 @@ def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episod
         raise SandboxError("an episode on an image needs the verifier's runner (its init and last-resort shell "
                            "come from it), and it could not be built: see the log")
     tops, fresh = _tops_for_mounts(merge_tops(lease.layers))
+    if RUNNER_MOUNT.parts[1] not in fresh and image_path_kind(lease.layers, str(RUNNER_MOUNT)) != "none":
+        raise ImageError(f"image {record.short_id} has {RUNNER_MOUNT}, where the verifier's runner is mounted")
     if workdir != "/":
         fresh.add(workdir.strip("/").split("/")[0])
     uid, gid, home = resolve_user(lease.layers, record.config.user)
@@ -87,6 +90,7 @@ def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episod
         mounts=mounts, command=(f"{runner_bin}/bash", "--noprofile", "--norc", "-c", INIT_SCRIPT),
         env={"PATH": runner_bin}, cwd=Path("/"), identity=Identity.ROOT, caps=caps, uid=uid, gid=gid,
         hostname=task.name[:63] or "sequester", as_pid_1=True, readonly_root=False,
+        seccomp=seccomp.compile_filter("agent"),  # the init too: ptrace of PID 1 gains nothing
     )
     started, freezer = launch_init(spec)
     names = ", ".join(record.names[:2]) or record.short_id

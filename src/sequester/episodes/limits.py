@@ -21,7 +21,9 @@ is one line in the trial's notes.
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 from typing import TYPE_CHECKING
 
 from ..tasks import Task
@@ -32,12 +34,18 @@ if TYPE_CHECKING:
 
 __all__ = ["apply_limits"]
 
+log = logging.getLogger("sequester.episodes")
+
 
 def apply_limits(task: Task, run: RunningEpisode, *, max_processes: int = 4096) -> list[str]:
     """Set ``run.rlimits`` and ``run.limit_groups`` (every agent process's start uses
     both); return the notes for what could not be applied."""
     env = task.config.environment
     run.rlimits = {"RLIMIT_NPROC": max_processes}
+    try:  # the init's too (its children, and what a ptrace of it would start)
+        resource.prlimit(run.bwrap.pid, resource.RLIMIT_NPROC, (max_processes, max_processes))
+    except OSError as exc:
+        log.warning("the episode's init got no process limit: %s", exc)
     group, why = make_limit_groups(f"sequester-{os.getpid()}-{run.bwrap.pid}", memory_mb=env.memory_mb,
                                    cpus=env.cpus, pids=max_processes)
     applied: list[str] = []

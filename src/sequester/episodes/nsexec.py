@@ -181,6 +181,11 @@ class NsExec:
         report = self._finish(worker, timeout, "start a process in the episode")
         return int(report["pid"])
 
+    def harden(self, target: int, *, timeout: float = 30) -> None:
+        """Make the episode's /proc settings and the host's device nodes in its /dev read-only."""
+        worker = self.request({"op": "harden", "target": target}, [])
+        self._finish(worker, timeout, "harden the episode's /proc and /dev")
+
     def write_file(self, target: int, path: str, data: bytes, *, mode: int = 0o644, timeout: float = 60) -> None:
         self._with_input(target, {"action": "write", "path": path, "mode": mode, "mkdirs": True}, data, timeout)
 

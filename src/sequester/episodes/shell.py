@@ -59,12 +59,15 @@ class ExecResult:
 class Shell:
     """A running bash; :meth:`run` one command at a time (not thread-safe)."""
 
-    def __init__(self, pid: int, control: int, stdout: int, master: int):
+    def __init__(self, pid: int, control: int, stdout: int, master: int, pid_ns: str | None = None):
+        """``pid_ns``: the episode's PID namespace (``readlink /proc/INIT/ns/pid``): only
+        processes in it are ever signalled."""
         self.pid = pid
         self._control = control
         self._stdout = stdout
         self._master = master
         self.alive = True
+        self._pid_ns = pid_ns or _pid_ns(pid)
 
     @staticmethod
     def make_pty() -> tuple[int, int]:
@@ -140,16 +143,21 @@ class Shell:
 
     def _kill_foreground(self) -> None:
         """SIGKILL the terminal's foreground job; if that is the shell itself (a builtin
-        loop), the shell goes and is restarted by the episode."""
+        loop), the shell goes and is restarted by the episode.
+
+        Attack: the agent sets its terminal's foreground group to one that has died; a
+        ``killpg`` by that number from the host would hit whatever host group reuses it.
+        So each process is found in the episode's PID namespace, held by a pidfd (which
+        cannot come to mean another process), checked again, and signalled through it."""
         try:
             group = os.tcgetpgrp(self._master)
         except OSError:
             group = 0
-        target = group if group > 1 else self.pid
-        try:
-            os.killpg(target, signal.SIGKILL) if target != self.pid else os.kill(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if group > 1 and group != self.pid and signal_group_in(self._pid_ns, group, signal.SIGKILL):
+            return
+        # The shell itself, or a foreground group with no process of the episode (a
+        # dead one the agent named): the shell's whole session goes, the shell with it.
+        signal_group_in(self._pid_ns, self.pid, signal.SIGKILL, session=True)
 
     @staticmethod
     def _result(out: _Capture, err: _Capture, code: int | None, timed_out: bool, started: float, note: str,
@@ -240,3 +248,45 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def signal_group_in(pid_ns: str | None, group: int, sig: int, *, session: bool = False) -> int:
+    """Send ``sig`` to the processes of process group ``group`` (``session``: of the
+    session ``group``) that are in the PID namespace ``pid_ns``, each through a pidfd.
+    Returns how many were signalled; none when the namespace is unknown."""
+    if pid_ns is None:
+        return 0
+    index = 3 if session else 2  # /proc/PID/stat after the command: state ppid pgrp session
+    candidates = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > index and fields[index] == str(group).encode():
+            candidates.append(int(entry))
+    sent = 0
+    for pid in candidates:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            if _pid_ns(pid) == pid_ns:  # checked after the pidfd holds the process
+                signal.pidfd_send_signal(fd, sig)
+                sent += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return sent

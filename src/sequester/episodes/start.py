@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import SandboxError, SequesterError
 from ..policy import Policy
+from ..guard import seccomp
 from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
 from ..sandbox.host import HostFacts, gather_host_facts
@@ -145,6 +146,7 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
         mounts=mounts, command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT), env={"PATH": AGENT_PATH},
         cwd=Path("/"), identity=Identity.ROOT, caps=CONTAINER_CAPS, hostname=task.name[:63] or "sequester",
         as_pid_1=True, readonly_root=False,
+        seccomp=seccomp.compile_filter("agent"),  # the init too: ptrace of PID 1 gains nothing
     )
     started, freezer = launch_init(spec, overlaid)
     timeout = task.config.agent.timeout_sec

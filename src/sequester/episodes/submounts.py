@@ -214,9 +214,19 @@ def gather_submounts(tops: Iterable[Path], mountinfo: list[tuple[str, str, str]]
                 continue
             attrs[rel] = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
             listings[rel] = tuple(e for e in (_entry(folder, n) for n in names) if e is not None)
-        point_is_dir = {p: (top / p).is_dir() and not (top / p).is_symlink() for p in points}
+        point_is_dir = {p: _is_plain_dir(top / p) for p in points}
         out[top] = Submounts(top, points, listings, attrs, frozenset(unlisted), point_is_dir)
     return out
+
+
+def _is_plain_dir(path: Path) -> bool:
+    """A mount point's kind; one this caller may not even look at (below root's 0700
+    ``/var/lib/containers``, for an ordinary user) is taken for a folder, what mount points
+    nearly always are: it becomes an empty placeholder either way."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return True
 
 
 def staged_names(sub: Submounts, dirs: EpisodeDirs) -> dict[str, frozenset[str]]:

@@ -27,7 +27,7 @@ from ..verifier.tree import PINNED
 
 __all__ = [
     "VerifierError", "VerifierCouldNotRun", "VerifierTimeout", "RewardFileMissing", "RewardInvalid",
-    "VerifierResult", "tests_archive", "verifier_argv", "verifier_env", "parse_rewards", "primary_reward",
+    "VerifierResult", "tests_archive", "tests_mention", "verifier_argv", "verifier_env", "parse_rewards", "primary_reward",
 ]
 
 RUNNER_FD = 3  # in the test script: the pipe on which the runner reports that pytest started
@@ -105,6 +105,35 @@ def tests_archive(task: Task) -> bytes:
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+_MENTION_FILES, _MENTION_BYTES = 2000, 64 << 20
+
+
+def tests_mention(task: Task, word: bytes) -> bool:
+    """Whether any file of the task's pristine tests contains ``word`` (bounded: the first
+    2000 files, 64 MiB; links are not followed). Unreadable tests count as mentioning it."""
+    try:
+        root = task.tests_dir.resolve(strict=True)
+    except OSError:
+        return True
+    seen = read = 0
+    for current, dirs, files in os.walk(root):
+        for name in files:
+            path = Path(current, name)
+            seen += 1
+            if seen > _MENTION_FILES or read > _MENTION_BYTES:
+                return True
+            if path.is_symlink() or not path.is_file():
+                continue
+            try:
+                data = path.read_bytes()[:_MENTION_BYTES]
+            except OSError:
+                return True
+            read += len(data)
+            if word in data:
+                return True
+    return False
 
 
 def _configures_pytest(path: Path) -> bool:

@@ -21,7 +21,7 @@ from ..errors import ImageError
 __all__ = ["TopEntry", "merge_tops", "read_image_file", "image_path_kind", "resolve_user", "OPAQUE_XATTR"]
 
 OPAQUE_XATTR = "user.overlay.opaque"
-_TOP_LIMIT = 4096  # top-level entries per layer
+_TOP_LIMIT = 1024  # top-level entries per layer (bwrap takes at most 9000 arguments: ~4 per entry)
 _FILE_LIMIT = 1 << 20
 
 

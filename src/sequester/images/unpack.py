@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zstandard
+try:
+    import zstandard
+
+    _ZstdError: type[Exception] = zstandard.ZstdError
+except ImportError:  # only zstd layers need it: a Python without it still runs host-mode episodes
+    zstandard = None
+
+    class _ZstdError(Exception):  # type: ignore[no-redef]
+        pass
 
 from ..episodes.remove import remove_tree
 from ..errors import ImageError
@@ -130,7 +138,7 @@ class _Layer:
         n = CHUNK if n is None or n < 0 else n
         try:
             data = self.decoder.read(n)
-        except (EOFError, OSError, zlib.error, zstandard.ZstdError) as exc:  # BadGzipFile is an OSError
+        except (EOFError, OSError, zlib.error, _ZstdError) as exc:  # BadGzipFile is an OSError
             raise _Abort(f"truncated or malformed: {exc}") from exc
         self.total += len(data)
         if self.total > self.max_bytes:
@@ -325,6 +333,8 @@ def _decoder(media_type: str, blob: _Blob) -> Any:
     if compression == "gzip":
         return gzip.GzipFile(fileobj=blob, mode="rb")  # multi-member; CRC and length checked
     if compression == "zstd":
+        if zstandard is None:
+            raise ImageError("a zstd-compressed layer needs the zstandard package (pip install zstandard)")
         blob.frames = ZstdFrames()
         blob.frames.feed(blob.head)
         # The default window limit (128 MiB) bounds the decoder's memory whatever a frame asks.
@@ -389,7 +399,7 @@ def _unpack(blob: Path, tmp: Path, label: str, media_type: str, digest: str | No
             raise ImageError(f"{label}: {exc}") from None
         except ImageError as exc:
             raise ImageError(f"{label}: {exc}") from None
-        except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError, RecursionError) as exc:
+        except (tarfile.TarError, EOFError, zlib.error, _ZstdError, RecursionError) as exc:
             raise ImageError(f"{label}: truncated or malformed: {exc}") from None
         finally:
             tree.close()

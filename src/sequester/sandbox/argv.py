@@ -71,6 +71,9 @@ class SandboxSpec:
     # ROOT: who the agent is in its namespace (an image's ``User``): the caller maps to it.
     uid: int = 0
     gid: int = 0
+    # A seccomp filter (BPF) bwrap loads just before it runs the command: an episode's
+    # init gets the agent's, so a process the agent takes over by ptrace gains nothing.
+    seccomp: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class LaunchFds:
     data: Mapping[Path, int] = field(default_factory=dict)
     info: int | None = None
     userns_block: int | None = None
+    seccomp: int | None = None
 
 
 def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
@@ -154,5 +158,9 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
                 argv += ["--remount-ro", str(op.dest)]
         if spec.readonly_root:
             argv += ["--remount-ro", "/"]
+    if spec.seccomp is not None:
+        if fds.seccomp is None:
+            raise ValueError("a seccomp filter needs its file descriptor")
+        argv += ["--seccomp", str(fds.seccomp)]
     argv += ["--chdir", str(spec.cwd), "--", *spec.command]
     return argv

@@ -107,8 +107,10 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
         temporary.callback(lambda: [close_fd(fd) for fd in info_w_open])
         needs_map = spec.identity is Identity.NOBODY
         block_r, block_w = (temp(fd) for fd in os.pipe())
-        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if needs_map else None)
-        pass_fds = [*keep_fds, *data_fds.values(), info_w, *([block_r] if needs_map else [])]
+        seccomp_fd = temp(_data_fd(spec.seccomp)) if spec.seccomp is not None else None
+        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if needs_map else None, seccomp=seccomp_fd)
+        pass_fds = [*keep_fds, *data_fds.values(), info_w, *([block_r] if needs_map else []),
+                    *([seccomp_fd] if seccomp_fd is not None else [])]
         popen = subprocess.Popen(
             build_argv(bwrap_path(), spec, fds), env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL,
             stdout=stdout, stderr=stderr, start_new_session=True,
@@ -136,9 +138,9 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
     return StartedBwrap(popen, pid, pidfd)
 
 
-def _data_fd(text: str) -> int:
+def _data_fd(text: str | bytes) -> int:
     fd = os.memfd_create("sequester-data", 0)
-    os.write(fd, text.encode())
+    os.write(fd, text.encode() if isinstance(text, str) else text)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
