@@ -38,7 +38,7 @@ from hashlib import sha256
 from pathlib import Path
 
 import pytest
-from registry import run, skip_unless_tools, skopeo, which
+from registry import run, skip_unless_tools, which
 
 SHARED_CACHE = Path(os.environ.get("SEQUESTER_TEST_CACHE", "/srv/sequester-test-cache")) / "images"
 
@@ -332,68 +332,6 @@ def layered_with_whiteouts(layout: Path, tag: str, *, base: Path | None = None) 
     return f"oci:{layout}:{tag}"
 
 
-def _platform_index(layout: Path, tag: str, arches: Sequence[str], base: Path | None) -> str:
-    manifests = []
-    for arch in arches:
-        part = f"{tag}--{arch}"
-        _files_image(layout, part, {PLATFORM_FILE: f"{arch}\n".encode()}, base, arch=arch,
-                     cmd=["/bin/sh"] if base else None)
-        entry = {k: v for k, v in descriptor(layout, part).items() if k != "annotations"}
-        manifests.append({**entry, "platform": {"architecture": arch, "os": "linux"}})
-    digest, size = _write_blob(layout, json.dumps({"schemaVersion": 2, "mediaType": INDEX_TYPE,
-                                                   "manifests": manifests}).encode())
-    index = _index(layout)
-    parts = {f"{tag}--{arch}" for arch in arches} | {tag}
-    index["manifests"] = [entry for entry in index["manifests"]
-                          if entry.get("annotations", {}).get(REF_NAME) not in parts]
-    index["manifests"].append({"mediaType": INDEX_TYPE, "digest": digest, "size": size,
-                               "annotations": {REF_NAME: tag}})
-    (layout / "index.json").write_text(json.dumps(index))
-    return f"oci:{layout}:{tag}"
-
-
-def multi_platform_index(layout: Path, tag: str, *, base: Path | None = None) -> str:
-    """``layout:tag`` is an OCI index of two images, for :func:`host_arch` and
-    :func:`other_arch`; each has /platform holding its architecture in a layer of its own
-    (over ``base``, if given, in both: a wrong choice then still runs, and says so).
-    ``oci:LAYOUT:TAG``."""
-    return _platform_index(layout, tag, [host_arch(), other_arch()], base)
-
-
-def other_platform_only(layout: Path, tag: str, *, base: Path | None = None) -> str:
-    """An index whose only image is for :func:`other_arch`: nothing for this machine."""
-    return _platform_index(layout, tag, [other_arch()], base)
-
-
-def layer_members(layout: Path, tag: str, index: int) -> list[str]:
-    """The member names of layer ``index`` of ``layout:tag``, read with tarfile."""
-    digest = manifest(layout, tag)["layers"][index]["digest"]
-    with tarfile.open(fileobj=io.BytesIO(read_blob(layout, digest))) as tar:
-        return tar.getnames()
-
-
-def zstd_copy(src: str, dst: Path, tag: str = "latest") -> str:
-    """``src`` copied to the OCI layout ``dst`` with zstd-compressed layers; ``oci:DST:TAG``."""
-    skip_unless_tools("skopeo")
-    skopeo("copy", "--dest-compress-format=zstd", src, f"oci:{dst}:{tag}")
-    return f"oci:{dst}:{tag}"
-
-
-def oci_archive(layout_ref: str, path: Path, tag: str | None = None) -> str:
-    """``layout_ref`` as a single-file OCI layout tar; ``oci-archive:PATH[:TAG]``."""
-    skip_unless_tools("skopeo")
-    ref = f"oci-archive:{path}" + (f":{tag}" if tag else "")
-    skopeo("copy", layout_ref, ref)
-    return ref
-
-
-def docker_archive(layout_ref: str, path: Path, ref: str) -> str:
-    """``layout_ref`` as a ``docker save`` tar naming it ``ref``; ``docker-archive:PATH``."""
-    skip_unless_tools("skopeo")
-    skopeo("copy", layout_ref, f"docker-archive:{path}:{ref}")
-    return f"docker-archive:{path}"
-
-
 def _cached_layout(name: str, key: str, rootfs: Callable[[], Path], tag: str, why: str | None,
                    extra: Callable[[Path], None] | None = None, **config) -> str:
     def build(layout: Path) -> None:
@@ -432,3 +370,11 @@ def trixie_image() -> str:
     why = None if is_root() else "packing the trixie rootfs needs root (it holds files only root reads)"
     return _cached_layout("trixie-layout", TRIXIE_LAYOUT_RECIPE + "\n" + trixie_stamp(), trixie_rootfs,
                           "trixie", why, cmd=["/bin/bash"])
+
+
+# Indexes, archives and re-compressed copies (tests/helpers/image_variants.py), importable
+# from here as before.
+from image_variants import (docker_archive, layer_members, multi_platform_index, oci_archive,  # noqa: E402
+                            other_platform_only, zstd_copy)
+
+REEXPORTED = (docker_archive, layer_members, multi_platform_index, oci_archive, other_platform_only, zstd_copy)
