@@ -80,12 +80,13 @@ def die_with_parent(parent: int | None) -> None:
         os._exit(1)
 
 
-def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None) -> None:
+def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, harden: bool = False) -> None:
     """Join ``target``'s namespaces. First the parent of the agent's user namespace (the
     one bwrap made, which owns the episode's other namespaces): there we hold every
     capability, as root or as the user who made it, which joining the others needs. Then
     the mount, network, IPC and UTS namespaces (and PID, for children); last, for
-    ``user="agent"``, the agent's own user namespace."""
+    ``user="agent"``, the agent's own user namespace. ``harden``: in the mount namespace,
+    while we still hold those capabilities, make its /proc and /dev safe first."""
     for procs in [cgroup] if isinstance(cgroup, str) else (cgroup or ()):  # the freezer's, the limits'
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
@@ -103,7 +104,13 @@ def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None) 
         if user == "agent":
             order.append(("user", CLONE_NEWUSER))
         for name, flag in order:
+            if name == "user" and harden:
+                harden_proc("/proc")
+                harden_dev("/dev")
             check(libc.setns(fds[name], flag), f"setns({name})")
+        if harden and user != "agent":
+            harden_proc("/proc")
+            harden_dev("/dev")
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -41,7 +41,7 @@ from typing import Any
 from sequester.episodes._nsexec_files import extract, op_files
 from sequester.episodes._nsexec_root import build_root
 from sequester.episodes._nsexec_ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_PRIVATE, MS_REC,
-                                           PR_SET_PDEATHSIG, check, die_with_parent, enter, harden_dev, harden_proc,
+                                           PR_SET_PDEATHSIG, check, die_with_parent, enter, harden_proc,
                                            libc, read_all, report, restrict)
 
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
@@ -54,7 +54,7 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> None:
     result, stdin, stdout, stderr = fds[:4]
     extra = fds[4:]
     host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # host pids, after setns too
-    enter(req["target"], user="agent", pid=True, cgroup=req.get("cgroup"))
+    enter(req["target"], user="agent", pid=True, cgroup=req.get("cgroup"), harden=bool(req.get("harden")))
     # Fork twice: the process we start must be orphaned *inside* the episode's PID
     # namespace, so that the episode's init adopts and reaps it (an orphan of a process
     # outside it would go to the host's init, and the namespace would die slowly).
@@ -246,9 +246,7 @@ def _verdict_files() -> dict[str, str]:
 def op_harden(req: dict[str, Any], fds: list[int]) -> None:
     """In the episode's mount namespace (as its owner, the parent user namespace): the
     view's /proc and /dev hardened before any agent process starts (see _nsexec_ns)."""
-    enter(req["target"], user="parent", pid=False, cgroup=None)
-    harden_proc("/proc")
-    harden_dev("/dev")
+    enter(req["target"], user="parent", pid=False, cgroup=None, harden=True)
     report(fds[0], {"ok": True})
 
 

@@ -40,7 +40,7 @@ from ..tasks import Task, load_task
 from . import verifier as v
 from .cgroup_limits import remove_stale_groups
 from .image_start import image_workdir, start_on_image
-from .limits import apply_limits
+from .limits import finish_limits, make_episode_limits
 from .evaluation import judge, run_tests, runner_works, zero_result
 from .layers import report_episode
 from .nsexec import NsExec, shared_nsexec
@@ -158,12 +158,15 @@ class Episode:
                 remove_stale_groups()
                 _stale_cleaned.add(self.settings.state_dir)
             dirs = EpisodeDirs.create(self.settings.state_dir)
+            limits, why = make_episode_limits(task, max_processes=self.settings.max_processes)
             try:
                 if lease is not None:
-                    self._run = start_on_image(task, chosen, dirs, self.settings, lease)
+                    self._run = start_on_image(task, chosen, dirs, self.settings, lease, limits)
                 else:
-                    self._run = start_episode(task, chosen, dirs, self.settings, self.extra_hidden)
+                    self._run = start_episode(task, chosen, dirs, self.settings, self.extra_hidden, limits)
             except BaseException:
+                if limits is not None:
+                    limits.remove()
                 dirs.remove()
                 raise
         except BaseException:
@@ -173,15 +176,20 @@ class Episode:
         self._run.notes[:0] = list(choice.notes)
         self._state = _State.RUNNING
         try:
-            self._nsexec.harden(self._run.bwrap.pid)  # before any agent process exists
+            self._run.notes += finish_limits(task, self._run, limits, why, max_processes=self.settings.max_processes)
+            if not shell:  # else the shell's start does it: before any agent process exists
+                self._nsexec.harden(self._run.bwrap.pid)
             if lease is not None and chosen != "/" and image_path_kind(lease.layers, chosen) == "none":
                 self._make_dir(chosen)
-            self._run.notes += apply_limits(task, self._run, max_processes=self.settings.max_processes)
         except BaseException:
             self._stop()
             raise
         if shell:
-            self._start_shell()
+            try:
+                self._start_shell(harden=True)
+            except BaseException:  # an episode whose /proc and /dev were not made safe is not used
+                self._stop()
+                raise
         return self
 
     def _make_dir(self, path: str) -> None:
@@ -207,7 +215,7 @@ class Episode:
         return {"mode": "image", "image": record.names[0] if record.names else None, "digest": record.digest,
                 "id": record.id, "source": record.source}
 
-    def _start_shell(self) -> None:
+    def _start_shell(self, *, harden: bool = False) -> None:
         run = self._running()
         if run.shell is not None:
             run.shell.close()
@@ -223,7 +231,7 @@ class Episode:
                 run.bwrap.pid, list(run.shell_argv), env=run.env, cwd=run.workdir,
                 stdin=slave, stdout=out_w, stderr=slave, extra=[control_r], ctty=True, caps=run.agent_caps,
                 seccomp_bpf=seccomp.compile_filter("agent"), seccomp_nr=seccomp.syscall_number("seccomp"),
-                cgroup=run.agent_cgroups, rlimits=run.rlimits,
+                cgroup=run.agent_cgroups, rlimits=run.rlimits, harden=harden,
             )
         except BaseException:
             for fd in (master, control_w, out_r):

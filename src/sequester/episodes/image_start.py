@@ -20,6 +20,7 @@ from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.mounts import MountKind
 from ..tasks import Task
 from ..verifier.layout import RUNNER_MOUNT
+from .cgroup_limits import LimitGroups
 from .image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
 from .layers import view_points
 from .settings import EpisodeSettings
@@ -56,7 +57,7 @@ def _tops_for_mounts(tops: list[TopEntry]) -> tuple[list[TopEntry], set[str]]:
 
 
 def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: EpisodeSettings,
-                   lease: ImageLease) -> RunningEpisode:
+                   lease: ImageLease, limits: LimitGroups | None = None) -> RunningEpisode:
     record = lease.record
     runner = runner_tree(settings.toolchain_dir)
     if runner is None:
@@ -92,7 +93,7 @@ def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episod
         hostname=task.name[:63] or "sequester", as_pid_1=True, readonly_root=False,
         seccomp=seccomp.compile_filter("agent"),  # the init too: ptrace of PID 1 gains nothing
     )
-    started, freezer = launch_init(spec)
+    started, freezer = launch_init(spec, limits=limits)
     names = ", ".join(record.names[:2]) or record.short_id
     notes = [f"image {names} ({record.digest}): the agent's view is the image's layers plus a writable layer"]
     if record.config.user:

@@ -21,23 +21,36 @@ is one line in the trial's notes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import resource
 from typing import TYPE_CHECKING
 
 from ..tasks import Task
-from .cgroup_limits import make_limit_groups
+from .cgroup_limits import LimitGroups, make_limit_groups
 
 if TYPE_CHECKING:
     from .start import RunningEpisode
 
-__all__ = ["apply_limits"]
+__all__ = ["make_episode_limits", "finish_limits"]
+
+_serial = itertools.count()
 
 log = logging.getLogger("sequester.episodes")
 
 
-def apply_limits(task: Task, run: RunningEpisode, *, max_processes: int = 4096) -> list[str]:
+def make_episode_limits(task: Task, *, max_processes: int) -> tuple[LimitGroups | None, str | None]:
+    """The episode's cgroups, made before its init starts (which joins them at once, so
+    that the one slow step, the first attach, overlaps bwrap's own set-up); ``(None, why
+    not)`` where none can be made."""
+    env = task.config.environment
+    return make_limit_groups(f"sequester-{os.getpid()}-{next(_serial)}", memory_mb=env.memory_mb, cpus=env.cpus,
+                             pids=max_processes)
+
+
+def finish_limits(task: Task, run: RunningEpisode, group: LimitGroups | None, why: str | None, *,
+                  max_processes: int) -> list[str]:
     """Set ``run.rlimits`` and ``run.limit_groups`` (every agent process's start uses
     both); return the notes for what could not be applied."""
     env = task.config.environment
@@ -46,18 +59,8 @@ def apply_limits(task: Task, run: RunningEpisode, *, max_processes: int = 4096) 
         resource.prlimit(run.bwrap.pid, resource.RLIMIT_NPROC, (max_processes, max_processes))
     except OSError as exc:
         log.warning("the episode's init got no process limit: %s", exc)
-    group, why = make_limit_groups(f"sequester-{os.getpid()}-{run.bwrap.pid}", memory_mb=env.memory_mb,
-                                   cpus=env.cpus, pids=max_processes)
-    applied: list[str] = []
-    if group is not None:
-        try:
-            group.enrol(run.bwrap.pid)
-        except OSError as exc:
-            group.remove(0)
-            group, why = None, f"the episode's init could not join its cgroups ({exc})"
-    if group is not None:
-        run.limit_groups = group
-        applied = group.applied
+    run.limit_groups = group
+    applied = group.applied if group is not None else []
     notes = []
     if "pids" not in applied and os.geteuid() == 0:
         notes.append(f"process limit of {max_processes} not applied: {why} (RLIMIT_NPROC does not bind processes "

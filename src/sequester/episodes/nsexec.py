@@ -166,17 +166,19 @@ class NsExec:
     def spawn(self, target: int, argv: Sequence[str], *, env: dict[str, str], cwd: str, stdin: int, stdout: int,
               stderr: int, ctty: bool, caps: Sequence[str], seccomp_bpf: bytes, seccomp_nr: int,
               extra: Sequence[int] = (), cgroup: str | Sequence[str] | None = None,
-              rlimits: dict[str, int] | None = None,
+              rlimits: dict[str, int] | None = None, harden: bool = False,
               timeout: float = 30) -> int:
         """Start ``argv`` inside the episode of ``target``; returns its host pid.
 
         ``extra`` descriptors become 3, 4, ... in the new process; ``cgroup``: the
         ``cgroup.procs`` file(s) it joins first; ``rlimits``: resource
-        limits by name (``{"RLIMIT_NPROC": 4096}``), soft and hard, set before the exec."""
+        limits by name (``{"RLIMIT_NPROC": 4096}``), soft and hard, set before the exec;
+        ``harden``: first do what :meth:`harden` does (the episode's first process)."""
         worker = self.request({
             "op": "spawn", "target": target, "argv": list(argv), "env": env, "cwd": cwd, "ctty": ctty,
             "caps": list(caps), "seccomp": base64.b64encode(seccomp_bpf).decode(), "seccomp_nr": seccomp_nr,
             "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()), "rlimits": dict(rlimits or {}),
+            "harden": harden,
         }, [stdin, stdout, stderr, *extra])
         report = self._finish(worker, timeout, "start a process in the episode")
         return int(report["pid"])

@@ -101,7 +101,7 @@ def runner_tree(folder: Path) -> Path | None:
 
 
 def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: EpisodeSettings,
-                  extra_hidden: tuple[Path, ...]) -> RunningEpisode:
+                  extra_hidden: tuple[Path, ...], limits: LimitGroups | None = None) -> RunningEpisode:
     """Plan the view, stage the environment's files, start the init under bwrap."""
     facts = gather_host_facts()
     hidden_top, hidden_deep = hidden_for(task, facts, settings, extra_hidden)
@@ -148,7 +148,7 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
         as_pid_1=True, readonly_root=False,
         seccomp=seccomp.compile_filter("agent"),  # the init too: ptrace of PID 1 gains nothing
     )
-    started, freezer = launch_init(spec, overlaid)
+    started, freezer = launch_init(spec, overlaid, limits)
     timeout = task.config.agent.timeout_sec
     return RunningEpisode(task, workdir, dirs, started, freezer, env,
                     time.monotonic() + timeout if timeout else None, notes=notes,
@@ -156,10 +156,11 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
                     view_points=view_points(op.dest for op in mounts))
 
 
-def launch_init(spec: SandboxSpec, overlaid: list[Path] = ()) -> tuple[StartedBwrap, Freezer]:
+def launch_init(spec: SandboxSpec, overlaid: list[Path] = (),
+                limits: LimitGroups | None = None) -> tuple[StartedBwrap, Freezer]:
     """Start the episode's init under bwrap and wait until the view is up; its freezer.
     ``overlaid``: the host folders the view overlays (named when bwrap fails on a mount
-    below one of them)."""
+    below one of them); ``limits``: the cgroups the init joins (while bwrap builds the view)."""
     ready_r, ready_w = os.pipe()
     # The init (and so every agent process) must hold nothing of the host's: not its
     # stdout or stderr, which would let `echo ... > /proc/1/fd/1` forge the operator's
@@ -178,6 +179,11 @@ def launch_init(spec: SandboxSpec, overlaid: list[Path] = ()) -> tuple[StartedBw
         close_fd(ready_w)
         close_fd(err_w)
     try:
+        if limits is not None:
+            try:
+                limits.enrol(started.pid)
+            except OSError as exc:
+                raise SandboxError(f"the episode's init could not join its cgroups: {exc}") from None
         if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
             said = read_pending(err_r, limit=4096).decode(errors="replace").strip()
             below = describe_mounts_below(overlaid)  # issue #7: name what may have been in the way
