@@ -15,6 +15,20 @@ from sequester import check
 HELPERS = Path(__file__).parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 
+# The tests' own skopeo runs (tests/helpers/registry.py) look for credentials in
+# $XDG_RUNTIME_DIR/containers/auth.json, else /run/containers/UID/auth.json, and fail
+# when root's podman made /run/containers 0700 (a root run before an ordinary user's).
+# A private runtime folder for the session, removed at its end. (sequester itself always
+# hands skopeo a credentials file of its choosing: sequester.images.credentials.)
+if not os.environ.get("XDG_RUNTIME_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _runtime = tempfile.mkdtemp(prefix="seqtest-runtime-")
+    os.environ["XDG_RUNTIME_DIR"] = _runtime
+    atexit.register(shutil.rmtree, _runtime, True)
+
 
 @pytest.fixture
 def tagged_service() -> Iterator:

@@ -176,7 +176,7 @@ def test_authenticated_registry_takes_docker_config_credentials(tmp_path: Path, 
         home = tmp_path / "home"
         served.write_docker_config(home)
         # No credentials on the command line: only HOME/.docker/config.json has them.
-        env = {"PATH": os.environ["PATH"], "HOME": str(home)}
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"]}
         args = ["inspect", *served.tls_args(), served.ref("private:v1")]
         assert json.loads(skopeo(*args, env=env))["RepoTags"] == ["v1"]
         anonymous = subprocess.run(["skopeo", *args], capture_output=True, text=True,

@@ -240,3 +240,17 @@ def test_image_commands(registry: Registry, busybox: str, tmp_path: Path, capsys
     code, out, _ = _cli(capsys, "import", str(Path(busybox.split(":")[1])), "--tag", "local/bb:3", *conf)
     code, out, _ = _cli(capsys, "prune", "--unused-for", "0", *conf)
     assert code == 0 and "local/bb:3" in out and os.listdir(root / "layers") == []
+
+
+def test_skopeo_never_reads_credentials_from_places_of_its_own(registry: Registry, busybox: str, tmp_path: Path,
+                                                              no_credentials: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left to itself, skopeo also reads $XDG_RUNTIME_DIR/containers/auth.json (or
+    /run/containers/UID/auth.json) and fails when that cannot be read (root's podman makes
+    /run/containers 0700). The store always hands it a file of its own choosing."""
+    registry.push(busybox, "own/bb:v1")
+    runtime = tmp_path / "runtime"
+    (runtime / "containers" / "auth.json").mkdir(parents=True)  # unreadable as a file, as root too
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    store = make_store(tmp_path, insecure=[registry.host])
+    assert store.pull(f"{registry.host}/own/bb:v1").layers

@@ -106,6 +106,8 @@ def run(argv: Sequence[str], *, timeout: float = 300, env: dict[str, str] | None
 def skopeo(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> str:
     """Run skopeo. ``--insecure-policy``: the tests check transport, not signatures, and
     it spares needing /etc/containers/policy.json (or a per-user one) to exist."""
+    if env is not None and "XDG_RUNTIME_DIR" in os.environ:  # (see tests/conftest.py)
+        env = {"XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"], **env}
     return run(["skopeo", "--insecure-policy", *args], timeout=timeout, env=env)
 
 

@@ -8,9 +8,12 @@ Where they come from, first match wins per registry:
    (Docker's format: ``auths``, ``credHelpers``, ``credsStore``; skopeo reads it).
 
 skopeo gets one file with ``--authfile``: the user's, or a private copy (mode 0600, in a
-folder only we can enter, removed afterwards) with the environment's entry added. Passing
-``--src-creds user:password`` instead would show the password to every local user in
-``/proc/PID/cmdline``.
+folder only we can enter, removed afterwards) with the environment's entry added, or an
+empty private one when there are no credentials. Always a file of our choosing: left to
+itself, skopeo also reads ``$XDG_RUNTIME_DIR/containers/auth.json`` or, without that
+variable, ``/run/containers/UID/auth.json``, and fails outright when root's podman made
+``/run/containers`` 0700. Passing ``--src-creds user:password`` instead would show the
+password to every local user in ``/proc/PID/cmdline``.
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ def user_authfile(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 @contextlib.contextmanager
-def authfile_for(registry: str, env: Mapping[str, str] | None = None) -> Iterator[Path | None]:
-    """The file to pass as ``--authfile`` for ``registry`` (``None``: anonymous)."""
+def authfile_for(registry: str, env: Mapping[str, str] | None = None) -> Iterator[Path]:
+    """The file to pass as ``--authfile`` for ``registry`` (an empty one: anonymous)."""
     env = os.environ if env is None else env
     user, password = env.get("SEQUESTER_REGISTRY_USERNAME"), env.get("SEQUESTER_REGISTRY_PASSWORD")
     host = env.get("SEQUESTER_REGISTRY_HOST")
     existing = user_authfile(env)
-    if not (user and password) or (host and host != registry):
+    wanted = bool(user and password) and not (host and host != registry)
+    if existing is not None and not wanted:
         yield existing
         return
     data: dict = {}
@@ -66,7 +70,8 @@ def authfile_for(registry: str, env: Mapping[str, str] | None = None) -> Iterato
     auths = data.setdefault("auths", {})
     if not isinstance(auths, dict):
         raise ImageError(f"registry credentials: 'auths' in {existing} is not an object")
-    auths[registry] = {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}
+    if wanted:
+        auths[registry] = {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}
     private = tempfile.mkdtemp(prefix="sequester-auth-")  # mode 0700
     try:
         path = Path(private) / "auth.json"
