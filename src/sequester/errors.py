@@ -13,7 +13,7 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── ImageError               an image cannot be had, unpacked or used; names the reference and why
     ├── KernelError              misuse of a kernel or a kernel that cannot go on
     │   └── KernelClosedError    the kernel was closed (or its lifetime ran out)
-    ├── EpisodeError             an episode used out of order (sequester.episodes.episode)
+    ├── EpisodeError             an episode used out of order, or given a bad working directory
     └── VerifierError            no verdict (sequester.episodes.verifier); "tests ran and
         ├── VerifierCouldNotRun      failed" is a reward of 0, never one of these
         ├── VerifierTimeout
@@ -32,6 +32,7 @@ __all__ = [
     "KernelClosedError",
     "TaskError",
     "ImageError",
+    "EpisodeError",
 ]
 
 
@@ -79,3 +80,8 @@ class ImageError(SequesterError, ValueError):
     unreachable registry, digest mismatch, malformed or hostile layer, no manifest for
     this platform). The message names the reference or layer and the reason; nothing
     half-made is ever left in the store."""
+
+
+class EpisodeError(SequesterError):
+    """An episode was used out of order (exec before reset, after close, ...), or given a
+    working directory that is not an absolute path."""

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import SandboxError, SequesterError
+from ..errors import EpisodeError, SandboxError
 from ..guard import seccomp
 from ..images import ImageRecord, ImageStore
 from ..images.choose import Choice, choose_image
@@ -38,17 +38,14 @@ from ..sandbox.bwrap import close_fd
 from ..sandbox.probe import namespace_support
 from ..tasks import Task, load_task
 from . import verifier as v
-from .cgroup_limits import remove_stale_groups
-from .image_start import image_workdir, start_on_image
-from .limits import finish_limits, make_episode_limits
 from .evaluation import judge, run_tests, runner_works, zero_result
 from .layers import report_episode
 from .nsexec import NsExec, shared_nsexec
 from .separate import evaluate_separately
 from .settings import EpisodeSettings, frozen_evaluation_note
 from .shell import SHELL_SETUP, ExecResult, Shell
-from .start import RunningEpisode, start_episode
-from .state import EpisodeDirs, remove_stale
+from .start import RunningEpisode
+from .system import start_system
 
 __all__ = ["Episode", "EpisodeError", "ExecResult"]
 
@@ -56,7 +53,6 @@ log = logging.getLogger("sequester.episodes")
 
 _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
-_stale_cleaned: set[Path] = set()
 
 
 def _pid_ns_of(pid: int) -> str | None:
@@ -64,10 +60,6 @@ def _pid_ns_of(pid: int) -> str | None:
         return os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return None
-
-
-class EpisodeError(SequesterError):
-    """An episode was used out of order (exec before reset, after close, ...)."""
 
 
 class _State(enum.Enum):
@@ -139,47 +131,18 @@ class Episode:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
-        store = ImageStore(self.settings.images)
         if image is _CHOOSE:
-            choice = choose_image(task, image_source or self.settings.images.source, store)
+            choice = choose_image(task, image_source or self.settings.images.source, ImageStore(self.settings.images))
         else:
             choice = Choice(image, "image" if image is not None else "host")  # type: ignore[arg-type]
-        lease = store.lease(choice.record) if choice.record is not None else None
-        try:
-            if lease is not None:
-                chosen = image_workdir(task, lease, workdir)
-            else:
-                chosen = workdir or task.config.environment.workdir or task.default_workdir or str(task.path)
-            if not chosen.startswith("/"):
-                raise EpisodeError(f"workdir {chosen!r} is not an absolute path")
-            self._nsexec = self._nsexec or shared_nsexec()
-            if self.settings.state_dir not in _stale_cleaned:
-                remove_stale(self.settings.state_dir)
-                remove_stale_groups()
-                _stale_cleaned.add(self.settings.state_dir)
-            dirs = EpisodeDirs.create(self.settings.state_dir)
-            limits, why = make_episode_limits(task, max_processes=self.settings.max_processes)
-            try:
-                if lease is not None:
-                    self._run = start_on_image(task, chosen, dirs, self.settings, lease, limits)
-                else:
-                    self._run = start_episode(task, chosen, dirs, self.settings, self.extra_hidden, limits)
-            except BaseException:
-                if limits is not None:
-                    limits.remove()
-                dirs.remove()
-                raise
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        self._run.notes[:0] = list(choice.notes)
+        self._nsexec = self._nsexec or shared_nsexec()
+        self._run = start_system(task, choice, self.settings, self.extra_hidden, workdir)
+        run, chosen = self._run, self._run.workdir
         self._state = _State.RUNNING
         try:
-            self._run.notes += finish_limits(task, self._run, limits, why, max_processes=self.settings.max_processes)
             if not shell:  # else the shell's start does it: before any agent process exists
-                self._nsexec.harden(self._run.bwrap.pid)
-            if lease is not None and chosen != "/" and image_path_kind(lease.layers, chosen) == "none":
+                self._nsexec.harden(run.bwrap.pid)
+            if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
                 self._make_dir(chosen)
         except BaseException:
             self._stop()
