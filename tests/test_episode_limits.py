@@ -89,3 +89,17 @@ def test_what_cannot_be_applied_is_in_the_notes(tmp_path):
         if os.geteuid() != 0:
             ep.reset(_task(tmp_path / "u", "memory_mb = 64\n"))
             assert any("memory limit of 64 MB" in n and "not applied" in n for n in ep.notes), ep.notes
+
+
+@root_only
+def test_programs_the_tests_run_cannot_pass_the_process_limit(tmp_path):
+    """The tests run the agent's program, as host root for a root caller: the verifier's
+    own pids cgroup bounds it (here a program that tries 150 processes, limit 60)."""
+    program = SPAWN.format(n=150).split("'", 1)[1].rsplit("'", 1)[0]
+    test_sh = 'python3 /tests/spawn.py > /logs/verifier/started.txt; echo 1 > /logs/verifier/reward.txt\n'
+    task = make_task(tmp_path, "t", test_sh, toml="[environment]\ncpus = 1\n", files={"tests/spawn.py": program})
+    with Episode(EpisodeSettings(max_processes=60)) as ep:
+        ep.reset(task)
+        result = ep.evaluate()
+    started = int(result.files["started.txt"].decode().split()[-1])
+    assert 10 < started < 60, started

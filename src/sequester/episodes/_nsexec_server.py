@@ -114,7 +114,7 @@ def _exec_agent_process(req: dict[str, Any], result: int, stdin: int, stdout: in
 
 def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     result, tests, output, runner_pipe = fds[:4]
-    enter(req["target"], user="parent", pid=False, cgroup=None)
+    enter(req["target"], user="parent", pid=False, cgroup=req.get("cgroup"))  # its own pids cgroup
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
@@ -172,6 +172,8 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                     os.chdir(req["cwd"])
                 except OSError:
                     os.chdir("/")
+                for name, value in (req.get("rlimits") or {}).items():
+                    resource.setrlimit(getattr(resource, name), (value, value))
                 restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
                 os.execvpe(req["argv"][0], req["argv"], req["env"])
             except BaseException as exc:  # noqa: BLE001

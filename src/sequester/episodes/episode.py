@@ -323,7 +323,7 @@ class Episode:
                 notes += more
             else:
                 ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner,
-                               output_limit=self.settings.output_bytes)
+                               output_limit=self.settings.output_bytes, max_processes=self.settings.max_processes)
         finally:
             if wanted:
                 run.freezer.thaw()

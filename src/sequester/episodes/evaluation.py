@@ -32,6 +32,7 @@ trials, so nothing an agent does may turn its failing trial into one.
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ from ..sandbox.bwrap import close_fd
 from ..tasks import Task
 from ..verifier import layout
 from . import verifier as v
+from .cgroup_limits import make_limit_groups
 from .nsexec import HeadTail, NsExec, write_and_close
 
 __all__ = ["Evaluation", "BootstrapFailed", "run_tests", "judge", "zero_result", "runner_works"]
@@ -69,11 +71,33 @@ class Evaluation:
     duration: float
 
 
+_serial = itertools.count()
+
+
 def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner: Path | None,
-              output_limit: int) -> Evaluation:
+              output_limit: int, max_processes: int = 4096) -> Evaluation:
+    """Run the task's pristine tests in the verifier's own namespace (see the module).
+
+    Attack: the tests run the agent's programs, as host root for a root caller, whom
+    RLIMIT_NPROC does not bind: the verifier's processes get a pids cgroup of their own
+    (not the agent's: what the agent left cannot starve the tests) and, as an rlimit
+    (which binds an ordinary user's, counted with all of that user's processes, the
+    agent's included), twice the agent's limit."""
     started = time.monotonic()
     if runner is None:
         return Evaluation({"error": "the verifier's runner could not be built (see the log)"}, b"", (), 0.0)
+    group, _ = make_limit_groups(f"sequester-{os.getpid()}-v{next(_serial)}", memory_mb=None, cpus=None,
+                                 pids=max_processes)
+    try:
+        return _run_tests(nsexec, task, init_pid=init_pid, workdir=workdir, runner=runner, output_limit=output_limit,
+                          max_processes=max_processes, cgroups=group.procs if group else [], started=started)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner: Path, output_limit: int,
+               max_processes: int, cgroups: list[str], started: float) -> Evaluation:
     st = os.stat(runner)
     tests = v.tests_archive(task)
     tests_r, tests_w = os.pipe()
@@ -89,7 +113,7 @@ def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner
             "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": _proc_submounts(init_pid),
             "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "bin": str(layout.BIN),
                        "dev": st.st_dev, "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text()},
-            "runner_fd": v.RUNNER_FD,
+            "runner_fd": v.RUNNER_FD, "cgroup": cgroups, "rlimits": {"RLIMIT_NPROC": 2 * max_processes},
         }, [tests_r, out_w, said_w])
     except BaseException:
         for fd in (tests_w, out_r, said_r):

@@ -50,7 +50,7 @@ def evaluate_separately(episode: Episode, agent_init: int, *,
             except SequesterError as exc:  # the agent's content could not be copied: its loss
                 notes.append(f"the artifacts were not copied: {exc}")
         ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh._running().runner,
-                       output_limit=episode.settings.output_bytes)
+                       output_limit=episode.settings.output_bytes, max_processes=episode.settings.max_processes)
     finally:
         # Its processes die now; removing its layers (slow on overlayfs: ~1 ms a folder)
         # need not hold up the verdict. A process that exits first leaves them to the
