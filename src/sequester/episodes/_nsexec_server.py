@@ -217,13 +217,46 @@ def _verdict_files() -> dict[str, str]:
     """Regular files directly in /logs/verifier (no symlinks), base64, each and all
     together size-capped; the reward files first, then the others in name order among the
     first entries of the folder. The tests' programs may have removed or replaced the
-    folder, or filled it: then there are none or fewer (the agent's 0), never an error."""
+    folder, or filled it: then there are none or fewer (the agent's 0), never an error.
+
+    Attack: a program the tests ran replacing /logs/verifier with a link to a folder the
+    agent's live processes write (its /tmp): the folder is opened without following a link,
+    from /logs (the verifier's own mount point, which cannot be replaced), and every file
+    relative to it."""
     out: dict[str, str] = {}
     try:
-        with os.scandir("/logs/verifier") as entries:
-            names = sorted(e.name for _, e in zip(range(_FILES_SCANNED), entries))
+        logs = os.open("/logs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            folder = os.open("verifier", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=logs)
+        finally:
+            os.close(logs)
     except OSError:
         return out
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for _, e in zip(range(_FILES_SCANNED), entries))
+        first = [n for n in ("reward.json", "reward.txt") if n in names]
+        names = first + [n for n in names if n not in first]
+        total = 0
+        for name in names[:64]:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                data = os.read(fd, _FILE_LIMIT + 1)
+            finally:
+                os.close(fd)
+            if len(data) <= _FILE_LIMIT and total + len(data) <= _FILES_TOTAL:
+                out[name] = base64.b64encode(data).decode()
+                total += len(data)
+    except OSError:
+        return out
+    finally:
+        os.close(folder)
+    return out
     first = [n for n in ("reward.json", "reward.txt") if n in names]
     names = first + [n for n in names if n not in first]
     total = 0
