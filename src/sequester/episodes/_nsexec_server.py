@@ -257,25 +257,6 @@ def _verdict_files() -> dict[str, str]:
     finally:
         os.close(folder)
     return out
-    first = [n for n in ("reward.json", "reward.txt") if n in names]
-    names = first + [n for n in names if n not in first]
-    total = 0
-    for name in names[:64]:
-        path = f"/logs/verifier/{name}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
-            data = os.read(fd, _FILE_LIMIT + 1)
-        finally:
-            os.close(fd)
-        if len(data) <= _FILE_LIMIT and total + len(data) <= _FILES_TOTAL:
-            out[name] = base64.b64encode(data).decode()
-            total += len(data)
-    return out
 
 
 def op_harden(req: dict[str, Any], fds: list[int]) -> None:

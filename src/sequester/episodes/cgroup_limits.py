@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .freeze.cgroupfs import remove_stale_cgroups
+
 __all__ = ["LimitGroups", "make_limit_groups"]
 
 log = logging.getLogger("sequester.episodes")
@@ -125,24 +127,10 @@ def _write(group: LimitGroups, path: Path, value: object, label: str | None) -> 
         group.applied.append(label)
 
 
-def remove_stale_groups() -> list[Path]:
+def remove_stale_groups() -> None:
     """Remove the empty cgroups of episodes whose sequester process is gone (killed before
-    its teardown). Never raises: a group that still has processes stays."""
-    removed = []
+    its teardown), in each limit hierarchy. Never raises: a group that still has processes stays."""
     for controller in ("memory", "cpu", "pids"):
         mount, own = _mount_of(controller), _own(controller)
-        if mount is None or own is None:
-            continue
-        try:
-            entries = list((mount / own.lstrip("/")).glob("sequester-*-*"))
-        except OSError:
-            continue
-        for path in entries:
-            pid = path.name.split("-")[1]
-            if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-                try:
-                    path.rmdir()
-                    removed.append(path)
-                except OSError:
-                    pass
-    return removed
+        if mount is not None and own is not None:
+            remove_stale_cgroups(mount / own.lstrip("/"))

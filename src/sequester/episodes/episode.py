@@ -43,7 +43,7 @@ from .layers import report_episode
 from .nsexec import NsExec, shared_nsexec
 from .separate import evaluate_separately
 from .settings import EpisodeSettings, frozen_evaluation_note
-from .shell import SHELL_SETUP, ExecResult, Shell
+from .shell import SHELL_SETUP, ExecResult, Shell, pid_namespace
 from .start import RunningEpisode
 from .system import start_system
 
@@ -53,13 +53,6 @@ log = logging.getLogger("sequester.episodes")
 
 _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
-
-
-def _pid_ns_of(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
 
 
 class _State(enum.Enum):
@@ -203,7 +196,7 @@ class Episode:
         finally:
             for fd in (slave, control_r, out_w):
                 close_fd(fd)
-        run.shell = Shell(pid, control_w, out_r, master, pid_ns=_pid_ns_of(run.bwrap.pid))
+        run.shell = Shell(pid, control_w, out_r, master, pid_ns=pid_namespace(run.bwrap.pid))
         try:
             os.write(control_w, SHELL_SETUP.encode())
         except OSError:

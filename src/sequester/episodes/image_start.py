@@ -69,9 +69,8 @@ def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episod
     if workdir != "/":
         fresh.add(workdir.strip("/").split("/")[0])
     uid, gid, home = resolve_user(lease.layers, record.config.user)
-    sys_parents = tuple(p for p in reversed(_SYS_CPU.parents) if len(p.parts) > 2)
     mounts = plan_image_view(tops, dirs, toolchain=runner, new_tops=fresh,
-                             sys_cpu=_SYS_CPU if _SYS_CPU.is_dir() else None, sys_cpu_parents=sys_parents)
+                             sys_cpu=_SYS_CPU if _SYS_CPU.is_dir() else None)
     for op in mounts:
         if op.kind is MountKind.OVERLAY and overlay_option_bytes(op) > OVERLAY_OPTIONS_LIMIT:
             raise ImageError(f"image {record.short_id}: {op.dest} is made of {len(op.lowers)} layers, more than "

@@ -21,13 +21,13 @@ task's folder. The init is the only host program in it, and the runner is read-o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..images.stack import TopEntry
 from ..sandbox.mounts import MountKind, MountOp
 from .state import EpisodeDirs
-from .view import TOOLCHAIN_MOUNT, VERIFIER_POINTS
+from .view import TOOLCHAIN_MOUNT, VERIFIER_POINTS, sandbox_mounts
 
 __all__ = ["plan_image_view", "overlay_option_bytes", "OVERLAY_OPTIONS_LIMIT"]
 
@@ -44,8 +44,7 @@ def overlay_option_bytes(op: MountOp) -> int:
 
 
 def plan_image_view(tops: Iterable[TopEntry], dirs: EpisodeDirs, *, toolchain: Path,
-                    new_tops: Iterable[str] = (), sys_cpu: Path | None = None,
-                    sys_cpu_parents: Sequence[Path] = ()) -> tuple[MountOp, ...]:
+                    new_tops: Iterable[str] = (), sys_cpu: Path | None = None) -> tuple[MountOp, ...]:
     """``tops``: the merged image's top level (:func:`~..images.stack.merge_tops`);
     ``new_tops``: top-level folders the task needs (its working directory's)."""
     ops: list[tuple[int, int, MountOp]] = []
@@ -68,17 +67,7 @@ def plan_image_view(tops: Iterable[TopEntry], dirs: EpisodeDirs, *, toolchain: P
             add(MountOp(MountKind.READONLY, dest, source=top.lowers[0]), 0)
     for name in sorted(set(new_tops) - have - _REPLACED - _VERIFIER_NAMES):
         add(MountOp(MountKind.BIND, Path("/") / name, source=dirs.new(name)), 0)
-    for point in VERIFIER_POINTS:
-        add(MountOp(MountKind.HIDE_DIR, point, mode=0o555), 0)
-    add(MountOp(MountKind.PROC, Path("/proc")), 0)
-    add(MountOp(MountKind.DEV, Path("/dev")), 0)
-    add(MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1)
-    add(MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0)
-    add(MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0)
-    add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
-    if sys_cpu is not None:
-        for parent in sys_cpu_parents:
-            add(MountOp(MountKind.DIR, parent, mode=0o755), 1)
-        add(MountOp(MountKind.READONLY, sys_cpu, source=sys_cpu), 1)
+    for op, rank in sandbox_mounts(sys_cpu):
+        add(op, rank)
     add(MountOp(MountKind.READONLY, TOOLCHAIN_MOUNT, source=toolchain), 3)
     return tuple(op for _, _, op in sorted(ops, key=lambda t: (t[0], t[1], str(t[2].dest))))

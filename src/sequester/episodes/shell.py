@@ -67,7 +67,7 @@ class Shell:
         self._stdout = stdout
         self._master = master
         self.alive = True
-        self._pid_ns = pid_ns or _pid_ns(pid)
+        self._pid_ns = pid_ns or pid_namespace(pid)
 
     @staticmethod
     def make_pty() -> tuple[int, int]:
@@ -250,7 +250,8 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _pid_ns(pid: int) -> str | None:
+def pid_namespace(pid: int) -> str | None:
+    """``readlink /proc/PID/ns/pid`` (None when the process is gone)."""
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
@@ -282,7 +283,7 @@ def signal_group_in(pid_ns: str | None, group: int, sig: int, *, session: bool =
         except OSError:
             continue
         try:
-            if _pid_ns(pid) == pid_ns:  # checked after the pidfd holds the process
+            if pid_namespace(pid) == pid_ns:  # checked after the pidfd holds the process
                 signal.pidfd_send_signal(fd, sig)
                 sent += 1
         except OSError:

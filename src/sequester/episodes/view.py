@@ -34,12 +34,29 @@ from ..verifier.layout import RUNNER_MOUNT
 from .state import EpisodeDirs
 from .submounts import Composite, Submounts, plan_composite
 
-__all__ = ["plan_episode_view", "plan_episode_layout", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
+__all__ = ["plan_episode_view", "plan_episode_layout", "sandbox_mounts", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
 
 TOOLCHAIN_MOUNT = Path(str(RUNNER_MOUNT))  # the verifier's runner tree, read-only everywhere
 VERIFIER_POINTS = (Path("/tests"), Path("/logs"))
 _VERIFIER_NAMES = frozenset(p.name for p in VERIFIER_POINTS)
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
+
+
+def sandbox_mounts(sys_cpu: Path | None) -> list[tuple[MountOp, int]]:
+    """What every episode's view gets of the sandbox's own, whatever its system (the host's
+    or an image's), with its rank among mounts of one depth: ``/tests`` and ``/logs`` as
+    empty read-only points, a fresh ``/proc``, ``/dev``, ``/dev/shm``, ``/tmp``, ``/run``,
+    and of ``/sys`` only the CPU part (``sys_cpu``, read-only)."""
+    ops = [(MountOp(MountKind.HIDE_DIR, point, mode=0o555), 0) for point in VERIFIER_POINTS]
+    ops += [(MountOp(MountKind.PROC, Path("/proc")), 0), (MountOp(MountKind.DEV, Path("/dev")), 0),
+            (MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1),
+            (MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0),
+            (MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0), (MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)]
+    if sys_cpu is not None:
+        ops += [(MountOp(MountKind.DIR, parent, mode=0o755), 1)
+                for parent in reversed(sys_cpu.parents) if len(parent.parts) > 2]
+        ops.append((MountOp(MountKind.READONLY, sys_cpu, source=sys_cpu), 1))
+    return ops
 
 
 def plan_episode_view(
@@ -112,21 +129,10 @@ def plan_episode_layout(
             add(MountOp(MountKind.READONLY, e.path, source=e.path), 0)
     for name in sorted(fresh):
         add(MountOp(MountKind.BIND, Path("/") / name, source=dirs.new(name)), 0)
-    for point in VERIFIER_POINTS:
-        add(MountOp(MountKind.HIDE_DIR, point, mode=0o555), 0)
-    add(MountOp(MountKind.PROC, Path("/proc")), 0)
-    add(MountOp(MountKind.DEV, Path("/dev")), 0)
-    add(MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1)
-    add(MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0)
-    add(MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0)
+    for op, rank in sandbox_mounts(facts.sys_cpu):
+        add(op, rank)
     # The host's scratch space holds anything anyone left there (task copies included).
     add(MountOp(MountKind.TMPFS, Path("/var/tmp"), mode=0o1777), 2)
-    add(MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)
-    if facts.sys_cpu is not None:
-        for parent in reversed(facts.sys_cpu.parents):
-            if len(parent.parts) > 2:
-                add(MountOp(MountKind.DIR, parent, mode=0o755), 1)
-        add(MountOp(MountKind.READONLY, facts.sys_cpu, source=facts.sys_cpu), 1)
     for path, is_dir in hidden:
         if len(path.parts) <= 2 or path.parts[1] in fresh or path.parts[1] in _REPLACED:
             continue  # a fresh or replaced top-level folder holds nothing of the host anyway

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ImageError
 
-__all__ = ["Platform", "host_platform", "Descriptor", "ImageConfig", "Manifest", "parse_json",
+__all__ = ["DIGEST", "Platform", "host_platform", "Descriptor", "ImageConfig", "Manifest", "parse_json",
            "select_platform", "parse_manifest", "parse_config", "sha256_digest", "is_index", "INDEX_TYPES"]
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -26,7 +26,7 @@ DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 INDEX_TYPES = frozenset({OCI_INDEX, DOCKER_LIST})
 MANIFEST_TYPES = frozenset({OCI_MANIFEST, DOCKER_MANIFEST})
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")  # what a digest is, everywhere in the store
 _MACHINES = {"x86_64": ("amd64", ""), "amd64": ("amd64", ""), "aarch64": ("arm64", "v8"), "arm64": ("arm64", "v8"),
              "armv7l": ("arm", "v7"), "armv6l": ("arm", "v6"), "ppc64le": ("ppc64le", ""), "s390x": ("s390x", ""),
              "riscv64": ("riscv64", ""), "i686": ("386", ""), "i386": ("386", "")}
@@ -105,7 +105,7 @@ def _descriptor(item: Any, what: str) -> Descriptor:
     if not isinstance(item, dict):
         raise ImageError(f"{what}: a descriptor is not an object")
     digest, size = item.get("digest"), item.get("size")
-    if not isinstance(digest, str) or not _DIGEST.match(digest):
+    if not isinstance(digest, str) or not DIGEST.match(digest):
         raise ImageError(f"{what}: {digest!r} is not a sha256 digest")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ImageError(f"{what}: size {size!r} of {digest} is not a byte count")
@@ -160,7 +160,7 @@ def parse_config(doc: dict[str, Any], what: str) -> ImageConfig:
     rootfs = doc.get("rootfs") or {}
     diff_ids = _strings(rootfs.get("diff_ids") if isinstance(rootfs, dict) else None, what, "rootfs.diff_ids")
     for d in diff_ids:
-        if not _DIGEST.match(d):
+        if not DIGEST.match(d):
             raise ImageError(f"{what}: diff_id {d!r} is not a sha256 digest")
     for key in ("WorkingDir", "User"):
         if cfg.get(key) is not None and not isinstance(cfg.get(key), str):

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import ImageError
+from .manifest import DIGEST
 
 __all__ = ["Reference", "parse_reference", "DOCKER_HUB", "is_loopback_host"]
 
@@ -23,7 +24,6 @@ _HUB_ALIASES = frozenset({"docker.io", "index.docker.io", "registry-1.docker.io"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _PATH = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _TAG = re.compile(r"^[\w][\w.-]{0,127}$")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _HOST = re.compile(r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*"
                    r"|\[[0-9a-fA-F:]+\])(?::[0-9]{1,5})?$")
 
@@ -77,7 +77,7 @@ def parse_reference(text: str) -> Reference:
     digest = None
     if "@" in text:
         text, digest = text.split("@", 1)
-        if not _DIGEST.match(digest):
+        if not DIGEST.match(digest):
             raise ImageError(f"image reference {original!r}: {digest!r} is not a sha256 digest (sha256:<64 hex>)")
     first, _, rest = text.partition("/")
     if rest and ("." in first or ":" in first or first == "localhost" or first.startswith("[")):

@@ -27,7 +27,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 from ..errors import ImageError
 from . import skopeo as sk
 from .credentials import authfile_for
-from .manifest import (INDEX_TYPES, Descriptor, Platform, host_platform, is_index, parse_config, parse_json, parse_manifest,
+from .manifest import (DIGEST, INDEX_TYPES, Descriptor, Platform, host_platform, is_index, parse_config, parse_json, parse_manifest,
                        select_platform, sha256_digest)
 from .progress import NO_PROGRESS, Progress
 from .records import ImageRecord, LayerRef, hex_of, read_record, write_record
@@ -52,7 +51,6 @@ from .cleanup import collect_garbage, drop_record
 __all__ = ["ImageStore", "ImageLease"]
 
 log = logging.getLogger("sequester.images")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 @dataclass
@@ -245,7 +243,7 @@ class ImageStore:
             raise ImageError(f"{what}: not an OCI layout ({exc})") from None
         for entry in index.get("manifests") or ():
             digest = entry.get("digest") if isinstance(entry, dict) else None
-            if entry.get("mediaType") in INDEX_TYPES and isinstance(digest, str) and _DIGEST.match(digest):
+            if entry.get("mediaType") in INDEX_TYPES and isinstance(digest, str) and DIGEST.match(digest):
                 blob = path / "blobs" / "sha256" / hex_of(digest)
                 if blob.is_file():
                     select_platform(parse_json(blob.read_bytes(), what), self.platform, what)

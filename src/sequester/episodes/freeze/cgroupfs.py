@@ -133,7 +133,7 @@ def take_cgroup(base: Path) -> Path:
             if path.parent == base:
                 return _pool.pop(i)
         if _created[0] == 0:
-            _remove_stale(base)
+            remove_stale_cgroups(base)
         _created[0] += 1
         path = base / f"sequester-{os.getpid()}-{_created[0]}"
     path.mkdir()
@@ -158,8 +158,8 @@ def _release_pool() -> None:
 atexit.register(_release_pool)
 
 
-def _remove_stale(base: Path) -> None:
-    """Cgroups of sequester processes that died without cleaning up."""
+def remove_stale_cgroups(base: Path) -> None:
+    """Cgroups of sequester processes that died without cleaning up (empty ones; never raises)."""
     for path in base.glob("sequester-*-*"):
         pid = path.name.split("-")[1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
