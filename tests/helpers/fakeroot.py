@@ -459,38 +459,11 @@ def _ensure_cache(cache: Path, entry: pwd.struct_passwd, prefix: Path) -> None:
             return
 
 
-# Terminal-Bench 2's standard tests/test.sh, verbatim but for `-p 3.11` (the Python
-# these machines have; TB2 asks for 3.13): an unconditional apt-get/curl bootstrap of uv,
-# then `source $HOME/.local/bin/env`, then pinned pytest through uvx.
-TB2_TEST_SH = """#!/bin/bash
-
-# Install curl
-apt-get update
-apt-get install -y curl
-
-# Install uv
-curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
-
-source $HOME/.local/bin/env
-
-# Check if we're in a valid working directory
-if [ "$PWD" = "/" ]; then
-    echo "Error: No working directory set. Please set a WORKDIR in your Dockerfile before running this script."
-    exit 1
-fi
-
-uvx \\
-  -p 3.11 \\
-  -w pytest==8.4.1 \\
-  -w pytest-json-ctrf==0.3.5 \\
-  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
-
-if [ $? -eq 0 ]; then
-  echo 1 > /logs/verifier/reward.txt
-else
-  echo 0 > /logs/verifier/reward.txt
-fi
-"""
+# Terminal-Bench 2's standard tests/test.sh (the copy, verbatim, of the image example),
+# but for `-p 3.11` (the Python these machines have; TB2 asks for 3.13): an unconditional
+# apt-get/curl bootstrap of uv, then `source $HOME/.local/bin/env`, then pinned pytest through uvx.
+TB2_TEST_SH = (Path(__file__).resolve().parents[2] / "examples" / "image-tasks" / "python313-primes" / "tests"
+               / "test.sh").read_text().replace("  -p 3.13 \\\n", "  -p 3.11 \\\n")
 
 
 def make_tb2_task(env: AttackEnv, name: str = "tb2-pytest") -> Path:
