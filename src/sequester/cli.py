@@ -25,6 +25,7 @@ from rich.table import Table
 from . import __version__
 from .config import Config, load_config
 from .cli_images import add_image_commands
+from .cli_build import add_build_command
 from .errors import ImageError, PolicyError, SequesterError, TaskError
 from .images.settings import IMAGE_SOURCES
 from .policy import Policy
@@ -177,13 +178,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                 advance(result)
 
             job = run_job(args.tasks, args.agent, jobs_dir=args.output, job_name=job_name,
-                          concurrency=args.concurrency, settings=settings, progress=progress)
+                          concurrency=args.concurrency, settings=settings, progress=progress,
+                          build_progress=_build_lines)
     except KeyboardInterrupt:
         if job_dir.is_dir():
             _err.print(f"interrupted: what finished is in {escape(str(job_dir))}", highlight=False, soft_wrap=True)
         raise
     print_summary(Console(), job, finished, job_dir)
     return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
+
+
+def _build_lines(task: str, report, done: bool) -> None:
+    """A Dockerfile build before the trials: each step as docker build shows it."""
+    if not done:
+        _err.print(f"[bold]{escape(task)}[/] #{report.number} {escape(report.title())}", highlight=False,
+                   soft_wrap=True)
+    elif not report.cached:
+        _err.print(f"[bold]{escape(task)}[/] #{report.number} [green]DONE[/] {report.seconds:.1f}s", highlight=False)
 
 
 def _jobs_dir(output: str) -> Path:
@@ -251,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     add_image_commands(sub)
+    add_build_command(sub)
     return parser
 
 

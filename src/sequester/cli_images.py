@@ -178,7 +178,9 @@ def add_image_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", **config)
     p.set_defaults(func=cmd_rm)
 
-    p = isub.add_parser("prune", help="remove layers, blobs and temporary files no image needs")
-    p.add_argument("--unused-for", type=_days, metavar="DAYS", help="also remove images not used for DAYS days")
+    p = isub.add_parser("prune", help="remove the build cache, and the layers, blobs and temporary files no image "
+                                      "needs")
+    p.add_argument("--unused-for", type=_days, metavar="DAYS",
+                   help="only the build cache's steps not used for DAYS days, and also images not used for as long")
     p.add_argument("--config", **config)
     p.set_defaults(func=cmd_prune)

@@ -40,9 +40,10 @@ from typing import Any
 
 from sequester.episodes._nsexec_files import extract, op_files
 from sequester.episodes._nsexec_root import build_root
-from sequester.episodes._nsexec_ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_PRIVATE, MS_REC,
-                                           PR_SET_PDEATHSIG, check, die_with_parent, enter, harden_proc,
-                                           libc, read_all, report, restrict)
+from sequester.episodes._nsexec_ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_NODEV, MS_NOEXEC,
+                                           MS_NOSUID, MS_PRIVATE, MS_REC, PR_SET_PDEATHSIG, check,
+                                           die_with_parent, enter, harden_proc, libc, read_all,
+                                           remount_readonly, report, restrict)
 
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
@@ -126,6 +127,10 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
         os.makedirs(f"{run}/{folder}", 0o755)
     with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
         f.write(runner["home_env"])
+    if runner.get("wheels"):
+        _copy_wheels(fds[4], runner["wheels"])
+    for fd in fds[4:]:  # received without close-on-exec: nothing of the host's reaches the script
+        os.close(fd)
     os.mkdir("/logs/verifier", 0o777)
     os.chmod("/logs/verifier", 0o777)
     extract(read_all(tests), "/tests", "data")
@@ -147,6 +152,36 @@ def _check_runner(runner: dict[str, Any]) -> None:
     st, vfs = os.stat(path), os.statvfs(path)
     if (st.st_dev, st.st_ino) != (runner["dev"], runner["ino"]) or not vfs.f_flag & os.ST_RDONLY:
         raise OSError(errno.EPERM, f"the verifier's runner is not mounted read-only at {path}")
+
+
+def _copy_wheels(source: int, target: str) -> None:
+    """The task's pinned wheels (sequester.build.wheels): the host's folder ``source`` (a
+    descriptor opened on the host, so no path of the agent's view is involved) copied into
+    a tmpfs of its own at ``target``, then made read-only. Only regular ``*.whl`` files,
+    opened without following links; the copy happens before anything of the verifier runs,
+    and neither the agent nor the tests' programs can write it."""
+    names, total = [], 0
+    with os.scandir(source) as entries:
+        for entry in entries:
+            if entry.name.endswith(".whl") and not entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+                names.append(entry.name)
+                total += entry.stat(follow_symlinks=False).st_size
+    os.mkdir(target, 0o755)
+    size = total + (len(names) + 256) * 4096  # page rounding and folder entries
+    check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                     f"mode=0755,size={size}".encode()), f"mount {target}")
+    for name in names:
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=source)
+        try:
+            dst = os.open(os.path.join(target, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                while os.sendfile(dst, src, None, 1 << 24):
+                    pass
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    remount_readonly(target)
 
 
 def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int, notes: list[str]) -> None:

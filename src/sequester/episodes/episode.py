@@ -32,6 +32,7 @@ from pathlib import Path
 from ..errors import EpisodeError, SandboxError
 from ..guard import seccomp
 from ..images import ImageRecord, ImageStore
+from ..build.task_build import ensure_built
 from ..images.choose import Choice, choose_image
 from ..images.stack import image_path_kind
 from ..sandbox.bwrap import close_fd
@@ -125,7 +126,9 @@ class Episode:
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
         if image is _CHOOSE:
-            choice = choose_image(task, image_source or self.settings.images.source, ImageStore(self.settings.images))
+            store = ImageStore(self.settings.images)
+            choice = choose_image(task, image_source or self.settings.images.source, store,
+                                  build=lambda t: ensure_built(t, store, self.settings))
         else:
             choice = Choice(image, "image" if image is not None else "host")  # type: ignore[arg-type]
         self._nsexec = self._nsexec or shared_nsexec()

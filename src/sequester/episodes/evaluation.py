@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import SequesterError
 from ..guard import seccomp
 from ..sandbox.argv import CONTAINER_CAPS
 from ..sandbox.bwrap import close_fd
@@ -86,20 +87,30 @@ def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner
     started = time.monotonic()
     if runner is None:
         return Evaluation({"error": "the verifier's runner could not be built (see the log)"}, b"", (), 0.0)
+    from ..build.wheels import ensure_task_wheels  # (here: the build package imports the episodes')
+
+    try:  # a parse and a stat once fetched (the trial fetches before the agent runs)
+        wheels = ensure_task_wheels(task, runner.parent)  # the runner is toolchain_dir/tree-<stamp>
+    except SequesterError as exc:
+        return Evaluation({"error": f"the task's pinned test wheels could not be had: {exc}"}, b"", (), 0.0)
     group, _ = make_limit_groups(f"sequester-{os.getpid()}-v{next(_serial)}", memory_mb=None, cpus=None,
                                  pids=max_processes)
     try:
         return _run_tests(nsexec, task, init_pid=init_pid, workdir=workdir, runner=runner, output_limit=output_limit,
-                          max_processes=max_processes, cgroups=group.procs if group else [], started=started)
+                          max_processes=max_processes, cgroups=group.procs if group else [], started=started,
+                          wheels=wheels)
     finally:
         if group is not None:
             group.remove()
 
 
 def _run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner: Path, output_limit: int,
-               max_processes: int, cgroups: list[str], started: float) -> Evaluation:
+               max_processes: int, cgroups: list[str], started: float, wheels: Path | None) -> Evaluation:
     st = os.stat(runner)
     tests = v.tests_archive(task)
+    # The task's pinned wheels (sequester.build.wheels): the host's folder, by descriptor;
+    # the helper copies them into a read-only tmpfs of the verifier's own namespace.
+    wheels_fd = os.open(wheels, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if wheels is not None else None
     tests_r, tests_w = os.pipe()
     out_r, out_w = os.pipe()
     said_r, said_w = os.pipe()
@@ -107,21 +118,24 @@ def _run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runne
         os.set_inheritable(fd, False)
     try:
         worker = nsexec.request({
-            "op": "verify", "target": init_pid, "argv": v.verifier_argv(task), "env": v.verifier_env(task),
+            "op": "verify", "target": init_pid, "argv": v.verifier_argv(task),
+            "env": v.verifier_env(task, task_wheels=wheels_fd is not None),
             "cwd": workdir, "caps": list(CONTAINER_CAPS),
             "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
             "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": _proc_submounts(init_pid),
             "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "bin": str(layout.BIN),
-                       "dev": st.st_dev, "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text()},
+                       "dev": st.st_dev, "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text(),
+                       "wheels": str(layout.TASK_WHEELS) if wheels_fd is not None else None},
             "runner_fd": v.RUNNER_FD, "cgroup": cgroups, "rlimits": {"RLIMIT_NPROC": 2 * max_processes},
-        }, [tests_r, out_w, said_w])
+        }, [tests_r, out_w, said_w, *([wheels_fd] if wheels_fd is not None else [])])
     except BaseException:
         for fd in (tests_w, out_r, said_r):
             close_fd(fd)
         raise
     finally:
-        for fd in (tests_r, out_w, said_w):
-            close_fd(fd)
+        for fd in (tests_r, out_w, said_w, wheels_fd):
+            if fd is not None:
+                close_fd(fd)
     writer = threading.Thread(target=write_and_close, args=(tests_w, tests), daemon=True)
     writer.start()
     # Bounded while it streams: the agent's programs run inside the tests and can write

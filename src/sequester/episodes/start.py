@@ -208,10 +208,19 @@ def hidden_for(task: Task, facts: HostFacts, settings: EpisodeSettings,
     (``/home``, ``/srv``, ``/mnt``, ...) is not part of a task's environment. Below
     those, the caller's own hidden paths (its home and folders, for an ordinary user).
     """
+    from ..build.wheels import TASK_WHEELS_DIR  # (here: the build package imports the episodes')
+
     dirs, files = hidden_paths(Policy(), facts)
     top = {e.path for e in facts.entries
            if e.path.parent == Path("/") and not e.is_symlink and e.path.name not in SYSTEM_DIRS}
-    deep = [*dirs, *files, task.path.resolve(), settings.state_dir, *extra_hidden]
+    # The tasks' pinned test wheels are the verifier's only (root's toolchain folder is in
+    # /var, which the view shows): made now, so one fetched during the episode stays hidden.
+    wheels = settings.toolchain_dir / TASK_WHEELS_DIR
+    try:
+        wheels.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # not ours to make: then nothing is fetched there either
+    deep = [*dirs, *files, task.path.resolve(), settings.state_dir, wheels, *extra_hidden]
     if facts.is_root:
         deep += ROOT_SECRETS
     found: list[tuple[Path, bool]] = []

@@ -165,12 +165,14 @@ def verifier_argv(task: Task) -> list[str]:
     return [bash, "-c", script]
 
 
-def verifier_env(task: Task) -> dict[str, str]:
+def verifier_env(task: Task, *, task_wheels: bool = False) -> dict[str, str]:
     """The runner's environment (see :func:`sequester.verifier.environment.runner_env`):
     the image's own variables (Dockerfile ENV), the task's ``[verifier] env``, and the
-    runner's; nothing of the agent shell's."""
+    runner's; nothing of the agent shell's. ``task_wheels``: uv also finds the task's
+    pinned wheels (:data:`~sequester.verifier.layout.TASK_WHEELS`)."""
     image = task.dockerfile.env_map if task.dockerfile is not None else {}
-    return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD)
+    return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD,
+                      find_links=(str(layout.TASK_WHEELS),) if task_wheels else ())
 
 
 DEFAULT_REWARD_RANGE = (0.0, 1.0)

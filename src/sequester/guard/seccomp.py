@@ -30,6 +30,7 @@ remaining syscalls can reach.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -76,9 +77,17 @@ def compile_filter(profile: str = "kernel") -> bytes:
     """
     import pyseccomp as sc
 
-    if profile not in ("kernel", "agent"):
+    if profile not in ("kernel", "agent", "build"):
         raise ValueError(f"unknown seccomp profile {profile!r}")
     flt = sc.SyscallFilter(sc.ALLOW)
+    if profile == "build":
+        # A build's RUN is one uid in its user namespace (its files are the caller's on
+        # disk, whatever their owner in the image), so a chown to another uid would fail
+        # with EINVAL and fail the build (dpkg, useradd, "chown -R app /app"). As podman's
+        # ignore_chown_errors: the chown family succeeds and changes nothing.
+        for name in ("chown", "fchown", "lchown", "fchownat"):
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                flt.add_rule(sc.ERRNO(0), name)
     eperm = sc.ERRNO(errno.EPERM)
     kernel_names = tuple(n for n in PROCESS_SYSCALLS if n != "execve") + KERNEL_ONLY_DENIED
     names = DENIED_SYSCALLS + (kernel_names if profile == "kernel" else ())

@@ -4,18 +4,25 @@
 
 * ``prebuilt``: the task's ``[environment] docker_image``, from the store or pulled; an
   image that cannot be had is an :class:`ImageError` before any episode starts;
-* ``dockerfile``: the task's Dockerfile, built (not available yet: an :class:`ImageError`
-  saying so; until then ``auto`` goes on to host mode);
+* ``dockerfile``: the task's ``environment/Dockerfile``, built (:mod:`sequester.build`;
+  cached, so only the first episode of a task builds); a build that fails is a
+  :class:`~sequester.build.errors.BuildError`, which ends the trial as an environment error;
 * ``host``: the host's own system plus the Dockerfile's ``COPY`` lines (the mode of
   tasks with no image);
 * ``auto`` (default): ``prebuilt`` when the task names an image that can be had, else
-  host mode, with a note saying why. An image that could not be had is not tried again
-  by the same process (a job of many trials on one task asks the registry once).
+  its Dockerfile built when its base images can be had, else host mode, with a note
+  saying why. A build whose base image can be had but whose step fails is an error, not
+  host mode. An image that could not be had is not tried again by the same process (a
+  job of many trials on one task asks the registry once).
+
+Building is given as ``build`` (a function of the task), so that this module decides
+only *which* system, and :mod:`sequester.build` alone knows how to build one.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ImageError
@@ -25,7 +32,9 @@ from .records import ImageRecord
 from .settings import IMAGE_SOURCES
 from .store import ImageStore
 
-__all__ = ["Choice", "choose_image", "prefetch_images"]
+__all__ = ["Choice", "choose_image", "prefetch_images", "Builder"]
+
+Builder = Callable[[Task], ImageRecord]
 
 _failed: dict[tuple[str, str], str] = {}
 _failed_lock = threading.Lock()
@@ -39,42 +48,70 @@ class Choice:
     notes: tuple[str, ...] = ()
 
 
-def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progress = NO_PROGRESS) -> Choice:
+def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progress = NO_PROGRESS,
+                 build: Builder | None = None) -> Choice:
     if source not in IMAGE_SOURCES:
         raise ImageError(f"image source {source!r} is not one of {', '.join(IMAGE_SOURCES)}")
     if source == "host":
         return Choice(None, "host")
     image = task.config.environment.docker_image
+    dockerfile = task.environment_dir / "Dockerfile"
     if source == "dockerfile":
-        raise ImageError(f"task {task.name}: --image-source dockerfile: building a task's Dockerfile without a "
-                         "daemon is not available yet; use prebuilt (the task's docker_image) or host")
+        if not dockerfile.is_file():
+            raise ImageError(f"task {task.name}: --image-source dockerfile, but it has no environment/Dockerfile")
+        if build is None:
+            raise ImageError(f"task {task.name}: --image-source dockerfile needs a builder")
+        return Choice(build(task), "image", (f"built from the task's Dockerfile ({dockerfile})",))
     if source == "prebuilt":
         if not image:
             raise ImageError(f"task {task.name}: --image-source prebuilt, but its task.toml names no "
                              "[environment] docker_image")
         with _fetch_lock:
             return Choice(store.get(image, progress=progress), "image")
-    if not image:
-        return Choice(None, "host", ("the task names no image ([environment] docker_image): host mode",))
-    key = (str(store.root), image)
+    notes: list[str] = []
+    if image:
+        earlier = _remembered(store, image)
+        if earlier is None:
+            try:
+                with _fetch_lock:
+                    return Choice(store.get(image, progress=progress), "image")
+            except ImageError as exc:
+                earlier = _remember(store, image, str(exc))
+        notes.append(f"the task's image {image} could not be had ({earlier})")
+    else:
+        notes.append("the task names no image ([environment] docker_image)")
+    if dockerfile.is_file() and build is not None:
+        from ..build.errors import BuildError
+        key = f"dockerfile:{dockerfile}"
+        earlier = _remembered(store, key)
+        if earlier is None:
+            try:
+                return Choice(build(task), "image", (*notes, f"built from the task's Dockerfile ({dockerfile})"))
+            except BuildError:
+                raise  # its base could be had and a step failed: an environment error, not host mode
+            except ImageError as exc:  # a base image that cannot be had
+                earlier = _remember(store, key, str(exc))
+        notes.append(f"its Dockerfile could not be built ({earlier})")
+    return Choice(None, "host", (*notes[:-1], notes[-1] + ": host mode (the host's system plus the Dockerfile's "
+                                 "COPY lines)"))
+
+
+def _remembered(store: ImageStore, what: str) -> str | None:
     with _failed_lock:
-        earlier = _failed.get(key)
-    if earlier is None:
-        try:
-            with _fetch_lock:
-                return Choice(store.get(image, progress=progress), "image")
-        except ImageError as exc:
-            earlier = str(exc)
-            with _failed_lock:
-                _failed[key] = earlier
-    return Choice(None, "host", (f"the task's image {image} could not be had ({earlier}): host mode "
-                                 "(the host's system plus the Dockerfile's COPY lines)",))
+        return _failed.get((str(store.root), what))
+
+
+def _remember(store: ImageStore, what: str, message: str) -> str:
+    with _failed_lock:
+        _failed[(str(store.root), what)] = message
+    return message
 
 
 def prefetch_images(tasks: list[Task], source: str, store: ImageStore, *, progress: Progress = NO_PROGRESS) -> None:
-    """Have every image the ``tasks`` will run on before any of them starts: with
+    """Have every prebuilt image the ``tasks`` will run on before any of them starts: with
     ``prebuilt``, an image that cannot be had raises :class:`ImageError` here; with
-    ``auto``, it is remembered, and its trials run in host mode with the note."""
+    ``auto``, it is remembered, and its trials build or run in host mode with the note.
+    (Builds are not started here: see :func:`sequester.build.prebuild_images`.)"""
     if source not in ("prebuilt", "auto"):
         return
     seen: set[str] = set()

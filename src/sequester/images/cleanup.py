@@ -39,8 +39,9 @@ def drop_record(self: ImageStore, record: ImageRecord) -> None:
 
 def collect_garbage(self: ImageStore) -> int:
     """Remove what no record needs; the caller holds gc.lock exclusively."""
+    from ..build.cache import BuildCache
     records = self.records()
-    keep_layers = {hex_of(layer.diff_id) for r in records for layer in r.layers}
+    keep_layers = {hex_of(layer.diff_id) for r in records for layer in r.layers} | BuildCache(self.root).layers()
     keep_blobs = {hex_of(d) for r in records for d in (r.id, r.config_digest)}
     freed = 0
     for entry in (self.root / "layers").iterdir():

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ImageError
 
-__all__ = ["DIGEST", "Platform", "host_platform", "Descriptor", "ImageConfig", "Manifest", "parse_json",
+__all__ = ["DIGEST", "Platform", "host_platform", "Descriptor", "ImageConfig", "config_document", "Manifest", "parse_json",
            "select_platform", "parse_manifest", "parse_config", "sha256_digest", "is_index", "INDEX_TYPES"]
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -65,6 +65,13 @@ class ImageConfig:
     entrypoint: tuple[str, ...] = ()
     diff_ids: tuple[str, ...] = ()
     platform: Platform | None = None
+    # Recorded from a build (and read from a pulled image's config); nothing runs them.
+    labels: tuple[str, ...] = ()          # "key=value", in order
+    exposed_ports: tuple[str, ...] = ()   # "80/tcp"
+    volumes: tuple[str, ...] = ()
+    healthcheck: tuple[str, ...] = ()     # the Test list (["CMD-SHELL", "..."]), or ("NONE",)
+    stop_signal: str = ""
+    shell: tuple[str, ...] = ()
 
     def env_map(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -166,7 +173,42 @@ def parse_config(doc: dict[str, Any], what: str) -> ImageConfig:
         if cfg.get(key) is not None and not isinstance(cfg.get(key), str):
             raise ImageError(f"{what}: config.{key} is not a string")
     plat = Platform(str(doc.get("os", "")), str(doc.get("architecture", "")), str(doc.get("variant", "") or ""))
+    health = cfg.get("Healthcheck")
     return ImageConfig(env=_strings(cfg.get("Env"), what, "Env"), workdir=cfg.get("WorkingDir") or "",
                        user=cfg.get("User") or "", cmd=_strings(cfg.get("Cmd"), what, "Cmd"),
                        entrypoint=_strings(cfg.get("Entrypoint"), what, "Entrypoint"), diff_ids=diff_ids,
-                       platform=plat)
+                       platform=plat, labels=_pairs(cfg.get("Labels")), exposed_ports=_keys(cfg.get("ExposedPorts")),
+                       volumes=_keys(cfg.get("Volumes")),
+                       healthcheck=_strings(health.get("Test"), what, "Healthcheck.Test") if isinstance(health, dict) else (),
+                       stop_signal=cfg.get("StopSignal") if isinstance(cfg.get("StopSignal"), str) else "",
+                       shell=_strings(cfg.get("Shell"), what, "Shell"))
+
+
+def _pairs(value: Any) -> tuple[str, ...]:
+    """Labels as ``key=value`` (an image's config is data: anything odd is left out)."""
+    if not isinstance(value, dict):
+        return ()
+    return tuple(f"{k}={v}" for k, v in value.items() if isinstance(k, str) and isinstance(v, str))
+
+
+def _keys(value: Any) -> tuple[str, ...]:
+    return tuple(k for k in value if isinstance(k, str)) if isinstance(value, dict) else ()
+
+
+def config_document(config: ImageConfig) -> dict[str, Any]:
+    """``config`` as an OCI image config's ``config`` object (what a build writes)."""
+    doc: dict[str, Any] = {}
+    for key, value in (("Env", list(config.env)), ("WorkingDir", config.workdir), ("User", config.user),
+                       ("Cmd", list(config.cmd)), ("Entrypoint", list(config.entrypoint)),
+                       ("StopSignal", config.stop_signal), ("Shell", list(config.shell))):
+        if value:
+            doc[key] = value
+    if config.labels:
+        doc["Labels"] = dict(item.split("=", 1) for item in config.labels)
+    if config.exposed_ports:
+        doc["ExposedPorts"] = {port: {} for port in config.exposed_ports}
+    if config.volumes:
+        doc["Volumes"] = {volume: {} for volume in config.volumes}
+    if config.healthcheck:
+        doc["Healthcheck"] = {"Test": list(config.healthcheck)}
+    return doc

@@ -6,6 +6,8 @@
     mirrors = { "docker.io" = "127.0.0.1:5000" }   # registry host -> the host to fetch from instead
     aliases = { "python:3.13-slim-bookworm" = "/data/images/python-3.13.oci.tar" }  # reference -> reference or file
     insecure = ["127.0.0.1:5000"]    # registries spoken to over plain HTTP (loopback only)
+    build_network = "public"         # a build's RUN/ADD network: none | public | allowlist
+    build_allowed_hosts = ["pypi.org", "files.pythonhosted.org:443"]  # for allowlist
 
 Credentials are not part of it: they come from ``~/.docker/config.json`` (or
 ``$DOCKER_CONFIG/config.json``, or ``$REGISTRY_AUTH_FILE``) and from the environment
@@ -24,9 +26,10 @@ from typing import Any
 from ..errors import PolicyError
 from .reference import is_loopback_host
 
-__all__ = ["ImageSettings", "IMAGE_SOURCES", "images_from_mapping", "default_store_dir"]
+__all__ = ["ImageSettings", "IMAGE_SOURCES", "BUILD_NETWORKS", "images_from_mapping", "default_store_dir"]
 
 IMAGE_SOURCES = ("auto", "prebuilt", "dockerfile", "host")
+BUILD_NETWORKS = ("public", "none", "allowlist")
 
 
 def default_store_dir() -> Path:
@@ -45,10 +48,18 @@ class ImageSettings:
     mirrors: Mapping[str, str] = dataclasses.field(default_factory=dict)
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     insecure: tuple[str, ...] = ()
+    build_network: str = "public"
+    build_allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.source not in IMAGE_SOURCES:
             raise PolicyError(f"images.source: {self.source!r} is not one of {', '.join(IMAGE_SOURCES)}")
+        if self.build_network not in BUILD_NETWORKS:
+            raise PolicyError(f"images.build_network: {self.build_network!r} is not one of {', '.join(BUILD_NETWORKS)}")
+        hosts = self.build_allowed_hosts
+        if isinstance(hosts, str) or not all(isinstance(h, str) and h for h in hosts):
+            raise PolicyError(f"images.build_allowed_hosts: {hosts!r} is not a list of host names")
+        object.__setattr__(self, "build_allowed_hosts", tuple(hosts))
         for name in ("mirrors", "aliases"):
             table = getattr(self, name)
             if not isinstance(table, Mapping) or not all(
@@ -85,8 +96,9 @@ def images_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
         # A file on the right of an alias is taken relative to the config file.
         values["aliases"] = {k: (str(base_dir / v) if isinstance(v, str) and v.startswith((".", "/")) else v)
                              for k, v in aliases.items()}
-    if "insecure" in values and isinstance(values["insecure"], list):
-        values["insecure"] = tuple(values["insecure"])
+    for key in ("insecure", "build_allowed_hosts"):
+        if key in values and isinstance(values[key], list):
+            values[key] = tuple(values[key])
     try:
         return ImageSettings(**values)
     except PolicyError as exc:

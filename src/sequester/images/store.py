@@ -3,10 +3,12 @@
     STORE/
       blobs/sha256/<hex>     manifests, configs (and layer blobs while they are unpacked)
       layers/<diff-id hex>/  each layer unpacked once: an overlayfs lower folder
-      layers/<hex>.json      what unpacking it found (sizes, counts)
+                             (or a build step's layer, named by its cache key: sequester.build)
+      layers/<hex>.json      what unpacking (or the build step) found (sizes, counts)
+      build-cache/<key>      the layer a build step made (sequester.build.cache)
       images/<id hex>.json   one record per image (:mod:`.records`); <hex>.used: last use
       tmp/                   skopeo's layouts and temporary files, removed after each fetch
-      gc.lock, lock          fetches hold gc.lock shared, prune exclusive; lock: record writes
+      gc.lock, lock          fetches and builds hold gc.lock shared, prune exclusive; lock: record writes
 
 The store folder is 0700: an image's setuid programs and its files are nobody else's
 to run or read (a root caller's store would otherwise hand every local user the image's
@@ -329,10 +331,13 @@ class ImageStore:
         return record
 
     def prune(self, unused_for: float | None = None) -> tuple[list[ImageRecord], int]:
-        """Remove images not used for ``unused_for`` seconds (None: none), then every layer,
-        blob and temporary folder no image needs. Returns the removed images and bytes freed."""
+        """Remove images not used for ``unused_for`` seconds (None: none) and the build
+        cache's entries not used for as long (None: all of them), then every layer, blob
+        and temporary folder no image needs. Returns the removed images and bytes freed."""
+        from ..build.cache import BuildCache
         removed = []
         with self._lock("gc.lock", fcntl.LOCK_EX):
+            BuildCache(self.root).drop(unused_for)
             if unused_for is not None:
                 for record in self.records():
                     if time.time() - self.last_used(record) > unused_for:

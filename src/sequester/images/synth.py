@@ -23,7 +23,7 @@ from .sources import Source, SourceKind, compression_of, tar_rootfs
 if TYPE_CHECKING:
     from .store import ImageStore
 
-__all__ = ["rootfs_image", "DEFAULT_PATH"]
+__all__ = ["rootfs_image", "write_json_blob", "DEFAULT_PATH"]
 
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _MEDIA = {"": "application/vnd.oci.image.layer.v1.tar", "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
@@ -48,13 +48,13 @@ def rootfs_image(store: ImageStore, source: Source, tmp: Path, progress: Progres
               "config": {"Env": [DEFAULT_PATH]}, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
     if store.platform.variant:
         config["variant"] = store.platform.variant
-    config_digest, config_size = _write_json(store, config)
+    config_digest, config_size = write_json_blob(store, config)
     manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest,
                            "size": config_size},
                 "layers": [{"mediaType": _MEDIA[compression], "digest": digest, "size": size}]}
     progress.done()
-    return _write_json(store, manifest)[0]
+    return write_json_blob(store, manifest)[0]
 
 
 def _digests(path: Path, compression: str) -> tuple[str, str, int]:
@@ -93,7 +93,7 @@ def _copy_into(src: Path, dest: Path, *, move: bool) -> None:
     os.replace(tmp, dest)
 
 
-def _write_json(store: ImageStore, doc: dict) -> tuple[str, int]:
+def write_json_blob(store: ImageStore, doc: dict) -> tuple[str, int]:
     data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
     path = store.blob(digest)

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from datetime import datetime
 from pathlib import Path
 
+from ..build import StepReport, prebuild_images
 from ..agents import load_agent
 from ..episodes.settings import EpisodeSettings
 from ..images import ImageStore
@@ -39,7 +40,8 @@ def default_job_name() -> str:
 def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jobs_dir: str | os.PathLike[str],
             job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
             progress: Callable[[TrialResult], None] | None = None,
-            image_progress: Progress = NO_PROGRESS) -> JobResult:
+            image_progress: Progress = NO_PROGRESS,
+            build_progress: Callable[[str, StepReport, bool], None] | None = None) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
 
@@ -75,6 +77,9 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     except FileExistsError:
         raise PolicyError(f"job {job_name!r}: {paths.root} already exists; choose another job name") from None
 
+    # The tasks' Dockerfiles (--image-source dockerfile, or auto without a prebuilt image):
+    # built once each, logged in the job's folder; a failed build fails that task's trials.
+    prebuild_images(tasks, settings, ImageStore(settings.images), paths.builds_dir, on_step=build_progress)
     started_at = utc_now()
     job_id = str(uuid.uuid4())
     hide = [*(task.path for task in tasks), jobs_root]

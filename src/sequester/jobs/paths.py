@@ -5,6 +5,8 @@
     <jobs_dir>/<job_name>/
       config.json                     Harbor's JobConfig + settings (written at start)
       result.json                     JobResult, with Harbor's stats (rewritten as trials end)
+      builds/<task>.log               the build log of each task whose Dockerfile was built (no
+                                      config.json in it: Harbor's viewer does not take it for a trial)
       <task>__<random>/               one folder per trial
         config.json                   Harbor's TrialConfig + settings, hide
         result.json                   TrialResult (always written, also on errors)
@@ -46,6 +48,10 @@ class TrialPaths:
     @property
     def result_path(self) -> Path:
         return self.root / "result.json"
+
+    @property
+    def builds_dir(self) -> Path:
+        return self.root / "builds"
 
     @property
     def trial_log_path(self) -> Path:
@@ -102,6 +108,10 @@ class JobPaths:
     @property
     def result_path(self) -> Path:
         return self.root / "result.json"
+
+    @property
+    def builds_dir(self) -> Path:
+        return self.root / "builds"
 
     def trial_dir(self, trial_name: str) -> Path:
         return self.root / check_name(trial_name, "trial name")

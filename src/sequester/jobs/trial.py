@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..agents import load_agent
+from ..build.wheels import ensure_task_wheels
 from ..episodes.episode import Episode, EpisodeError, ExecResult
 from ..episodes.settings import EpisodeSettings
 from ..episodes.verifier import VerifierError
@@ -287,6 +288,9 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                 with phase("environment_setup", trial_log):
                     if cancel is not None:
                         cancel.check()
+                    # The wheels the test script pins beyond the runner's (fetched once, on the
+                    # host): before the agent runs, so a pin that cannot be had costs no agent run.
+                    ensure_task_wheels(task, settings.toolchain_dir)
                     episode = Episode(settings, hide=hide)
                     episode.reset(task)
                     system = episode.system

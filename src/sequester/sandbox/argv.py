@@ -74,6 +74,9 @@ class SandboxSpec:
     # A seccomp filter (BPF) bwrap loads just before it runs the command: an episode's
     # init gets the agent's, so a process the agent takes over by ptrace gains nothing.
     seccomp: bytes | None = None
+    # Hold the command until the launcher releases it (bwrap's --block-fd): a build's RUN
+    # waits while the host opens its proxy listener inside the sandbox's network namespace.
+    hold: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class LaunchFds:
     info: int | None = None
     userns_block: int | None = None
     seccomp: int | None = None
+    hold: int | None = None
 
 
 def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
@@ -97,6 +101,8 @@ def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
         case MountKind.OVERLAY:
             # bwrap stacks its --overlay-src folders in order: the last is the topmost.
             sources = [arg for lower in (op.lowers or (op.source,)) for arg in ("--overlay-src", str(lower))]
+            if op.upper is None:  # read-only: a build's COPY --from a stage's merged layers
+                return [*sources, "--ro-overlay", str(op.dest)]
             return [*sources, "--overlay", str(op.upper), str(op.work), str(op.dest)]
         case MountKind.SYMLINK:
             return ["--symlink", str(op.target), str(op.dest)]
@@ -162,5 +168,9 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
         if fds.seccomp is None:
             raise ValueError("a seccomp filter needs its file descriptor")
         argv += ["--seccomp", str(fds.seccomp)]
+    if spec.hold:
+        if fds.hold is None:
+            raise ValueError("holding the command needs its block file descriptor")
+        argv += ["--block-fd", str(fds.hold)]
     argv += ["--chdir", str(spec.cwd), "--", *spec.command]
     return argv

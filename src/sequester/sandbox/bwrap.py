@@ -36,6 +36,17 @@ class StartedBwrap:
     pidfd: int
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _reaped: bool = field(default=False, repr=False)
+    hold_fd: int | None = None  # write end of --block-fd (SandboxSpec.hold): release() lets the command run
+    net_namespace: int | None = None  # the sandbox's network namespace inode, as bwrap reported it
+
+    def release(self) -> None:
+        """Let a held command (``SandboxSpec.hold``) start; nothing if it was not held."""
+        fd, self.hold_fd = self.hold_fd, None
+        if fd is not None:
+            try:
+                os.write(fd, b"1")
+            finally:
+                close_fd(fd)
 
     def signal_init(self) -> None:
         """SIGKILL the sandbox's init, from any thread; nothing if it is already gone."""
@@ -108,9 +119,14 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
         needs_map = spec.identity is Identity.NOBODY
         block_r, block_w = (temp(fd) for fd in os.pipe())
         seccomp_fd = temp(_data_fd(spec.seccomp)) if spec.seccomp is not None else None
-        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if needs_map else None, seccomp=seccomp_fd)
+        hold_r, hold_w = os.pipe() if spec.hold else (None, None)
+        if hold_r is not None:
+            temp(hold_r)
+            on_failure.callback(close_fd, hold_w)
+        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if needs_map else None, seccomp=seccomp_fd,
+                        hold=hold_r)
         pass_fds = [*keep_fds, *data_fds.values(), info_w, *([block_r] if needs_map else []),
-                    *([seccomp_fd] if seccomp_fd is not None else [])]
+                    *([seccomp_fd] if seccomp_fd is not None else []), *([hold_r] if hold_r is not None else [])]
         popen = subprocess.Popen(
             build_argv(bwrap_path(), spec, fds), env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL,
             stdout=stdout, stderr=stderr, start_new_session=True,
@@ -135,7 +151,8 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
                     f.write(_ID_MAP)
             os.write(block_w, b"1")
         on_failure.pop_all()
-    return StartedBwrap(popen, pid, pidfd)
+    net_ns = info.get("net-namespace")
+    return StartedBwrap(popen, pid, pidfd, hold_fd=hold_w, net_namespace=net_ns if isinstance(net_ns, int) else None)
 
 
 def _data_fd(text: str | bytes) -> int:

@@ -156,8 +156,13 @@ class EnvironmentConfig:
     allow_internet: bool = True
     network_mode: str | None = None
     allowed_hosts: tuple[str, ...] = ()
+    # Seconds for building the task's Dockerfile (``sequester build``; --image-source
+    # dockerfile): a build past it is an environment error, never the agent's 0.
+    build_timeout_sec: float = 600.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "build_timeout_sec", _positive(self.build_timeout_sec,
+                                                                "[environment] build_timeout_sec"))
         if self.docker_image is not None and (not isinstance(self.docker_image, str) or not self.docker_image.strip()):
             raise TaskError(f"[environment] docker_image: {self.docker_image!r} is not an image name")
         object.__setattr__(self, "cpus", _positive(self.cpus, "[environment] cpus"))
@@ -258,6 +263,7 @@ def config_from_mapping(data: Mapping[str, Any]) -> TaskConfig:
         allow_internet=env.get("allow_internet", True),
         network_mode=env.get("network_mode"),
         allowed_hosts=env.get("allowed_hosts", ()),
+        build_timeout_sec=env.get("build_timeout_sec", 600.0),
     )
     return TaskConfig(
         verifier=VerifierConfig(timeout_sec=verifier.get("timeout_sec", 600.0), env=verifier.get("env", {}),

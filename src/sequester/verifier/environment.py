@@ -10,7 +10,7 @@ tree's Pythons as its only ones and no configuration file of anyone's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from . import layout
 from .pysite import PYTHONPATH_VAR, RUNNER_FD_VAR
@@ -34,7 +34,8 @@ _RUNNER_INPUTS = (
 
 
 def runner_env(image_env: Mapping[str, str], task_env: Mapping[str, str], *, agent_home: str = "/root",
-               runner_fd: int | None = None) -> dict[str, str]:
+               runner_fd: int | None = None, find_links: Sequence[str] = ()) -> dict[str, str]:
+    """``find_links``: more wheel folders of the runner's for uv (a task's pinned wheels)."""
     env = {"HOME": agent_home, "LANG": "C.UTF-8", "TERM": "dumb"}
     env.update({k: v for k, v in image_env.items() if k not in _RUNNER_INPUTS})
     env.update(task_env)
@@ -49,7 +50,7 @@ def runner_env(image_env: Mapping[str, str], task_env: Mapping[str, str], *, age
         "UV_OFFLINE": "1",
         "UV_NO_INDEX": "1",
         "UV_NO_CONFIG": "1",
-        "UV_FIND_LINKS": str(layout.WHEELS),
+        "UV_FIND_LINKS": ",".join([str(layout.WHEELS), *find_links]),  # uv's list is comma-separated
         "UV_CACHE_DIR": str(layout.RUN_CACHE),
         "UV_TOOL_DIR": str(layout.RUN_TOOLS),
         "UV_PYTHON_INSTALL_DIR": str(layout.PYTHONS),

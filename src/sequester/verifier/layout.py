@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 __all__ = ["RUNNER_MOUNT", "BIN", "LIB", "LIBEXEC", "PYTHONS", "WHEELS", "ETC", "RUN", "RUN_HOME", "RUN_CACHE",
-           "RUN_TOOLS"]
+           "RUN_TOOLS", "TASK_WHEELS"]
 
 RUNNER_MOUNT = PurePosixPath("/opt/sequester-verifier")
 BIN = RUNNER_MOUNT / "bin"          # first on the runner's PATH: shell, core tools, uv, python
@@ -25,4 +25,7 @@ RUN = RUNNER_MOUNT / "run"          # an empty folder: a private tmpfs at verify
 RUN_HOME = RUN / "home"             # HOME of the test script's own shell
 RUN_CACHE = RUN / "cache"           # uv's cache (its tool environments)
 RUN_TOOLS = RUN / "tools"
+# A task's own pinned wheels (sequester.build.wheels), copied from the host at verify time
+# into a read-only tmpfs of the verifier's namespace; only when the task needs them.
+TASK_WHEELS = RUN / "task-wheels"
 # The host loader's own name (uv tells glibc from musl by it): see tree.py.
