@@ -66,6 +66,7 @@ def make_task(root: Path, base: str) -> Path:
 
 class Podman:
     def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
         conf = root / "containers.conf"
         conf.write_text(CONTAINERS_CONF)
         self.runroot = Path(tempfile.mkdtemp(prefix="pb-", dir="/tmp"))

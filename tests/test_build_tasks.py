@@ -66,7 +66,7 @@ def test_example_builds_with_apt_get_from_the_package_index_oracle_1_nop_0(tmp_p
             assert result["system"]["mode"] == "image"
             assert result["system"]["source"].startswith("dockerfile:")
             # cached: the job's build log says every step was
-            assert "CACHED" in (tmp_path / "jobs" / agent / "builds" / "c-adler32.log").read_text()
+            assert "CACHED" in (tmp_path / "jobs" / agent / "c-adler32.build.log").read_text()
 
 
 def test_build_cli_table_log_and_exit_statuses(tmp_path, busybox_config, capsys):
@@ -75,7 +75,7 @@ def test_build_cli_table_log_and_exit_statuses(tmp_path, busybox_config, capsys)
     logs = tmp_path / "logs"
     assert main(["build", str(good), "--config", str(busybox_config), "--logs", str(logs)]) == 0
     out = capsys.readouterr()
-    assert "good" in out.out and "built" in out.out and "[stage-0 2/2] RUN echo ok" in out.err
+    assert "good" in out.out and "built" in out.out and "[stage-0 1/3] FROM docker.io/test/bb:1@sha256:" in out.err and "[stage-0 3/3] RUN echo ok" in out.err
     assert main(["build", str(good), "--config", str(busybox_config), "--logs", str(logs)]) == 0
     assert "cached" in capsys.readouterr().out
     assert main(["build", str(bad), "--config", str(busybox_config), "--logs", str(logs)]) == 1
@@ -101,7 +101,7 @@ def test_failed_or_timed_out_build_is_an_environment_error_not_the_agents_zero(t
     assert result["verifier_result"] is None and result["exception_info"] is not None
     assert "timed out" in result["exception_info"]["exception_message"]
     assert "Dockerfile:2" in result["exception_info"]["exception_message"]
-    assert (tmp_path / "jobs" / "slow" / "builds" / "slow.log").exists()
+    assert "timed out" in (tmp_path / "jobs" / "slow" / "slow.build.log").read_text()
 
 
 def test_auto_builds_a_task_without_a_prebuilt_image(tmp_path, busybox_config):

@@ -126,7 +126,9 @@ def test_prebuilt_image_that_cannot_be_had_fails_before_anything_starts(tmp_path
     state = tmp_path / "state"
     settings = EpisodeSettings(state_dir=state, images=ImageSettings(store_dir=tmp_path / "store", source="prebuilt",
                                                                      insecure=["127.0.0.1:9"]))
-    task = _task(tmp_path, "127.0.0.1:9/none/such:1", "echo 1 > /logs/verifier/reward.txt\n")
+    # (its Dockerfile's base cannot be had either: else auto would build it)
+    task = _task(tmp_path, "127.0.0.1:9/none/such:1", "echo 1 > /logs/verifier/reward.txt\n",
+                 dockerfile="FROM 127.0.0.1:9/none/base:1\n")
     with pytest.raises(ImageError, match="127.0.0.1:9/none/such:1"):
         Episode(settings).reset(task)
     assert not state.exists() or not [p for p in state.iterdir() if p.name[0].isdigit()]
@@ -135,6 +137,7 @@ def test_prebuilt_image_that_cannot_be_had_fails_before_anything_starts(tmp_path
         ep.reset(task)
         assert ep.system == {"mode": "host"}
         assert any("127.0.0.1:9/none/such:1 could not be had" in n for n in ep.notes), ep.notes
+        assert any("its Dockerfile could not be built" in n and "127.0.0.1:9/none/base:1" in n for n in ep.notes)
 
 
 def test_process_limit_and_unapplied_limits_are_recorded(tmp_path, busybox_store):

@@ -1,11 +1,11 @@
 """Image layers unpacked by sequester.images.unpack: layers made by Python's tarfile and
 by GNU tar, whiteouts checked on a real overlay mounted by bubblewrap, and every hostile
-layer refused with nothing left behind (no ``dest``, no ``.tmp-*``, nothing outside)."""
+layer refused with nothing left behind (no ``dest``, no ``.tmp-*``, nothing outside).
+Hostile names, links and entry types: test_image_unpack_hostile.py."""
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import os
 import shutil
@@ -19,64 +19,14 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from layer_tars import T0, compress, entry, leftovers, refused, sha, tar_bytes, unpack
 
 from sequester.episodes.remove import remove_tree
 from sequester.errors import ImageError
 from sequester.images.unpack import unpack_layer
 
 OCI = "application/vnd.oci.image.layer.v1.tar"
-T0 = 1_600_000_000
 NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-
-
-def entry(name: str, kind: str = "file", data: bytes = b"", mode: int = 0o644, link: str = "",
-          dev: tuple[int, int] = (0, 0), mtime: int = T0, **pax: str) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.type = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE,
-                 "link": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE, "chr": tarfile.CHRTYPE,
-                 "blk": tarfile.BLKTYPE}[kind]
-    info.size, info.mode, info.linkname, info.mtime = len(data), mode, link, mtime
-    info.devmajor, info.devminor = dev
-    info.pax_headers = pax
-    return info, data
-
-
-def tar_bytes(entries: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for info, data in entries:
-            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
-    return buf.getvalue()
-
-
-def compress(raw: bytes, how: str) -> bytes:
-    return {"tar": lambda b: b, "gzip": gzip.compress,
-            "zstd": zstandard.ZstdCompressor().compress}[how](raw)
-
-
-def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def leftovers(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if p.name.startswith(".tmp-")]
-
-
-def refused(tmp_path: Path, blob_bytes: bytes, match: str, **kw) -> ImageError:
-    """Unpack must raise ImageError matching ``match`` and leave nothing behind."""
-    blob = tmp_path / "layer"
-    blob.write_bytes(blob_bytes)
-    dest = tmp_path / "out"
-    with pytest.raises(ImageError, match=match) as info:
-        unpack_layer(blob, dest, **kw)
-    assert not os.path.lexists(dest) and leftovers(tmp_path) == []
-    return info.value
-
-
-def unpack(tmp_path: Path, entries: list, name: str = "out", how: str = "tar", **kw):
-    blob = tmp_path / f"{name}.layer"
-    blob.write_bytes(compress(tar_bytes(entries), how))
-    return unpack_layer(blob, tmp_path / name, **kw), tmp_path / name
 
 
 @pytest.fixture
@@ -229,57 +179,6 @@ def test_truncated_or_malformed(tmp_path: Path, case: str) -> None:
         assert "without an end-of-archive block" in str(err)
 
 
-@pytest.mark.parametrize("name,escape", [
-    ("../escape", "escape"), ("/abs/../../x", "x"), ("a/../../b", "b"), ("a//b", None),
-    ("./a/./b", None), (".wh...", None), ("d/.wh..", None), (".", None),
-])
-def test_hostile_names(tmp_path: Path, name: str, escape: str | None) -> None:
-    (tmp_path / "canary").write_text("still here")
-    refused(tmp_path, tar_bytes([entry("d/ok", data=b"ok"), entry(name, data=b"evil")]), "member")
-    assert (tmp_path / "canary").read_text() == "still here"   # ".wh..." must not remove dest's parent
-    if escape:
-        assert not os.path.lexists(tmp_path / escape) and not os.path.lexists(tmp_path.parent / escape)
-
-
-@pytest.mark.parametrize("target,then", [("OUTSIDE", "evil/file"), ("..", "evil/x"), ("d", "evil/sub/x")])
-def test_writing_through_a_symlink_is_refused(tmp_path: Path, target: str, then: str) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    link = str(outside) if target == "OUTSIDE" else target
-    layer = tar_bytes([entry("d", "dir"), entry("evil", "sym", link=link), entry(then, data=b"pwned")])
-    refused(tmp_path, layer, "parent evil is a symbolic link")
-    assert list(outside.iterdir()) == [] and not os.path.lexists(tmp_path / "x")
-
-
-def test_a_later_member_replaces_a_symlink_never_writes_through(tmp_path: Path) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "target").write_text("original")
-    stats, out = unpack(tmp_path, [
-        entry("x", "sym", link=str(outside / "target")), entry("x", data=b"new"),
-        entry("d", "sym", link=str(outside)), entry("d", "dir", mode=0o755), entry("d/f", data=b"in d"),
-        entry("h", "sym", link=str(outside / "target")), entry("h", "link", link="x"),
-        entry("r", "dir"), entry("r/sub/f", data=b"gone"), entry("r", data=b"a file now"), entry("q/f", data=b"q"),
-    ])
-    assert (out / "r").read_bytes() == b"a file now" and (out / "q/f").read_bytes() == b"q"
-    assert (outside / "target").read_text() == "original" and sorted(os.listdir(outside)) == ["target"]
-    assert stat.S_ISREG(os.lstat(out / "x").st_mode) and (out / "x").read_bytes() == b"new"
-    assert stat.S_ISDIR(os.lstat(out / "d").st_mode) and (out / "d/f").read_bytes() == b"in d"
-    assert os.lstat(out / "h").st_ino == os.lstat(out / "x").st_ino
-
-
-@pytest.mark.parametrize("target", ["/etc/passwd", "../../x", "sym", "d", "missing", "sym/f"])
-def test_hard_link_outside_the_layer_is_refused(tmp_path: Path, target: str) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "f").write_text("host file")
-    before = os.stat("/etc/passwd").st_nlink
-    layer = tar_bytes([entry("d", "dir"), entry("sym", "sym", link=str(outside)),
-                       entry("etc/other", data=b"x"), entry("h", "link", link=target)])
-    refused(tmp_path, layer, "hard link|symbolic link|not an allowed")
-    assert os.stat("/etc/passwd").st_nlink == before and os.stat(outside / "f").st_nlink == 1
-
-
 def test_bounds(tmp_path: Path) -> None:
     many = tar_bytes([entry(f"f{i}", data=b"x") for i in range(5)])
     refused(tmp_path, many, "max_entries=4", max_entries=4)
@@ -390,23 +289,3 @@ def test_a_concurrent_unpack_wins(tmp_path: Path, appears: str) -> None:
     assert sorted(os.listdir(dest)) == ([] if appears == "empty" else ["theirs"]) and leftovers(tmp_path) == []
     with pytest.raises(ImageError, match="already exists"):
         unpack_layer(blob, dest)
-
-
-def test_whiteout_used_as_a_folder_and_unknown_types_are_refused(tmp_path: Path) -> None:
-    refused(tmp_path, tar_bytes([entry(".wh.d/x", data=b"x")]), "whiteout used as a folder")
-    odd = entry("odd", data=b"")
-    odd[0].type = b"Z"
-    refused(tmp_path, tar_bytes([odd]), "unsupported tar entry type")
-    stats, out = unpack(tmp_path, [entry(".wh..wh.plnk", "dir"), entry(".wh..wh.plnk/1.2", data=b"")])
-    assert stats.entries == 2 and os.listdir(out) == []   # aufs bookkeeping is never content
-
-
-def test_rename_never_replaces_an_empty_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The folder appears between the check and the rename (simulated: the check is blind)."""
-    from sequester.images._tarsafe import rename_noreplace
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "ours/f").write_text("ours")
-    (tmp_path / "theirs").mkdir()
-    monkeypatch.setattr(os.path, "lexists", lambda path: False)
-    assert rename_noreplace(tmp_path / "ours", tmp_path / "theirs") is False
-    assert os.listdir(tmp_path / "theirs") == [] and (tmp_path / "ours/f").exists()

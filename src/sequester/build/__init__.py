@@ -39,10 +39,10 @@ def needs_build(task, source: str, store) -> bool:
     return choose_image(task, "auto", store).mode == "host"  # no prebuilt image could be had
 
 
-def prebuild_images(tasks, settings, store, logs_dir: Path | None,
+def prebuild_images(tasks, settings, store, log_path: Callable[[str], Path] | None,
                     on_step: Callable[[str, StepReport, bool], None] | None = None) -> dict[str, str]:
     """Build, before any trial starts, the images the ``tasks`` need (each Dockerfile once),
-    logging each to ``logs_dir/<task>.log``. A build that fails is not raised here: every
+    logging each to ``log_path(task name)``. A build that fails is not raised here: every
     trial of that task ends as an environment error with its message. Returns the
     failures by task name."""
     failures: dict[str, str] = {}
@@ -54,7 +54,7 @@ def prebuild_images(tasks, settings, store, logs_dir: Path | None,
         seen.add(dockerfile)
         step = (lambda report, done, name=task.name: on_step(name, report, done)) if on_step else None
         try:
-            ensure_built(task, store, settings, log_path=logs_dir / f"{task.name}.log" if logs_dir else None,
+            ensure_built(task, store, settings, log_path=log_path(task.name) if log_path else None,
                          on_step=step)
         except BuildError as exc:
             failures[task.name] = str(exc)

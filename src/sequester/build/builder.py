@@ -118,6 +118,8 @@ class _Stage:
     planned: list[_Planned]
     final_key: str
     parent: int | None = None  # FROM <this earlier stage>
+    base_name: str = "scratch"  # what FROM names, resolved (for progress)
+    line: int = 0
     built: bool = False
 
 
@@ -192,7 +194,14 @@ def _plan_stage(store: ImageStore, df, base, stages: dict[int, _Stage], names: d
         key = step_key(key, step.key_text, content)
         planned.append(_Planned(step, key, content))
     label = df.stages[base.index].name or f"stage-{base.index}"
-    return _Stage(base.index, label, layers, refs, planner.config(), planned, key, parent=parent)
+    if parent is not None:
+        base_name = stages[parent].label
+    elif base.base_ref in (None, "scratch"):
+        base_name = "scratch"
+    else:
+        base_name = f"{(record.names or (base.base_ref,))[0]}@{record.digest}"
+    return _Stage(base.index, label, layers, refs, planner.config(), planned, key, parent=parent,
+                  base_name=base_name, line=df.stages[base.index].line)
 
 
 def _content(store: ImageStore, step: Step, stages: dict[int, _Stage], context: Path, source: str) -> str:
@@ -228,16 +237,17 @@ def _run_stage(store: ImageStore, stage: _Stage, ctx: StepContext, cache: BuildC
             if p.layer and not _empty(store, p.layer))
     layers = list(stage.base_layers)
     reports = []
-    total = len(stage.planned)
-    for number, planned in enumerate(stage.planned, 1):
+    total = len(stage.planned) + 1  # FROM is step 1, as docker build counts
+    reporter.step(StepReport(stage.label, 1, total, stage.line, f"FROM {stage.base_name}", cached=True), True)
+    for number, planned in enumerate(stage.planned, 2):
         step = planned.step
         report = StepReport(stage.label, number, total, step.line, step.text, cached=True)
         if isinstance(step, ConfigStep):
             reports.append(report)
             reporter.step(report, True)
             continue
-        hit = None if options.no_cache else cache.lookup(planned.key)
-        if hit is not None and store.layer_dir(hit).is_dir():
+        hit = None if options.no_cache else _cached_layer(store, cache, planned.key)
+        if hit is not None:
             planned.layer = hit
         else:
             if isinstance(step, CopyStep) and step.from_stage is not None:
@@ -253,6 +263,19 @@ def _run_stage(store: ImageStore, stage: _Stage, ctx: StepContext, cache: BuildC
         if not _empty(store, planned.layer):
             layers.append(store.layer_dir(planned.layer))
     return reports
+
+
+def _cached_layer(store: ImageStore, cache: BuildCache, key: str) -> str | None:
+    """The layer of the step keyed ``key``: the cache's entry, else the folder named by
+    the key itself (only a commit of that very step makes one; after a prune, a layer an
+    image still uses is still this step's result)."""
+    hit = cache.lookup(key)
+    if hit is not None and store.layer_dir(hit).is_dir():
+        return hit
+    if store.layer_dir(key).is_dir():
+        cache.record(key, key)
+        return key
+    return None
 
 
 def _execute(store: ImageStore, step: Step, lowers: list[Path], key: str, ctx: StepContext, *, fresh: bool) -> str:

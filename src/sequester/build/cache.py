@@ -12,6 +12,9 @@ under a new name and repoints the cache entries when the step succeeds, so that 
 build uses the fresh layers while images built before keep theirs. Layers named by a
 cache entry are kept by garbage collection; ``sequester image prune`` drops the entries
 (all, or those not used for ``--unused-for``), and with them the layers no image uses.
+A layer folder named by a step's key is that step's result whether or not an entry names
+it (only a commit of that step makes it), so the layers of images still in the store
+keep serving their steps after a prune.
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ the sandbox holds a host file descriptor: its stdin is ``/dev/null``, its output
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import resource
 import select
 import threading
 import time
@@ -29,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..episodes.cgroup_limits import make_limit_groups
 from ..guard import seccomp
 from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
@@ -47,6 +50,7 @@ APT_CONF = AUX / "apt.conf"
 _APT_CONF_TEXT = 'APT::Sandbox::User "root";\n'
 OUTPUT_TAIL = 64 * 1024  # bytes of a step's output kept for its error message
 _PROXY_PORT = 3128
+_serial = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def step_spec(run: StepRun, *, network: bool) -> SandboxSpec:
 
 
 def run_step(run: StepRun, *, timeout: float | None, proxy=None,
-             on_output: Callable[[bytes], None] | None = None) -> StepOutcome:
+             on_output: Callable[[bytes], None] | None = None, max_processes: int = 4096) -> StepOutcome:
     """Run ``run`` to its end (or its deadline); its output goes to ``on_output`` as it
     comes, and its last :data:`OUTPUT_TAIL` bytes into the outcome."""
     spec = step_spec(run, network=proxy is not None)
@@ -118,7 +122,16 @@ def run_step(run: StepRun, *, timeout: float | None, proxy=None,
     reader = threading.Thread(target=tail.drain, args=(out_r,), name="sequester-build-output", daemon=True)
     reader.start()
     refusals: tuple[str, ...] = ()
+    # A RUN's fork bomb must not take the host's pids: a pids cgroup where this process
+    # may make one (root: RLIMIT_NPROC does not bind the host's root), and RLIMIT_NPROC
+    # (which binds an ordinary user). The command is still held, so everything it starts
+    # is in both.
+    groups, _ = make_limit_groups(f"sequester-{os.getpid()}-build{next(_serial)}", memory_mb=None, cpus=None,
+                                  pids=max_processes)
     try:
+        if groups is not None:
+            groups.enrol(started.pid)
+        resource.prlimit(started.pid, resource.RLIMIT_NPROC, (max_processes, max_processes))
         if proxy is not None:
             from ..net.netns_listener import open_listener_in
             # The pidfd and the namespace bwrap reported: a recycled pid cannot hand us
@@ -130,6 +143,8 @@ def run_step(run: StepRun, *, timeout: float | None, proxy=None,
         status = _wait(started, timeout)
     finally:
         started.kill()
+        if groups is not None:
+            groups.remove()
         if proxy is not None:
             proxy.close()
             refusals = tuple(proxy.refusals)

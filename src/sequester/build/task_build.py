@@ -42,14 +42,23 @@ def has_dockerfile(task: Task) -> bool:
 
 class BuildLog:
     """A :class:`~.builder.BuildReporter` writing a build log (bounded) and telling an
-    optional ``on_step`` callback (the CLI's progress) about each step."""
+    optional ``on_step`` callback (the CLI's progress) about each step. The file is made
+    at the first line written: a build that never started (its base image cannot be had,
+    and ``auto`` goes on to host mode) leaves none."""
 
-    def __init__(self, out: IO[bytes] | None, on_step: Callable[[StepReport, bool], None] | None = None):
-        self.out, self.on_step, self.written = out, on_step, 0
+    def __init__(self, path: Path | None, on_step: Callable[[StepReport, bool], None] | None = None,
+                 header: str = ""):
+        self.path, self.on_step, self.header = path, on_step, header
+        self.out: IO[bytes] | None = None
+        self.written = 0
 
     def _write(self, data: bytes) -> None:
-        if self.out is None:
+        if self.path is None:
             return
+        if self.out is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.out = open(self.path, "ab")
+            self.out.write(self.header.encode())
         if self.written + len(data) > _LOG_LIMIT:
             if self.written <= _LOG_LIMIT:
                 self.out.write(b"\n[sequester: the build log is cut here: more than 16 MiB of output]\n")
@@ -57,6 +66,11 @@ class BuildLog:
             return
         self.out.write(data)
         self.written += len(data)
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+            self.out = None
 
     def step(self, report: StepReport, done: bool) -> None:
         if not done:
@@ -89,13 +103,9 @@ def build_task(task: Task, store: ImageStore, *, runner: Path | None, network: s
     with _locks_lock:
         lock = _locks.setdefault(key, threading.Lock())
     with lock:
-        out = None
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            out = open(log_path, "ab")
-        reporter = BuildLog(out, on_step)
+        header = f"# sequester build {task.name}: {dockerfile} ({time.strftime('%Y-%m-%dT%H:%M:%S')})\n"
+        reporter = BuildLog(log_path, on_step, header)
         try:
-            reporter.line(f"# sequester build {task.name}: {dockerfile} ({time.strftime('%Y-%m-%dT%H:%M:%S')})")
             try:
                 result = build_image(store, dockerfile, task.environment_dir, name=task_image_name(task),
                                      options=options, runner=runner, reporter=reporter)
@@ -106,8 +116,7 @@ def build_task(task: Task, store: ImageStore, *, runner: Path | None, network: s
                           f"({sum(not s.cached for s in result.steps)} of {len(result.steps)} steps ran)")
             return result
         finally:
-            if out is not None:
-                out.close()
+            reporter.close()
 
 
 _failed: dict[tuple[str, str, int], str] = {}

@@ -78,13 +78,17 @@ class ImageStore:
     # -- folders --------------------------------------------------------------------------
 
     def _ensure(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        for sub in ("blobs/sha256", "layers", "images", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        policy = self.root / "policy.json"
-        if not policy.exists():
-            policy.write_text(sk.POLICY)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+            for sub in ("blobs/sha256", "layers", "images", "tmp"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            policy = self.root / "policy.json"
+            if not policy.exists():
+                policy.write_text(sk.POLICY)
+        except OSError as exc:  # another user's store, a read-only disk: say which, never a traceback
+            raise ImageError(f"the image store {self.root} cannot be used: {exc.strerror or exc} "
+                             "([images] store_dir names another)") from None
 
     def blob(self, digest: str) -> Path:
         return self.root / "blobs" / "sha256" / hex_of(digest)

@@ -7,65 +7,39 @@ the unpacking user (the sandbox maps it to the image's root): nothing is chowned
 are skipped (the sandbox has its own ``/dev``), and no xattr of the tar is ever copied (a
 layer's ``user.overlay.redirect`` or ``.opaque`` would rewrite what overlayfs shows).
 
-One pass over the blob: it is hashed as read (``digest``), decompressed, hashed again
-(``diff_id``), bounded (``max_bytes``, ``max_entries``: a decompression bomb cannot fill the
-disk or the memory), and parsed by :mod:`tarfile` in stream mode; every entry is then
-made by hand through directory descriptors (:mod:`._tarsafe`), never with
-``tarfile.extract``, which follows links. The tree is built in a temporary sibling of
-``dest`` and renamed into place only once both digests match: nothing half-unpacked or
-unverified is ever at ``dest``.
+One pass over the blob (its streams: :mod:`._layerstream`): it is hashed as read
+(``digest``), decompressed, hashed again (``diff_id``), bounded (``max_bytes``,
+``max_entries``: a decompression bomb cannot fill the disk or the memory), and parsed by
+:mod:`tarfile` in stream mode; every entry is then made by hand through directory
+descriptors (:mod:`._tarsafe`), never with ``tarfile.extract``, which follows links. The
+tree is built in a temporary sibling of ``dest`` and renamed into place only once both
+digests match: nothing half-unpacked or unverified is ever at ``dest``.
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import logging
 import os
 import re
 import tarfile
 import tempfile
 import zlib
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-try:
-    import zstandard
-
-    _ZstdError: type[Exception] = zstandard.ZstdError
-except ImportError:  # only zstd layers need it: a Python without it still runs host-mode episodes
-    zstandard = None
-
-    class _ZstdError(Exception):  # type: ignore[no-redef]
-        pass
 
 from ..episodes.remove import remove_tree
 from ..errors import ImageError
-from ._tarsafe import META, OPAQUE, WHITEOUT, FrameError, Parts, Tree, ZstdFrames, rename_noreplace, split_name
+from ._layerstream import (CHUNK, HEADER_BUDGET, MEDIA_TYPES, PROGRESS_EVERY, Abort, Blob, LayerStream, ZstdError,
+                           bounded_tarinfo, decoder_for)
+from ._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, rename_noreplace, split_name
 
-__all__ = ["UnpackStats", "unpack_layer"]
+__all__ = ["UnpackStats", "unpack_layer",
+           # re-exported from ._layerstream, still importable from here
+           "CHUNK", "HEADER_BUDGET", "MEDIA_TYPES", "PROGRESS_EVERY"]
 
 log = logging.getLogger("sequester.images")
 
-MEDIA_TYPES = {  # the layer media types of OCI and Docker, and their compression
-    "application/vnd.oci.image.layer.v1.tar": "tar",
-    "application/vnd.oci.image.layer.v1.tar+gzip": "gzip",
-    "application/vnd.oci.image.layer.v1.tar+zstd": "zstd",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar": "tar",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip": "gzip",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd": "zstd",
-    "application/vnd.docker.image.rootfs.diff.tar.gzip": "gzip",
-    "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip": "gzip",
-}
-CHUNK = 1 << 20            # bytes per read of a member's data and of the drained tail
-PROGRESS_EVERY = 1 << 20   # progress() is called at most once per this many bytes
-# Headers of one member (PAX records, GNU long names, sparse maps) are held in memory by
-# tarfile whole: a 10 GiB PAX header of zeros is a 10 MiB gzip. Go's archive/tar allows 1 MiB.
-HEADER_BUDGET = 4 << 20
-_TAIL = 64 << 10           # decompressed bytes kept to check the end-of-archive block
 _DIGEST = re.compile(r"(sha256:[0-9a-f]{64}|sha384:[0-9a-f]{96}|sha512:[0-9a-f]{128})")
 
 
@@ -84,119 +58,6 @@ class UnpackStats:
     opaque_dirs: int
     devices_skipped: int
     bytes: int
-
-
-class _Abort(Exception):
-    """Raised from inside tarfile's reads. Deliberately not an OSError or ValueError:
-    tarfile turns some of those into a quiet "end of archive", which would accept a
-    truncated or bounded-out layer as a shorter one."""
-
-
-class _Blob:
-    """The layer file as read: every byte hashed once (the ``digest``)."""
-
-    def __init__(self, f: Any, algorithm: str):
-        self.f, self.hash = f, hashlib.new(algorithm)
-        self.head = b""
-        self.frames: ZstdFrames | None = None
-
-    def peek(self, n: int) -> bytes:
-        self.head = self.read(n)
-        return self.head
-
-    def read(self, n: int | None = -1) -> bytes:
-        if self.head:
-            data, self.head = (self.head, b"") if n is None or n < 0 else (self.head[:n], self.head[n:])
-            return data
-        try:
-            data = self.f.read(n)
-        except OSError as exc:
-            raise _Abort(f"cannot read the blob: {exc}") from exc
-        self.hash.update(data)
-        if self.frames is not None:
-            try:
-                self.frames.feed(data)
-            except FrameError as exc:
-                raise _Abort(f"truncated or malformed: {exc}") from None
-        return data
-
-
-class _Layer:
-    """The uncompressed tar stream, as tarfile reads it: hashed (``diff_id``), counted
-    against ``max_bytes``, reported to ``progress``, its last bytes kept."""
-
-    def __init__(self, decoder: Any, blob: _Blob, algorithm: str, max_bytes: int,
-                 progress: Callable[[int], None] | None):
-        self.decoder, self.blob, self.hash = decoder, blob, hashlib.new(algorithm)
-        self.max_bytes, self.progress = max_bytes, progress
-        self.total = self._unreported = 0
-        self.header_limit: int | None = None   # set while tarfile parses one member's headers
-        self._tail: deque[bytes] = deque()
-        self._tail_len = 0
-
-    def read(self, n: int | None = -1) -> bytes:
-        n = CHUNK if n is None or n < 0 else n
-        try:
-            data = self.decoder.read(n)
-        except (EOFError, OSError, zlib.error, _ZstdError) as exc:  # BadGzipFile is an OSError
-            raise _Abort(f"truncated or malformed: {exc}") from exc
-        self.total += len(data)
-        if self.total > self.max_bytes:
-            raise _Abort(f"more than max_bytes={self.max_bytes} uncompressed bytes")
-        if self.header_limit is not None and self.total > self.header_limit:
-            raise _Abort(f"truncated or malformed: a member's headers exceed {HEADER_BUDGET} bytes")
-        self.hash.update(data)
-        self._tail.append(data)
-        self._tail_len += len(data)
-        while self._tail_len - len(self._tail[0]) >= _TAIL:
-            self._tail_len -= len(self._tail.popleft())
-        self._unreported += len(data)
-        if self.progress is not None and self._unreported >= PROGRESS_EVERY:
-            self._report()
-        return data
-
-    def _report(self) -> None:
-        if self.progress is not None and self._unreported:
-            n, self._unreported = self._unreported, 0
-            self.progress(n)
-
-    def block_at(self, offset: int) -> bytes | None:
-        """The (up to) 512 bytes at ``offset`` if still kept."""
-        start = self.total - self._tail_len
-        if offset < start:
-            return None
-        return b"".join(self._tail)[offset - start:offset - start + tarfile.BLOCKSIZE]
-
-    def finish(self) -> None:
-        """Read to the end of both streams, so the digests cover every byte."""
-        while self.read(CHUNK):
-            pass
-        frames = self.blob.frames
-        if frames is not None and not frames.complete:
-            raise _Abort("truncated or malformed: the zstd stream ends inside a frame")
-        while self.blob.read(CHUNK):   # bytes after the compressed stream are hashed too
-            pass
-        self._report()
-
-
-def _bounded_tarinfo(layer: _Layer) -> type[tarfile.TarInfo]:
-    """A TarInfo whose header parsing may read at most HEADER_BUDGET bytes per member."""
-
-    class BoundedTarInfo(tarfile.TarInfo):
-        __slots__ = ()
-
-        @classmethod
-        def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
-            outer = layer.header_limit is None   # PAX and long-name headers recurse into here
-            if outer:
-                layer.header_limit = layer.total + HEADER_BUDGET
-            try:
-                return super().fromtarfile(tar)
-            finally:
-                if outer:
-                    layer.header_limit = None
-
-    return BoundedTarInfo
 
 
 def _mtime_ns(member: tarfile.TarInfo) -> int | None:
@@ -218,7 +79,7 @@ def _write_all(fd: int, data: bytes) -> None:
 class _Unpacker:
     """Makes each member in ``tree``; counts them; folder modes are applied at the end."""
 
-    def __init__(self, tree: Tree, layer: _Layer, max_entries: int, max_bytes: int):
+    def __init__(self, tree: Tree, layer: LayerStream, max_entries: int, max_bytes: int):
         self.tree, self.layer = tree, layer
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.counts = dict.fromkeys(("entries", "files", "dirs", "symlinks", "hardlinks",
@@ -227,7 +88,7 @@ class _Unpacker:
         self.written = 0
 
     def run(self) -> None:
-        tar = tarfile.open(fileobj=self.layer, mode="r|", tarinfo=_bounded_tarinfo(self.layer),
+        tar = tarfile.open(fileobj=self.layer, mode="r|", tarinfo=bounded_tarinfo(self.layer),
                            encoding="utf-8", errors="surrogateescape")
         while (member := tar.next()) is not None:
             tar.members.clear()   # stream mode keeps every TarInfo: 2M members would be GBs
@@ -243,9 +104,9 @@ class _Unpacker:
         # tarfile also stops quietly at a missing or garbled header; only a zero block is an end.
         block = self.layer.block_at(tar.offset)
         if block is None or len(block) < tarfile.BLOCKSIZE:
-            raise _Abort("truncated or malformed: the tar stream ends without an end-of-archive block")
+            raise Abort("truncated or malformed: the tar stream ends without an end-of-archive block")
         if block.count(0) != tarfile.BLOCKSIZE:
-            raise _Abort(f"truncated or malformed: invalid tar header at offset {tar.offset}")
+            raise Abort(f"truncated or malformed: invalid tar header at offset {tar.offset}")
         self.layer.finish()
         self.dirs.setdefault((), (0o755, None))
         for parts in sorted(self.dirs, key=lambda p: (-len(p), p)):  # deepest first
@@ -324,24 +185,6 @@ def _check_digest(value: str | None, what: str) -> None:
         raise ImageError(f"{what} {value!r} is not sha256:<64 hex digits> (or sha384/sha512)")
 
 
-def _decoder(media_type: str, blob: _Blob) -> Any:
-    compression = MEDIA_TYPES.get(media_type.split(";")[0].strip().lower())
-    if compression is None:  # empty or unknown: the first bytes tell
-        head = blob.peek(4)
-        compression = "gzip" if head[:2] == b"\x1f\x8b" else "zstd" if head == b"\x28\xb5\x2f\xfd" else "tar"
-        log.debug("layer media type %r: %s, from its first bytes", media_type, compression)
-    if compression == "gzip":
-        return gzip.GzipFile(fileobj=blob, mode="rb")  # multi-member; CRC and length checked
-    if compression == "zstd":
-        if zstandard is None:
-            raise ImageError("a zstd-compressed layer needs the zstandard package (pip install zstandard)")
-        blob.frames = ZstdFrames()
-        blob.frames.feed(blob.head)
-        # The default window limit (128 MiB) bounds the decoder's memory whatever a frame asks.
-        return zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True, closefd=False)
-    return blob
-
-
 def unpack_layer(blob: Path, dest: Path, *, media_type: str = "", digest: str | None = None,
                  diff_id: str | None = None, progress: Callable[[int], None] | None = None,
                  max_entries: int = 2_000_000, max_bytes: int = 64 << 30) -> UnpackStats:
@@ -388,18 +231,18 @@ def _unpack(blob: Path, tmp: Path, label: str, media_type: str, digest: str | No
     except OSError as exc:
         raise ImageError(f"{label}: cannot open {blob}: {exc}") from exc
     with f:
-        raw = _Blob(f, (digest or "sha256:").split(":")[0])
-        layer = _Layer(None, raw, (diff_id or "sha256:").split(":")[0], max_bytes, progress)
+        raw = Blob(f, (digest or "sha256:").split(":")[0])
+        layer = LayerStream(None, raw, (diff_id or "sha256:").split(":")[0], max_bytes, progress)
         tree = Tree(tmp)
         try:
-            layer.decoder = _decoder(media_type, raw)
+            layer.decoder = decoder_for(media_type, raw)
             unpacker = _Unpacker(tree, layer, max_entries, max_bytes)
             unpacker.run()
-        except _Abort as exc:
+        except Abort as exc:
             raise ImageError(f"{label}: {exc}") from None
         except ImageError as exc:
             raise ImageError(f"{label}: {exc}") from None
-        except (tarfile.TarError, EOFError, zlib.error, _ZstdError, RecursionError) as exc:
+        except (tarfile.TarError, EOFError, zlib.error, ZstdError, RecursionError) as exc:
             raise ImageError(f"{label}: truncated or malformed: {exc}") from None
         finally:
             tree.close()

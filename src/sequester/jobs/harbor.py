@@ -50,6 +50,9 @@ _HARBOR_NAMES: dict[str, str] = {
     "FreezeError": "SandboxBuildFailedError",
     # the task's image could not be had or unpacked: its environment could not be built
     "ImageError": "SandboxBuildFailedError",
+    "BuildError": "SandboxBuildFailedError",
+    "BuildTimeout": "SandboxBuildFailedError",
+    "VerifierWheelsError": "SandboxBuildFailedError",
 }
 
 # sequester's errors that Harbor has no name for: the name stays, with the policy Harbor

@@ -79,7 +79,7 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
 
     # The tasks' Dockerfiles (--image-source dockerfile, or auto without a prebuilt image):
     # built once each, logged in the job's folder; a failed build fails that task's trials.
-    prebuild_images(tasks, settings, ImageStore(settings.images), paths.builds_dir, on_step=build_progress)
+    prebuild_images(tasks, settings, ImageStore(settings.images), paths.build_log, on_step=build_progress)
     started_at = utc_now()
     job_id = str(uuid.uuid4())
     hide = [*(task.path for task in tasks), jobs_root]

@@ -5,8 +5,8 @@
     <jobs_dir>/<job_name>/
       config.json                     Harbor's JobConfig + settings (written at start)
       result.json                     JobResult, with Harbor's stats (rewritten as trials end)
-      builds/<task>.log               the build log of each task whose Dockerfile was built (no
-                                      config.json in it: Harbor's viewer does not take it for a trial)
+      <task>.build.log                the build log of each task whose Dockerfile was built (a file:
+                                      Harbor takes every folder of a job for a trial)
       <task>__<random>/               one folder per trial
         config.json                   Harbor's TrialConfig + settings, hide
         result.json                   TrialResult (always written, also on errors)
@@ -49,9 +49,8 @@ class TrialPaths:
     def result_path(self) -> Path:
         return self.root / "result.json"
 
-    @property
-    def builds_dir(self) -> Path:
-        return self.root / "builds"
+    def build_log(self, task_name: str) -> Path:
+        return self.root / f"{check_name(task_name, 'task name')}.build.log"
 
     @property
     def trial_log_path(self) -> Path:
@@ -109,9 +108,8 @@ class JobPaths:
     def result_path(self) -> Path:
         return self.root / "result.json"
 
-    @property
-    def builds_dir(self) -> Path:
-        return self.root / "builds"
+    def build_log(self, task_name: str) -> Path:
+        return self.root / f"{check_name(task_name, 'task name')}.build.log"
 
     def trial_dir(self, trial_name: str) -> Path:
         return self.root / check_name(trial_name, "trial name")

@@ -27,166 +27,38 @@ here is: IP literals by the table; names by what they resolve to *here*, refused
 answer is refused (``localhost``, ``127.1``, a name pointing at 10.x). Residual: a name that
 resolves differently at the upstream (split-horizon DNS, rebinding between the two
 lookups) is not checked at the upstream; guarding that is the upstream's own policy.
+
+The parts live in modules of their own, re-exported here: the refused ranges and host
+spellings in :mod:`.build_addresses`, the package-index discovery in :mod:`.build_indexes`,
+the host's upstream proxy in :mod:`.upstream`. This module is the policy that joins them:
+the modes, ``allowed_hosts`` rules, and their checks.
 """
 
 from __future__ import annotations
 
-import base64
-import configparser
-import errno
-import ipaddress
-import logging
-import os
 import re
-import socket
-import threading
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 from ..errors import PolicyError
+from .build_addresses import (HOST_NAME, LOOPBACK, NEVER, OWN, PRIVATE, IPAddress, IPNetwork, LocalAddresses,
+                              classify_address, literal, normalize_host, refusal_for_address)
+from .build_addresses import RANGES as _RANGES
+from .build_addresses import embedded as _embedded
+from .build_addresses import network_of as _network
+from .build_indexes import apt_source_files, index_hosts, pip_config_files
+from .upstream import Upstream, UpstreamProxy
 
 __all__ = ["BuildNetwork", "HostRule", "LocalAddresses", "MODES", "Upstream", "UpstreamProxy", "classify_address",
-           "index_hosts", "normalize_host", "parse_build_network", "parse_host_rule", "refusal_for_address"]
-
-log = logging.getLogger("sequester.net")
+           "index_hosts", "normalize_host", "parse_build_network", "parse_host_rule", "refusal_for_address",
+           # re-exported from the modules split off, still importable from here
+           "HOST_NAME", "IPAddress", "IPNetwork", "LOOPBACK", "NEVER", "OWN", "PRIVATE", "apt_source_files", "literal",
+           "pip_config_files"]
 
 MODES = ("none", "public", "allowlist")
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-# What may lift a refusal: NEVER nothing; LOOPBACK a configured index that names loopback
-# itself; PRIVATE and OWN any configured index host:port.
-NEVER, LOOPBACK, PRIVATE, OWN = "never", "loopback", "private", "own"
-
-# Not ipaddress.is_private/is_global: those count the documentation ranges (TEST-NET
-# 192.0.2/24, 198.51.100/24, 203.0.113/24, 2001:db8::/32) as private, and this machine's
-# package indexes live in 203.0.113/24. What is refused is what reaches the host or its
-# networks instead of the internet: an explicit table, first match wins.
-_RANGES: tuple[tuple[IPNetwork, str, str], ...] = tuple((ipaddress.ip_network(n), c, w) for n, c, w in (
-    ("0.0.0.0/8", NEVER, "'this network' (0/8: 0.0.0.0 reaches the host itself)"),
-    ("127.0.0.0/8", LOOPBACK, "loopback (the host's own services)"),
-    ("10.0.0.0/8", PRIVATE, "private (RFC 1918)"),
-    ("172.16.0.0/12", PRIVATE, "private (RFC 1918)"),
-    ("192.168.0.0/16", PRIVATE, "private (RFC 1918)"),
-    ("100.64.0.0/10", PRIVATE, "carrier-grade NAT space (RFC 6598)"),
-    ("169.254.0.0/16", PRIVATE, "link-local (cloud metadata: 169.254.169.254)"),
-    ("192.0.0.0/24", PRIVATE, "IETF protocol assignments (not routable)"),
-    ("198.18.0.0/15", PRIVATE, "benchmarking space (RFC 2544; internal and fake-IP networks)"),
-    ("224.0.0.0/4", NEVER, "multicast"),
-    ("240.0.0.0/4", NEVER, "reserved (240/4, with the broadcast 255.255.255.255)"),
-    ("::1/128", LOOPBACK, "loopback (the host's own services)"),
-    ("::/128", NEVER, "unspecified (::)"),
-    ("::/96", NEVER, "IPv4-compatible (deprecated)"),
-    ("::ffff:0:0:0/96", NEVER, "IPv4-translated (SIIT)"),
-    ("100::/64", NEVER, "discard-only (RFC 6666)"),
-    ("64:ff9b:1::/48", PRIVATE, "local-use NAT64 (RFC 8215)"),
-    ("fc00::/7", PRIVATE, "unique local (cloud metadata: fd00:ec2::254)"),
-    ("fe80::/10", PRIVATE, "link-local"),
-    ("fec0::/10", PRIVATE, "site-local (deprecated)"),
-    ("ff00::/8", NEVER, "multicast"),
-))
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_CACHE_SECONDS = 5.0
-
-
-class LocalAddresses:
-    """Whether an address is one of this host's own, by construction: the host can
-    ``bind()`` exactly its own addresses (every interface, every alias, every address a
-    container runtime or VPN added a second ago), so a throwaway bind is the test, cached
-    for a few seconds. Stops: reaching the host's services through its LAN or public
-    address (192.0.2.2:22) instead of 127.0.0.1. With ``net.ipv4.ip_nonlocal_bind=1``
-    every bind succeeds and every address is refused: fail closed."""
-
-    def __init__(self, ttl: float = _CACHE_SECONDS, max_entries: int = 1024):
-        self.ttl, self.max_entries = ttl, max_entries
-        self._cache: dict[IPAddress, tuple[bool, float]] = {}
-        self._lock = threading.Lock()
-
-    def __contains__(self, ip: object) -> bool:
-        address = ipaddress.ip_address(ip) if isinstance(ip, str) else ip
-        assert isinstance(address, (ipaddress.IPv4Address, ipaddress.IPv6Address)), ip
-        now = time.monotonic()
-        with self._lock:  # a bind() takes microseconds: no need to release the lock for it
-            hit = self._cache.get(address)
-            if hit is None or now - hit[1] >= self.ttl:
-                if len(self._cache) >= self.max_entries:  # bounded, whatever the sandbox asks for
-                    self._cache.clear()
-                hit = self._cache[address] = (_bindable(address), now)
-            return hit[0]
-
-
-def _bindable(ip: IPAddress) -> bool:
-    family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((str(ip), 0))
-        return True
-    except OSError as exc:
-        # Anything but "not an address of this host" (EMFILE, no IPv6): cannot tell, so mine.
-        return exc.errno != errno.EADDRNOTAVAIL
-
-
-def _embedded(ip: IPAddress) -> IPAddress | None:
-    """The IPv4 address an IPv6 one stands for (mapped, NAT64, 6to4): ``::ffff:127.0.0.1``
-    connects to 127.0.0.1, so it is judged as 127.0.0.1."""
-    if not isinstance(ip, ipaddress.IPv6Address):
-        return None
-    if ip.ipv4_mapped is not None or ip not in _NAT64:
-        return ip.ipv4_mapped or ip.sixtofour
-    return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-
-
-def classify_address(ip: str | IPAddress, *, local: LocalAddresses) -> tuple[str, str] | None:
-    """``(category, reason)`` if the address is refused, else None."""
-    try:
-        address = ipaddress.ip_address(ip) if isinstance(ip, str) else ip
-    except ValueError:
-        return NEVER, f"{ip!r} is not an IP address"
-    inner = _embedded(address)
-    both = (address,) if inner is None else (inner, address)
-    shown = str(address) if inner is None else f"{address} (= {inner})"
-    # A mapped address is its IPv4 address; NAT64 and 6to4 ones are judged both ways.
-    for candidate in both[:1] if getattr(address, "ipv4_mapped", None) else both:
-        for network, category, what in _RANGES:
-            if candidate in network:
-                return category, f"{shown} is {what}"
-    if any(candidate in local for candidate in both):
-        return OWN, f"{shown} is an address of this host"
-    return None
-
-
-def refusal_for_address(ip: str, *, local: LocalAddresses) -> str | None:
-    """Why ``ip`` may not be reached from a build (loopback, private, link-local, CGNAT,
-    ULA, multicast, broadcast, 0/8, the host's own), or None if it may."""
-    found = classify_address(ip, local=local)
-    return None if found is None else found[1]
 
 
 # -- host rules: allowed_hosts entries and index hosts ---------------------------------
-
-_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
-HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
-
-
-def normalize_host(host: str) -> str:
-    """Lowercase ASCII (IDNA), no trailing dot: the one spelling rules are compared in
-    (stops ``PyPI.org.`` or a full-width ``ｌｏｃａｌｈｏｓｔ`` slipping past a rule)."""
-    host = host.strip().rstrip(".")
-    try:
-        return host.encode("idna").decode("ascii").lower()
-    except UnicodeError:
-        return host.lower()
-
-
-def literal(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return None
-
 
 @dataclass(frozen=True)
 class HostRule:
@@ -252,13 +124,6 @@ def parse_host_rule(text: str, *, field: str = "allowed_hosts") -> HostRule:
     return HostRule(name=f".{name}" if wildcard else name, port=port)
 
 
-def _network(text: str) -> IPNetwork | None:
-    try:
-        return ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        return None
-
-
 @dataclass(frozen=True)
 class BuildNetwork:
     mode: str = "public"
@@ -291,158 +156,3 @@ def parse_build_network(mode: str, allowed_hosts: Iterable[str] = ()) -> BuildNe
                 raise PolicyError(f"allowed_hosts[{i}]: {hosts[i]!r} is never reachable from a build: {what}")
     kept = tuple(dict.fromkeys(str(r) for r in rules)) if normalized == "allowlist" else ()
     return BuildNetwork(str(normalized), kept)
-
-
-# -- the package indexes this machine is configured to use ------------------------------
-
-_PIP_KEYS = ("index-url", "extra-index-url", "find-links")
-_ENV_URLS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS",
-             "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL", "UV_INDEX", "UV_FIND_LINKS")
-
-
-def pip_config_files(env: Mapping[str, str]) -> list[Path]:
-    """Where pip looks: site-wide (XDG dirs, /etc/pip.conf), the user's, $PIP_CONFIG_FILE."""
-    home = Path(env.get("HOME") or os.path.expanduser("~"))
-    xdg_dirs = [Path(d) / "pip" / "pip.conf" for d in (env.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":") if d]
-    named = env.get("PIP_CONFIG_FILE") or os.devnull
-    return [*xdg_dirs, Path("/etc/pip.conf"), home / ".pip" / "pip.conf",
-            Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "pip" / "pip.conf",
-            *([Path(named)] if named != os.devnull else [])]
-
-
-def apt_source_files(root: Path = Path("/etc/apt")) -> list[Path]:
-    parts = root / "sources.list.d"
-    return [root / "sources.list", *sorted(parts.glob("*.list")), *sorted(parts.glob("*.sources"))]
-
-
-def index_hosts(*, env: Mapping[str, str] | None = None, pip_files: Iterable[Path] | None = None,
-                apt_files: Iterable[Path] | None = None) -> frozenset[str]:
-    """``host:port`` of every http(s) package index configured for pip, uv and apt here
-    (file:// and other schemes ignored; unreadable or malformed files skipped)."""
-    env = os.environ if env is None else env
-    urls: list[str] = []
-    for path in pip_config_files(env) if pip_files is None else pip_files:
-        urls += _pip_urls(Path(path))
-    for key in _ENV_URLS:
-        # UV_INDEX entries may be NAME=URL.
-        urls += [u.split("=", 1)[1] if "=" in u.split("://", 1)[0] else u for u in env.get(key, "").split()]
-    for path in apt_source_files() if apt_files is None else apt_files:
-        urls += _apt_urls(Path(path))
-    return frozenset(filter(None, map(_host_port, urls)))
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except (OSError, ValueError):  # missing, unreadable, a directory: no indexes from it
-        return ""
-
-
-def _pip_urls(path: Path) -> list[str]:
-    parser = configparser.RawConfigParser()
-    try:
-        parser.read_string(_read(path), source=str(path))
-    except configparser.Error as exc:
-        log.debug("index hosts: %s is not a valid pip configuration: %s", path, exc)
-        return []
-    return [url for section in parser.sections() for key, value in parser.items(section)
-            if key.replace("_", "-") in _PIP_KEYS for url in value.split()]
-
-
-def _apt_urls(path: Path) -> list[str]:
-    text = _read(path)
-    if path.suffix != ".sources":  # one-line style: deb [options] URI suite [components]
-        return [m.group(1) for line in text.splitlines()
-                if (m := re.match(r"\s*deb(?:-src)?\s+(?:\[[^\]]*\]\s*)?(\S+)", line))]
-    urls: list[str] = []
-    for stanza in re.split(r"\n\s*\n", text):  # deb822: the URIs: field (continued on indented lines)
-        stanza = "\n".join(line for line in stanza.splitlines() if not line.startswith("#"))
-        if not re.search(r"(?im)^enabled:\s*no\s*$", stanza) and (
-                found := re.search(r"(?im)^uris:(.*(?:\n[ \t].*)*)", stanza)):
-            urls += found.group(1).split()
-    return urls
-
-
-def _host_port(url: str) -> str | None:
-    try:
-        parts = urlsplit(url.strip())
-        host, port, scheme = parts.hostname, parts.port, parts.scheme.lower()
-    except ValueError:
-        return None
-    if scheme not in ("http", "https") or not host:
-        return None
-    host = normalize_host(host)
-    return f"{f'[{host}]' if ':' in host else host}:{port or (443 if scheme == 'https' else 80)}"
-
-
-# -- the host's own upstream proxy ---------------------------------------------------------
-
-@dataclass(frozen=True)
-class UpstreamProxy:
-    host: str
-    port: int
-    tls: bool = False
-    authorization: str | None = None  # a Proxy-Authorization value, from the URL's user:password
-
-    def __str__(self) -> str:  # never the credentials: this goes to logs
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
-
-
-def _proxy_url(text: str) -> UpstreamProxy | None:
-    if not text.strip():
-        return None
-    try:
-        parts = urlsplit(text.strip() if "://" in text else f"http://{text.strip()}")
-        host, port, scheme = parts.hostname, parts.port, parts.scheme.lower()
-    except ValueError:
-        host = None
-    if host is None or scheme not in ("http", "https"):
-        log.warning("build network: ignoring the upstream proxy %r (not an http:// or https:// URL)",
-                    text.rsplit("@", 1)[-1])
-        return None
-    auth = None
-    if parts.username is not None:
-        token = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
-        auth = "Basic " + base64.b64encode(token).decode("ascii")
-    return UpstreamProxy(host, port or (443 if scheme == "https" else 80), scheme == "https", auth)
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """The host's proxy variables: builds then go out through the host's proxy, as the
-    host's own programs do. ``Upstream()``: none, connect directly."""
-
-    http: UpstreamProxy | None = None
-    https: UpstreamProxy | None = None
-    no_proxy: tuple[str, ...] = ()
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Upstream:
-        env = os.environ if env is None else env
-
-        def first(*keys: str) -> str:
-            return next((env[k] for k in keys if env.get(k, "").strip()), "")
-
-        every = first("all_proxy", "ALL_PROXY")
-        return cls(_proxy_url(first("http_proxy", "HTTP_PROXY") or every),
-                   _proxy_url(first("https_proxy", "HTTPS_PROXY") or every),
-                   tuple(e.strip().lower() for e in re.split(r"[,\s]+", first("no_proxy", "NO_PROXY")) if e.strip()))
-
-    def for_target(self, host: str, port: int, *, tunnel: bool) -> UpstreamProxy | None:
-        """The proxy to go through for ``host:port``, or None for a direct connection."""
-        proxy = self.https if tunnel else self.http
-        return None if proxy is None or self._bypassed(host, port) else proxy
-
-    def _bypassed(self, host: str, port: int) -> bool:
-        address = literal(host)
-        for entry in self.no_proxy:
-            if entry == "*":
-                return True
-            name, sep, port_text = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
-            if sep and port_text != str(port):
-                continue
-            name = name.lstrip("*").lstrip(".")
-            network = _network(name.strip("[]")) if address is not None else None
-            if (address in network) if network is not None else (host == name or host.endswith("." + name)):
-                return True
-        return False

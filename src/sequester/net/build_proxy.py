@@ -18,6 +18,9 @@ Use: start bwrap with ``--block-fd`` and ``--info-fd``; read ``child-pid`` (and
 ``net-namespace``); ``proxy.serve(open_listener_in(pid, 3128, pidfd=..., net_namespace=...))``;
 give the command :func:`proxy_env` (3128); unblock; wait; ``proxy.close()`` (also when the
 sandbox died), then ``proxy.refusals`` for the build log.
+
+The bytes themselves (reading the head, connecting, splicing) are :mod:`.build_forward`'s;
+this module owns the listener, the connections' lifetime, and the decision.
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import SandboxError
 from .broker import _shared_loop
-from .build_network import (HOST_NAME, LOOPBACK, OWN, PRIVATE, BuildNetwork, HostRule, IPAddress, LocalAddresses,
-                            Upstream, UpstreamProxy, classify_address, literal, normalize_host, parse_host_rule)
-from .http import Refused, Request, origin_headers, parse_request_line, refusal, shorten
+from .build_addresses import (HOST_NAME, LOOPBACK, OWN, PRIVATE, IPAddress, LocalAddresses, classify_address, literal,
+                              normalize_host)
+from .build_forward import HEAD_LIMIT as _HEAD_LIMIT
+from .build_forward import connect_direct, connect_via, read_headers, respond, splice
+from .build_network import BuildNetwork, HostRule, parse_host_rule
+from .http import Refused, origin_headers, parse_request_line, refusal, shorten
 from .stats import BrokerStats
+from .upstream import Upstream, UpstreamProxy
 
 __all__ = ["BuildProxy", "BuildProxyStats", "proxy_env", "MAX_CONNECTIONS", "MAX_REFUSALS"]
 
@@ -42,7 +48,6 @@ log = logging.getLogger("sequester.net")
 
 MAX_CONNECTIONS = 64
 MAX_REFUSALS = 100  # kept for the build log (the first ones: usually the cause); all are counted
-_HEAD_LIMIT = 64 * 1024
 _MAX_ADDRESSES = 8  # of one name, tried in order
 
 
@@ -217,22 +222,24 @@ class BuildProxy:
         try:
             async with asyncio.timeout(self.head_timeout):  # one deadline for the whole head
                 first = await reader.readuntil(b"\r\n")
-                rest = await _read_headers(reader)
+                rest = await read_headers(reader)
             request = parse_request_line(first)
         except TimeoutError:
-            return await _respond(writer, 408, f"the request head did not arrive within {self.head_timeout:g} s")
+            return await respond(writer, 408, f"the request head did not arrive within {self.head_timeout:g} s")
         except asyncio.LimitOverrunError:
-            return await _respond(writer, 400, "request head too large")
+            return await respond(writer, 400, "request head too large")
         except Refused as refused:
-            return await _respond(writer, refused.status, refused.reason)
+            return await respond(writer, refused.status, refused.reason)
         host = normalize_host(request.host)
         target = shorten(f"[{host}]:{request.port}" if ":" in host else f"{host}:{request.port}")
         try:
             addresses, proxy = await self._decide(host, request.port, request.tunnel, target)
-            up_reader, up_writer = await (self._via(proxy, host, request, rest) if proxy is not None
-                                          else self._direct(addresses, request.port, target))
+            timeout = self.connect_timeout
+            up_reader, up_writer = await (connect_via(proxy, host, request, rest, timeout=timeout, stats=self.stats)
+                                          if proxy is not None else
+                                          connect_direct(addresses, request.port, target, timeout=timeout))
         except Refused as refused:
-            return await _respond(writer, refused.status, refused.reason)
+            return await respond(writer, refused.status, refused.reason)
         self._transports.add(up_writer.transport)
         try:
             if request.tunnel:
@@ -241,7 +248,7 @@ class BuildProxy:
                 head = request.line + origin_headers(rest)
                 self.stats.bytes_out += len(head)
                 up_writer.write(head)
-            await self._splice(reader, writer, up_reader, up_writer)
+            await splice(reader, writer, up_reader, up_writer, idle_timeout=self.idle_timeout, stats=self.stats)
         finally:
             self._transports.discard(up_writer.transport)
             up_writer.transport.abort()
@@ -328,92 +335,9 @@ class BuildProxy:
                 found.append(ip)
         return found[:_MAX_ADDRESSES]
 
-    # -- connecting -----------------------------------------------------------------------
-
-    async def _direct(self, addresses: list[IPAddress], port: int,
-                      target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        errors = []
-        for ip in addresses:  # exactly the addresses checked: no second lookup to rebind
-            try:
-                return await asyncio.wait_for(asyncio.open_connection(str(ip), port), self.connect_timeout)
-            except (OSError, TimeoutError) as exc:
-                errors.append(f"{ip}: {exc or 'timed out'}")
-        raise Refused(502, f"cannot connect to {target}: {'; '.join(errors)}")
-
-    async def _via(self, proxy: UpstreamProxy, host: str, request: Request,
-                   rest: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Through the host's upstream proxy, by name."""
-        name = f"[{host}]" if ":" in host else host
-        auth = f"Proxy-Authorization: {proxy.authorization}\r\n".encode() if proxy.authorization else b""
-        writer = None
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(
-                    proxy.host, proxy.port, limit=_HEAD_LIMIT,
-                    ssl=ssl.create_default_context() if proxy.tls else None)
-                if not request.tunnel:
-                    method, path, version = request.line.split()
-                    line = b"%s http://%s:%d%s %s\r\n" % (method, name.encode(), request.port, path, version)
-                    head = line + auth + origin_headers(rest)
-                    self.stats.bytes_out += len(head)
-                    writer.write(head)
-                    return reader, writer
-                writer.write(f"CONNECT {name}:{request.port} HTTP/1.1\r\nHost: {name}:{request.port}\r\n".encode()
-                             + auth + b"\r\n")
-                answer = await reader.readuntil(b"\r\n\r\n")
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-            if writer is not None:
-                writer.transport.abort()
-            raise Refused(502, f"the upstream proxy {proxy} failed: {exc or 'timed out'}") from None
-        status = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
-        if status.split()[1:2] != ["200"]:
-            writer.transport.abort()
-            raise Refused(502, f"the upstream proxy {proxy} answered {shorten(status)!r}")
-        return reader, writer
-
-    async def _splice(self, a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
-                      b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.idle_timeout) as idle:
-                async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool) -> None:
-                    try:
-                        while data := await src.read(65536):
-                            idle.reschedule(loop.time() + self.idle_timeout)  # a byte either way: not idle
-                            self.stats.bytes_in += len(data) if inbound else 0
-                            self.stats.bytes_out += 0 if inbound else len(data)
-                            dst.write(data)
-                            await dst.drain()
-                        if dst.can_write_eof():
-                            dst.write_eof()
-                    except (ConnectionError, OSError):  # one side broke: end both
-                        a_writer.transport.abort()
-                        b_writer.transport.abort()
-
-                await asyncio.gather(pump(a_reader, b_writer, False), pump(b_reader, a_writer, True))
-        except TimeoutError:
-            log.debug("build proxy: a connection was idle for %g s", self.idle_timeout)
-
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-async def _read_headers(reader: asyncio.StreamReader) -> bytes:
-    head = b""
-    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
-        head += line
-        if len(head) > _HEAD_LIMIT:
-            raise asyncio.LimitOverrunError("request head too large", len(head))
-    return head
-
-
-async def _respond(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
-    writer.write(refusal(status, reason))
-    try:
-        await writer.drain()
-    except ConnectionError:
-        pass

@@ -142,7 +142,12 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
             said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
             raise SandboxError(f"bwrap failed to create the sandbox: {said or 'no message'}")
         pid = info["child-pid"]
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # the sandbox failed right after it was made (a mount)
+            popen.wait()
+            said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
+            raise SandboxError(f"bwrap failed to set up the sandbox: {said or 'no message'}") from None
         on_failure.callback(close_fd, pidfd)
         if needs_map:
             for name in ("uid_map", "gid_map"):
