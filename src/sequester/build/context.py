@@ -13,6 +13,7 @@ read-only mount of the context.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import tarfile
@@ -85,12 +86,22 @@ def _python_reads(path: Path) -> bool:
                          "extracted here; use a gzip or xz tar)") from None
 
 
+def _entry(digest: "hashlib._Hash", *fields: object) -> None:
+    """One entry's header: a JSON line, so that no name or link target (a newline in it)
+    can make two different contexts hash alike (attack: a shared cache key)."""
+    digest.update(json.dumps(fields).encode() + b"\n")
+
+
 def _digest_file(path: Path, root: Path, digest: "hashlib._Hash") -> None:
     st = path.lstat()
-    digest.update(f"F {path.relative_to(root).as_posix()} {stat.S_IMODE(st.st_mode):o} {st.st_size}\n".encode())
+    _entry(digest, "F", path.relative_to(root).as_posix(), stat.S_IMODE(st.st_mode), st.st_size)
+    left = st.st_size  # exactly the size the header says: the content cannot run into the next header
     with open(path, "rb") as f:
-        while chunk := f.read(_READ):
+        while left > 0 and (chunk := f.read(min(_READ, left))):
             digest.update(chunk)
+            left -= len(chunk)
+    if left:
+        raise BuildError(f"{path}: the file changed while it was read")
 
 
 def _digest_tree(top: Path, root: Path, digest: "hashlib._Hash") -> None:
@@ -98,14 +109,14 @@ def _digest_tree(top: Path, root: Path, digest: "hashlib._Hash") -> None:
     while stack:
         folder = stack.pop()
         st = folder.lstat()
-        digest.update(f"D {folder.relative_to(root).as_posix()} {stat.S_IMODE(st.st_mode):o}\n".encode())
+        _entry(digest, "D", folder.relative_to(root).as_posix(), stat.S_IMODE(st.st_mode))
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
         for entry in entries:
             path = Path(entry.path)
             mode = entry.stat(follow_symlinks=False).st_mode
             if stat.S_ISLNK(mode):
-                digest.update(f"L {path.relative_to(root).as_posix()} {os.readlink(path)}\n".encode())
+                _entry(digest, "L", path.relative_to(root).as_posix(), os.readlink(path))
             elif stat.S_ISDIR(mode):
                 stack.append(path)
             else:

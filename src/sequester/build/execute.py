@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..images.stack import image_path_kind, resolve_user
-from ..errors import ImageError
+from ..errors import ImageError, SandboxError
 from ..sandbox.mounts import MountKind, MountOp
 from ..verifier.layout import RUNNER_MOUNT
 from .context import context_sources
@@ -80,12 +80,15 @@ def execute_step(step: RunStep | CopyStep | WorkdirStep, lowers: Sequence[Path],
                  ctx: StepContext) -> StepOutcome:
     """Run ``step`` on ``lowers`` writing into ``upper``; :class:`BuildError` if it fails."""
     where = f"{ctx.source}:{step.line}"
-    if isinstance(step, RunStep):
-        return _run(step, lowers, upper, work, ctx, where)
-    if isinstance(step, WorkdirStep) and image_path_kind(lowers, step.path) == "dir":
-        upper.mkdir(parents=True, exist_ok=True)  # nothing to make: an empty layer
-        return StepOutcome(0, b"", 0.0)
-    return _copy(step, lowers, upper, work, ctx, where)
+    try:
+        if isinstance(step, RunStep):
+            return _run(step, lowers, upper, work, ctx, where)
+        if isinstance(step, WorkdirStep) and image_path_kind(lowers, step.path) == "dir":
+            upper.mkdir(parents=True, exist_ok=True)  # nothing to make: an empty layer
+            return StepOutcome(0, b"", 0.0)
+        return _copy(step, lowers, upper, work, ctx, where)
+    except SandboxError as exc:
+        raise BuildError(f"{where}: the step's sandbox could not be made: {exc}") from None
 
 
 def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: StepContext,
@@ -145,7 +148,9 @@ def _copy(step: CopyStep | WorkdirStep, lowers: Sequence[Path], upper: Path, wor
         elif local:
             layers = (ctx.stage_layers(step.from_stage) if step.from_stage is not None
                       else ctx.image_layers(step.from_image or ""))
-            if len(layers) == 1:
+            if not layers:  # an empty stage (FROM scratch, nothing added): nothing to copy from
+                mounts.append(MountOp(MountKind.TMPFS, _SRC))
+            elif len(layers) == 1:
                 mounts.append(MountOp(MountKind.READONLY, _SRC, source=layers[0]))
             else:
                 mounts.append(MountOp(MountKind.OVERLAY, _SRC, lowers=tuple(layers)))

@@ -26,38 +26,65 @@ from ..images.stack import image_path_kind
 
 __all__ = ["drop_mount_stubs", "commit_layer", "layer_size"]
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SCAN_LIMIT = 2_000_000  # entries counted for a layer's size; beyond, the size is a lower bound
 
 
 def drop_mount_stubs(upper: Path, lowers: Sequence[Path], stubs: Iterable[str]) -> None:
     """Remove from ``upper`` the empty folders bwrap made as mount points (``stubs``,
-    relative paths, parents listed too), deepest first, where no lower layer has them."""
+    relative paths, parents listed too), deepest first, where no lower layer has them.
+
+    Attack: the step replaced ``/opt`` with a link to a host folder; a path-based rmdir of
+    ``opt/sequester-verifier`` would then remove the host's. Every part is opened with
+    ``O_NOFOLLOW`` from the layer's own folder, and the rmdir is relative to its parent."""
     for rel in sorted(set(stubs), key=lambda p: -p.count("/")):
-        path = upper / rel
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            continue
-        below = image_path_kind(lowers, rel)
-        # A folder the layers below have, copied up only because a mount point was made
-        # in it, says nothing new: unless the step made it opaque (replaced it).
-        if below == "dir" and _opaque(path):
-            continue
-        if below not in ("none", "dir"):
+        *parents, name = rel.split("/")
+        parent = _open_parent(upper, parents)
+        if parent is None:
             continue
         try:
-            os.rmdir(path)  # only if empty: something the step wrote there stays
+            st = os.lstat(name, dir_fd=parent)
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            below = image_path_kind(lowers, rel)
+            # A folder the layers below have, copied up only because a mount point was
+            # made in it, says nothing new: unless the step made it opaque (replaced it).
+            if below not in ("none", "dir") or below == "dir" and _opaque(parent, name):
+                continue
+            os.rmdir(name, dir_fd=parent)  # only if empty: something the step wrote there stays
         except OSError:
             pass
+        finally:
+            os.close(parent)
 
 
-def _opaque(path: Path) -> bool:
+def _open_parent(upper: Path, parts: Sequence[str]) -> int | None:
     try:
-        return os.getxattr(path, "user.overlay.opaque", follow_symlinks=False) == b"y"
+        fd = os.open(upper, _DIR)
+    except OSError:
+        return None
+    for part in parts:
+        try:
+            nfd = os.open(part, _DIR, dir_fd=fd)
+        except OSError:  # missing, or a link: nothing of ours is below it
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = nfd
+    return fd
+
+
+def _opaque(parent: int, name: str) -> bool:
+    try:
+        fd = os.open(name, _DIR, dir_fd=parent)
     except OSError:
         return False
+    try:
+        return os.getxattr(fd, "user.overlay.opaque") == b"y"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def layer_size(folder: Path) -> tuple[int, int]:

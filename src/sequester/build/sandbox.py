@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..episodes.cgroup_limits import make_limit_groups
+from ..episodes.nsexec import shared_nsexec
+from ..errors import SequesterError
 from ..guard import seccomp
 from ..sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from ..sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
@@ -97,7 +99,9 @@ def step_spec(run: StepRun, *, network: bool) -> SandboxSpec:
     return SandboxSpec(
         mounts=tuple(mounts), command=run.argv, env=env, cwd=Path(run.cwd), identity=Identity.ROOT,
         caps=CONTAINER_CAPS if run.uid == 0 else (), uid=run.uid, gid=run.gid, hostname=run.hostname,
-        readonly_root=False, seccomp=seccomp.compile_filter("build"), hold=network,
+        # Held until the host has put the step in its limits (and opened its proxy): a
+        # command that ran at once could fork before them.
+        readonly_root=False, seccomp=seccomp.compile_filter("build"), hold=True,
     )
 
 
@@ -129,17 +133,28 @@ def run_step(run: StepRun, *, timeout: float | None, proxy=None,
     groups, _ = make_limit_groups(f"sequester-{os.getpid()}-build{next(_serial)}", memory_mb=None, cpus=None,
                                   pids=max_processes)
     try:
-        if groups is not None:
-            groups.enrol(started.pid)
-        resource.prlimit(started.pid, resource.RLIMIT_NPROC, (max_processes, max_processes))
-        if proxy is not None:
-            from ..net.netns_listener import open_listener_in
-            # The pidfd and the namespace bwrap reported: a recycled pid cannot hand us
-            # another process's network namespace.
-            listener = open_listener_in(started.pid, _PROXY_PORT, pidfd=started.pidfd,
-                                        net_namespace=started.net_namespace)
-            proxy.serve(listener)
-        started.release()
+        try:
+            if groups is not None:
+                groups.enrol(started.pid)
+            resource.prlimit(started.pid, resource.RLIMIT_NPROC, (max_processes, max_processes))
+            # Attack (a root caller's step is host uid 0): procfs lets host uid 0 write the
+            # kernel's settings (core_pattern: a program run as host root) whatever its
+            # capabilities, and chmod the host's own /dev/null that bwrap binds. Both are
+            # made read-only, as for an episode, before the command exists.
+            shared_nsexec().harden(started.pid)
+            if proxy is not None:
+                from ..net.netns_listener import open_listener_in
+                # The pidfd and the namespace bwrap reported: a recycled pid cannot hand us
+                # another process's network namespace.
+                listener = open_listener_in(started.pid, _PROXY_PORT, pidfd=started.pidfd,
+                                            net_namespace=started.net_namespace)
+                proxy.serve(listener)
+            started.release()
+        except (OSError, SequesterError):
+            if _alive(started):
+                raise  # fail closed: a step whose limits or hardening did not take never runs
+            # else bwrap died making the sandbox (a mount it could not make): its message is
+            # in the output, and its exit status is the step's
         status = _wait(started, timeout)
     finally:
         started.kill()
@@ -150,6 +165,10 @@ def run_step(run: StepRun, *, timeout: float | None, proxy=None,
             refusals = tuple(proxy.refusals)
         reader.join(5)
     return StepOutcome(status, tail.data, time.monotonic() - started_at, refusals)
+
+
+def _alive(started: StartedBwrap) -> bool:
+    return not select.select([started.pidfd], [], [], 0)[0]
 
 
 def _wait(started: StartedBwrap, timeout: float | None) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,15 +64,25 @@ def collect_garbage(self: ImageStore) -> int:
 
 
 def _size(path: Path) -> int:
+    """Bytes on disk below ``path``, walked without recursion or links (a layer a build
+    wrote can be thousands of folders deep: os.walk's recursion would end every prune)."""
     total = 0
+    stack = [str(path)]
     try:
-        if path.is_dir() and not path.is_symlink():
-            for root, _, files in os.walk(path):
-                for f in files:
-                    with contextlib.suppress(OSError):
-                        total += os.lstat(os.path.join(root, f)).st_blocks * 512
-        else:
-            total = path.lstat().st_blocks * 512
+        st = path.lstat()
     except OSError:
-        pass
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_blocks * 512
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    with contextlib.suppress(OSError):
+                        info = entry.stat(follow_symlinks=False)
+                        total += info.st_blocks * 512
+                        if stat.S_ISDIR(info.st_mode):
+                            stack.append(entry.path)
+        except OSError:
+            continue
     return total

@@ -142,10 +142,27 @@ def image_path_kind(layers: Sequence[Path], path: str) -> str:
             if i == len(parts) - 1:
                 return "dir"
             if _opaque(here) and i < len(parts) - 1:
-                # what is below an opaque folder comes from this layer only
-                rest = here.joinpath(*parts[i + 1:])
-                return "dir" if rest.is_dir() and not rest.is_symlink() else "none"
+                # What is below an opaque folder comes from this layer only. Looked up one
+                # part at a time, never following a link (attack: a link there made the
+                # host answer for a host folder, and a mount point went through it).
+                return _kind_in_layer(here, parts[i + 1:])
     return "none"
+
+
+def _kind_in_layer(here: Path, parts: Sequence[str]) -> str:
+    for i, part in enumerate(parts):
+        try:
+            st = os.lstat(here / part)
+        except FileNotFoundError:
+            return "none"
+        except OSError:
+            return "other"
+        if _is_whiteout(st):
+            return "none"
+        if not stat.S_ISDIR(st.st_mode):
+            return "other"
+        here = here / part
+    return "dir"
 
 
 def _lookup(table: bytes | None, name: str, field: int) -> int | None:

@@ -130,10 +130,20 @@ class ImageStore:
             wanted.add(str(parse_reference(name)))
         except ImageError:
             pass
+        # Names first, then a whole id or digest, then a bare id prefix that only one image
+        # has (attack: "ghcr.io/a/b:1" read as the prefix "1" of another image's id, so a
+        # FROM or COPY --from got whichever image's id began with it).
         for r in records:
-            if wanted & set(r.names) or name in (r.id, r.source_digest) or (
-                    len(name) >= 12 and hex_of(r.id).startswith(hex_of(name))):
+            if wanted & set(r.names):
                 return r
+        for r in records:
+            if name in (r.id, r.source_digest):
+                return r
+        prefix = name.removeprefix("sha256:")
+        if len(prefix) >= 12 and all(c in "0123456789abcdef" for c in prefix):
+            matches = [r for r in records if hex_of(r.id).startswith(prefix)]
+            if len(matches) == 1:
+                return matches[0]
         return None
 
     def last_used(self, record: ImageRecord) -> float:

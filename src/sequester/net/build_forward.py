@@ -30,13 +30,51 @@ HEAD_LIMIT = 64 * 1024
 
 
 async def read_headers(reader: asyncio.StreamReader) -> bytes:
-    """The header lines after the request line, up to the blank line (not included)."""
+    """The header lines after the request line, up to the blank line (not included).
+
+    Attack (request smuggling): a bare LF, CR or NUL inside a line ends the head early at
+    a lenient server or upstream proxy, and what follows is a second request nobody
+    checked. Such a line is refused."""
     head = b""
     while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        if any(c in line[:-2] for c in (b"\r", b"\n", b"\0")):
+            raise Refused(400, "a header line holds a bare CR, LF or NUL")
         head += line
         if len(head) > HEAD_LIMIT:
             raise asyncio.LimitOverrunError("request head too large", len(head))
     return head
+
+
+def body_length(head: bytes) -> int:
+    """The request body's length (Content-Length; none: 0). Attack: bytes after the body
+    are a second request on the same connection (to an upstream proxy: to any host), so
+    only the declared body is forwarded; a chunked or ambiguous body is refused."""
+    lengths = set()
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            raise Refused(400, "a request body with Transfer-Encoding is not forwarded by the build proxy")
+        if name == b"content-length":
+            lengths.add(value.strip())
+    if not lengths:
+        return 0
+    if len(lengths) > 1 or not next(iter(lengths)).isdigit():
+        raise Refused(400, "the request's Content-Length is ambiguous")
+    return int(next(iter(lengths)))
+
+
+async def forward_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int,
+                       stats: BuildProxyStats) -> None:
+    """Exactly ``length`` bytes of the sandbox's request body, then nothing more from it."""
+    while length > 0:
+        data = await reader.read(min(65536, length))
+        if not data:
+            break
+        length -= len(data)
+        stats.bytes_out += len(data)
+        writer.write(data)
+        await writer.drain()
 
 
 async def respond(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
@@ -90,11 +128,12 @@ async def connect_via(proxy: UpstreamProxy, host: str, request: Request, rest: b
     return reader, writer
 
 
-async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
+async def splice(a_reader: asyncio.StreamReader | None, a_writer: asyncio.StreamWriter,
                  b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter, *, idle_timeout: float,
                  stats: BuildProxyStats) -> None:
-    """Copy both ways (``a`` is the sandbox's side) until both end, one breaks, or
-    ``idle_timeout`` passes without a byte either way."""
+    """Copy both ways (``a`` is the sandbox's side; ``a_reader`` None: only the answer
+    comes back) until both end, one breaks, or ``idle_timeout`` passes without a byte
+    either way."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(idle_timeout) as idle:
@@ -112,6 +151,9 @@ async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
                     a_writer.transport.abort()
                     b_writer.transport.abort()
 
-            await asyncio.gather(pump(a_reader, b_writer, False), pump(b_reader, a_writer, True))
+            pumps = [pump(b_reader, a_writer, True)]
+            if a_reader is not None:
+                pumps.append(pump(a_reader, b_writer, False))
+            await asyncio.gather(*pumps)
     except TimeoutError:
         log.debug("build proxy: a connection was idle for %g s", idle_timeout)

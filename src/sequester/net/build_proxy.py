@@ -36,7 +36,7 @@ from .broker import _shared_loop
 from .build_addresses import (HOST_NAME, LOOPBACK, OWN, PRIVATE, IPAddress, LocalAddresses, classify_address, literal,
                               normalize_host)
 from .build_forward import HEAD_LIMIT as _HEAD_LIMIT
-from .build_forward import connect_direct, connect_via, read_headers, respond, splice
+from .build_forward import body_length, connect_direct, connect_via, forward_body, read_headers, respond, splice
 from .build_network import BuildNetwork, HostRule, parse_host_rule
 from .http import Refused, origin_headers, parse_request_line, refusal, shorten
 from .stats import BrokerStats
@@ -233,6 +233,7 @@ class BuildProxy:
         host = normalize_host(request.host)
         target = shorten(f"[{host}]:{request.port}" if ":" in host else f"{host}:{request.port}")
         try:
+            length = 0 if request.tunnel else body_length(rest)
             addresses, proxy = await self._decide(host, request.port, request.tunnel, target)
             timeout = self.connect_timeout
             up_reader, up_writer = await (connect_via(proxy, host, request, rest, timeout=timeout, stats=self.stats)
@@ -244,11 +245,14 @@ class BuildProxy:
         try:
             if request.tunnel:
                 writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
-            elif proxy is None:
-                head = request.line + origin_headers(rest)
-                self.stats.bytes_out += len(head)
-                up_writer.write(head)
-            await splice(reader, writer, up_reader, up_writer, idle_timeout=self.idle_timeout, stats=self.stats)
+            else:
+                if proxy is None:
+                    head = request.line + origin_headers(rest)
+                    self.stats.bytes_out += len(head)
+                    up_writer.write(head)
+                await forward_body(reader, up_writer, length, self.stats)
+            await splice(reader if request.tunnel else None, writer, up_reader, up_writer,
+                         idle_timeout=self.idle_timeout, stats=self.stats)
         finally:
             self._transports.discard(up_writer.transport)
             up_writer.transport.abort()
