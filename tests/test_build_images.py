@@ -268,3 +268,17 @@ ENV PIP_CERT=/etc/ssl/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN pip install --break-system-packages --no-cache-dir six==1.17.0 && python3 -c "import six; print(six.__version__)" > /six
 """, {"host-ca.crt": bundle.read_text()}, network=BuildNetwork("public"))
     assert _file(base_store, result.record, "/six") == "1.17.0\n"
+
+
+def test_a_layer_built_with_the_network_does_not_serve_a_build_without_it(base_store, runner, tmp_path):
+    dockerfile = f"FROM {BASE}\nRUN echo fetched > /got\nRUN --network=none echo offline > /off\n"
+    public = _build(base_store, runner, tmp_path / "net", dockerfile, network=BuildNetwork("public"))
+    assert not public.cached
+    again = _build(base_store, runner, tmp_path / "net", dockerfile, network=BuildNetwork("public"))
+    assert again.cached
+    closed = _build(base_store, runner, tmp_path / "net", dockerfile, network=BuildNetwork("none"))
+    assert [s.cached for s in closed.steps] == [False, False]  # the first RUN could reach the network
+    offline_only = _build(base_store, runner, tmp_path / "net2", f"FROM {BASE}\nRUN --network=none echo x > /x\n",
+                          network=BuildNetwork("public"))
+    assert _build(base_store, runner, tmp_path / "net2", f"FROM {BASE}\nRUN --network=none echo x > /x\n",
+                  network=BuildNetwork("none")).cached and not offline_only.cached

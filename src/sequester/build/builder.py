@@ -38,7 +38,7 @@ from .layer import commit_layer, drop_mount_stubs
 from .parse import parse_dockerfile
 from .plan import StagePlanner, needed_stages, stage_graph
 from .record import built_layer, write_built_image
-from .steps import ConfigStep, CopyStep, Step
+from .steps import ConfigStep, CopyStep, RunStep, Step
 
 __all__ = ["BuildOptions", "StepReport", "BuildResult", "BuildReporter", "build_image"]
 
@@ -190,7 +190,7 @@ def _plan_stage(store: ImageStore, df, base, stages: dict[int, _Stage], names: d
     planner = StagePlanner(df, base.index, config, options.build_args, names)
     planned: list[_Planned] = []
     for step in planner.steps():
-        content = _content(store, step, stages, context, source)
+        content = _content(store, step, stages, context, source) + _network_key(step, options)
         key = step_key(key, step.key_text, content)
         planned.append(_Planned(step, key, content))
     label = df.stages[base.index].name or f"stage-{base.index}"
@@ -219,6 +219,17 @@ def _content(store: ImageStore, step: Step, stages: dict[int, _Stage], context: 
     if not local:
         return ""
     return "context " + context_sources(step, context, source).digest
+
+
+def _network_key(step: Step, options: BuildOptions) -> str:
+    """A step that can reach the network is keyed by what it could reach: a layer a
+    ``public`` build fetched must not serve an ``allowlist`` or ``none`` build."""
+    uses = (isinstance(step, RunStep) and step.network != "none") or (
+        isinstance(step, CopyStep) and step.add and any(s.startswith(("http://", "https://")) for s in step.sources))
+    if not uses:
+        return ""
+    network = options.network
+    return f"\nnetwork {network.mode} {' '.join(sorted(network.allowed_hosts)) if network.mode == 'allowlist' else ''}"
 
 
 def _image_layers(store: ImageStore, ref: str) -> tuple[Path, ...]:
