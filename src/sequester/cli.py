@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -25,7 +24,7 @@ from rich.table import Table
 from . import __version__
 from .config import Config, load_config
 from .cli_images import add_image_commands
-from .cli_build import add_build_command
+from .cli_build import add_build_command, positive
 from .errors import ImageError, PolicyError, SequesterError, TaskError
 from .images.settings import IMAGE_SOURCES
 from .policy import Policy
@@ -211,21 +210,6 @@ def _jobs_dir(output: str) -> Path:
     return path.resolve()
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse type: a positive ``kind``; the error names the value."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sequester", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
@@ -246,13 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run an agent on tasks, one episode each, and score them")
     p.add_argument("tasks", nargs="+", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
     p.add_argument("--agent", required=True, metavar="AGENT", help="oracle, nop, script:PATH or module:Class")
-    p.add_argument("-n", "--concurrency", type=_positive(int), default=4, metavar="N",
+    p.add_argument("-n", "--concurrency", type=positive(int), default=4, metavar="N",
                    help="trials at a time (default: 4)")
     p.add_argument("-o", "--output", default="jobs", metavar="JOBS_DIR", help="where job folders go (default: jobs)")
     p.add_argument("--job-name", metavar="NAME", help="the job's folder name (default: the time, YYYY-MM-DD__HH-MM-SS)")
     p.add_argument("--config", metavar="FILE",
                    help="config file ([episodes] is used; every table is checked); default: the embedded one")
-    p.add_argument("--exec-timeout", type=_positive(float), metavar="S", help="default seconds per agent command")
+    p.add_argument("--exec-timeout", type=positive(float), metavar="S", help="default seconds per agent command")
     p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
     p.add_argument("--verifier-env", choices=["shared", "separate"],
                    help="run the tests in the agent's environment (shared) or in a fresh one holding only the task's artifacts")

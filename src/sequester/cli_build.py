@@ -10,6 +10,7 @@ say why), 2 for bad input (no such task, a malformed task.toml, a bad option).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from .errors import ImageError, PolicyError
 from .images import ImageStore
 from .images.settings import BUILD_NETWORKS
 
-__all__ = ["add_build_command"]
+__all__ = ["add_build_command", "positive"]
 
 _err = Console(stderr=True)
 
@@ -97,20 +98,25 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 120 else line[:117] + "..."
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive")
-    return value
+def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a positive ``kind``; the error names the value."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+        return value
+
+    return parse
 
 
 def add_build_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build tasks' Dockerfiles into the image store (no daemon)")
     p.add_argument("tasks", nargs="+", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
-    p.add_argument("-n", "--concurrency", type=_positive_int, default=2, metavar="N",
+    p.add_argument("-n", "--concurrency", type=positive(int), default=2, metavar="N",
                    help="tasks built at a time (default: 2)")
     p.add_argument("--no-cache", action="store_true", help="run every step again (the new layers become the cache)")
     p.add_argument("--build-network", choices=list(BUILD_NETWORKS),

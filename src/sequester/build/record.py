@@ -8,12 +8,11 @@ no blob: its ``digest`` and ``diff_id`` both name its folder, with a media type 
 
 from __future__ import annotations
 
-import fcntl
 import time
 from collections.abc import Sequence
 
 from ..images.manifest import ImageConfig, config_document
-from ..images.records import ImageRecord, LayerRef, write_record
+from ..images.records import ImageRecord, LayerRef
 from ..images.store import ImageStore
 from ..images.synth import write_json_blob
 
@@ -42,23 +41,12 @@ def write_built_image(store: ImageStore, config: ImageConfig, layers: Sequence[L
     manifest_digest, _ = write_json_blob(store, manifest)
     final = ImageConfig(**{**config.__dict__, "diff_ids": tuple(layer.diff_id for layer in layers),
                            "platform": config.platform or plat})
-    with store._lock("lock", fcntl.LOCK_EX):
-        existing = store.find(manifest_digest)
-        names = list(existing.names) if existing else []
-        if name and name not in names:
-            names.append(name)
-            for other in store.records():  # a name belongs to one image: the newest
-                if other.id != manifest_digest and name in other.names:
-                    write_record(store.root / "images", _renamed(other, tuple(n for n in other.names if n != name)))
-        record = ImageRecord(id=manifest_digest, names=tuple(names), source=source, source_digest=None,
-                             config_digest=config_digest, config=final, layers=tuple(layers),
-                             size=sum(layer.size for layer in layers),
-                             created=existing.created if existing else time.time())
-        if existing is None or existing.names != record.names:
-            write_record(store.root / "images", record)
-    return record
+    def make(existing: ImageRecord | None, names: tuple[str, ...]) -> ImageRecord:
+        return ImageRecord(id=manifest_digest, names=names, source=source, source_digest=None,
+                           config_digest=config_digest, config=final, layers=tuple(layers),
+                           size=sum(layer.size for layer in layers),
+                           created=existing.created if existing else time.time())
+
+    return store.save_record(manifest_digest, name, make)
 
 
-def _renamed(record: ImageRecord, names: tuple[str, ...]) -> ImageRecord:
-    from dataclasses import replace
-    return replace(record, names=names)

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ImageError
 
 __all__ = ["DIGEST", "Platform", "host_platform", "Descriptor", "ImageConfig", "config_document", "Manifest", "parse_json",
+           "declared_compression",
            "select_platform", "parse_manifest", "parse_config", "sha256_digest", "is_index", "INDEX_TYPES"]
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -212,3 +213,12 @@ def config_document(config: ImageConfig) -> dict[str, Any]:
     if config.healthcheck:
         doc["Healthcheck"] = {"Test": list(config.healthcheck)}
     return doc
+
+
+def declared_compression(media_type: str) -> str:
+    """The compression a layer's media type declares ("gzip", "zstd" or "")."""
+    if media_type.endswith(("+gzip", ".tar.gzip")) or "gzip" in media_type:
+        return "gzip"
+    if "zstd" in media_type:
+        return "zstd"
+    return ""

@@ -22,11 +22,15 @@ import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ImageError
 from .manifest import Platform
 
-__all__ = ["skopeo_path", "inspect_argv", "copy_argv", "run_skopeo", "POLICY"]
+if TYPE_CHECKING:
+    from .progress import Progress
+
+__all__ = ["skopeo_path", "inspect_argv", "copy_argv", "run_skopeo", "POLICY", "select_manifest", "progress_lines"]
 
 log = logging.getLogger("sequester.images")
 
@@ -127,3 +131,21 @@ def _reason(stderr: str) -> str:
             return m.group(1).replace('\\"', '"')
     text = stderr.strip().splitlines()
     return text[-1][:2000] if text else "skopeo failed and said nothing"
+
+
+def select_manifest(index: dict, what: str) -> str:
+    entries = index.get("manifests")
+    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
+        raise ImageError(f"{what}: the fetched layout does not hold exactly one image")
+    digest = entries[0].get("digest")
+    if not isinstance(digest, str):
+        raise ImageError(f"{what}: the fetched layout's index has no digest")
+    return digest
+
+
+def progress_lines(progress: "Progress"):
+    """skopeo's 'Copying blob' lines as progress notes."""
+    def on_line(line: str) -> None:
+        if line.startswith("Copying blob"):
+            progress.note(line)
+    return on_line

@@ -32,14 +32,14 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ImageError
 from . import skopeo as sk
 from .credentials import authfile_for
-from .manifest import (DIGEST, INDEX_TYPES, Descriptor, Platform, host_platform, is_index, parse_config, parse_json, parse_manifest,
+from .manifest import (DIGEST, INDEX_TYPES, Descriptor, declared_compression, Platform, host_platform, is_index, parse_config, parse_json, parse_manifest,
                        select_platform, sha256_digest)
 from .progress import NO_PROGRESS, Progress
 from .records import ImageRecord, LayerRef, hex_of, read_record, write_record
@@ -237,7 +237,7 @@ class ImageStore:
                 location = f"docker://{fetch.name}@{chosen}"
                 progress.phase(f"pulling {ref.short}", None)
                 sk.run_skopeo(sk.copy_argv(skopeo, location, tmp / "layout", self.root / "blobs", tls_verify=tls,
-                                           authfile=authfile, **common), what, on_line=_progress_lines(progress))
+                                           authfile=authfile, **common), what, on_line=sk.progress_lines(progress))
             fetched_from = location
         else:
             if source.kind is SourceKind.OCI_LAYOUT:
@@ -245,10 +245,10 @@ class ImageStore:
             progress.phase(f"importing {Path(source.location).name}", None)
             sk.run_skopeo(sk.copy_argv(skopeo, source.skopeo, tmp / "layout", self.root / "blobs",
                                        daemon_host=os.environ.get("DOCKER_HOST"), **common), what,
-                          on_line=_progress_lines(progress))
+                          on_line=sk.progress_lines(progress))
             fetched_from, source_digest = source.skopeo, None
         index = parse_json((tmp / "layout" / "index.json").read_bytes(), f"{what}: the fetched layout's index")
-        return select_manifest(index, what), fetched_from, source_digest
+        return sk.select_manifest(index, what), fetched_from, source_digest
 
     def _check_layout_platform(self, source: Source, what: str) -> None:
         """A layout whose index lists only other platforms: say so before skopeo copies anything."""
@@ -286,19 +286,13 @@ class ImageStore:
         for i, (desc, diff_id) in enumerate(zip(manifest.layers, config.diff_ids)):
             size += self._ensure_layer(desc, diff_id, progress, f"{what}: layer {i + 1}/{len(manifest.layers)}")
             layers.append(LayerRef(desc.digest, diff_id, desc.media_type, desc.size))
-        with self._lock("lock", fcntl.LOCK_EX):
-            existing = self.find(manifest_digest)
-            names = list(existing.names) if existing else []
-            if name and name not in names:
-                names.append(name)
-                for other in self.records():  # a name belongs to one image: the newest
-                    if other.id != manifest_digest and name in other.names:
-                        write_record(self.root / "images", _renamed(other, tuple(n for n in other.names if n != name)))
-            record = ImageRecord(id=manifest_digest, names=tuple(names), source=fetched_from,
-                                 source_digest=source_digest or (existing.source_digest if existing else None),
-                                 config_digest=manifest.config.digest, config=config, layers=tuple(layers),
-                                 size=size, created=existing.created if existing else time.time())
-            write_record(self.root / "images", record)
+        def make(existing: ImageRecord | None, names: tuple[str, ...]) -> ImageRecord:
+            return ImageRecord(id=manifest_digest, names=names, source=fetched_from,
+                               source_digest=source_digest or (existing.source_digest if existing else None),
+                               config_digest=manifest.config.digest, config=config, layers=tuple(layers),
+                               size=size, created=existing.created if existing else time.time())
+
+        record = self.save_record(manifest_digest, name, make)
         for layer in layers:  # unpacked: the compressed copy is not needed (one copy of each layer)
             with contextlib.suppress(OSError):
                 self.blob(layer.digest).unlink()
@@ -313,7 +307,7 @@ class ImageStore:
                 raise ImageError(f"{what}: blob {desc.digest} was not fetched")
             progress.phase(f"unpacking {hex_of(diff_id)[:12]}", None)  # (advances in uncompressed bytes)
             media_type = desc.media_type
-            if _declared_compression(media_type) != compression_of(blob):
+            if declared_compression(media_type) != compression_of(blob):
                 # skopeo 1.9 copying a docker-archive with uncompressed layers labels them
                 # tar+gzip: let the unpacker read the bytes (both digests are still checked).
                 media_type = ""
@@ -331,6 +325,24 @@ class ImageStore:
             return int(json.loads(stats.read_text())["bytes"])
         except (OSError, ValueError, KeyError):
             return 0
+
+    def save_record(self, image_id: str, name: str | None,
+                    make: Callable[[ImageRecord | None, tuple[str, ...]], ImageRecord]) -> ImageRecord:
+        """Write the record ``make(existing record, names)`` gives for ``image_id``, known
+        also as ``name``: a name belongs to one image, the newest, so it is taken from any
+        other that had it."""
+        with self._lock("lock", fcntl.LOCK_EX):
+            existing = self.find(image_id)
+            names = list(existing.names) if existing else []
+            if name and name not in names:
+                names.append(name)
+                for other in self.records():
+                    if other.id != image_id and name in other.names:
+                        write_record(self.root / "images", _renamed(other, tuple(n for n in other.names if n != name)))
+            record = make(existing, tuple(names))
+            if existing != record:
+                write_record(self.root / "images", record)
+        return record
 
     # -- removing -------------------------------------------------------------------------
 
@@ -361,16 +373,6 @@ class ImageStore:
             freed = collect_garbage(self)
         return removed, freed
 
-def select_manifest(index: dict, what: str) -> str:
-    entries = index.get("manifests")
-    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
-        raise ImageError(f"{what}: the fetched layout does not hold exactly one image")
-    digest = entries[0].get("digest")
-    if not isinstance(digest, str):
-        raise ImageError(f"{what}: the fetched layout's index has no digest")
-    return digest
-
-
 def _renamed(record: ImageRecord, names: tuple[str, ...]) -> ImageRecord:
     from dataclasses import replace
     return replace(record, names=names)
@@ -382,18 +384,3 @@ def _is_reference(text: str) -> bool:
         return True
     except ImageError:
         return False
-
-
-def _progress_lines(progress: Progress):
-    def on_line(line: str) -> None:
-        if line.startswith("Copying blob"):
-            progress.note(line)
-    return on_line
-
-
-def _declared_compression(media_type: str) -> str:
-    if media_type.endswith(("+gzip", ".tar.gzip")) or "gzip" in media_type:
-        return "gzip"
-    if "zstd" in media_type:
-        return "zstd"
-    return ""
