@@ -109,8 +109,13 @@ def _nasty(root: Path, outside: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     os.mkfifo(root / "fifo")
     sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(root / "sock"))
-    sock.close()
+    here = os.getcwd()
+    os.chdir(root)  # a relative name: a deep tmp path can exceed AF_UNIX's 108 bytes
+    try:
+        sock.bind("sock")
+    finally:
+        os.chdir(here)
+        sock.close()
     (root / "to-root").symlink_to("/")
     (root / "to-outside").symlink_to(outside)
     (root / "to-outside-file").symlink_to(outside / "keep.txt")
