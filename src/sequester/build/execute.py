@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,6 @@ class StepContext:
 
 
 def _left(ctx: StepContext) -> float | None:
-    import time
     if ctx.deadline is None:
         return None
     return max(0.0, ctx.deadline - time.monotonic())

@@ -119,15 +119,18 @@ def build_task(task: Task, store: ImageStore, *, runner: Path | None, network: s
             reporter.close()
 
 
-_failed: dict[tuple[str, str, int], str] = {}
+# A failed build is not tried again for a while (a job's trials of the task all get its
+# error at once), but not forever: a long-running server outlives a mirror's bad minute.
+_FAILURE_TTL = 120.0
+_failed: dict[tuple[str, str, int], tuple[float, str]] = {}
 
 
 def ensure_built(task: Task, store: ImageStore, settings, *, log_path: Path | None = None,
                  on_step: Callable[[StepReport, bool], None] | None = None):
     """The image of ``task``'s Dockerfile, built (or found in the build cache) with the
     ``[images]`` build network of ``settings`` (an :class:`~sequester.episodes.EpisodeSettings`).
-    A build that failed is not tried again by this process while the Dockerfile is
-    unchanged: every trial of the task gets the same :class:`BuildError`."""
+    A build that failed is not tried again by this process for two minutes while the
+    Dockerfile is unchanged: every trial of the task gets the same :class:`BuildError`."""
     from ..episodes.start import runner_tree
 
     dockerfile = task.environment_dir / "Dockerfile"
@@ -136,8 +139,8 @@ def ensure_built(task: Task, store: ImageStore, settings, *, log_path: Path | No
     except OSError:
         raise BuildError(f"task {task.name}: {dockerfile} does not exist; there is nothing to build") from None
     with _locks_lock:
-        earlier = _failed.get(key)
-    if earlier is not None:
+        when, earlier = _failed.get(key, (0.0, ""))
+    if earlier and time.monotonic() - when < _FAILURE_TTL:
         raise BuildError(earlier)
     images = settings.images
     try:
@@ -145,5 +148,5 @@ def ensure_built(task: Task, store: ImageStore, settings, *, log_path: Path | No
                           allowed_hosts=images.build_allowed_hosts, log_path=log_path, on_step=on_step).record
     except BuildError as exc:
         with _locks_lock:
-            _failed[key] = str(exc)
+            _failed[key] = (time.monotonic(), str(exc))
         raise

@@ -12,8 +12,8 @@
 * ``auto`` (default): ``prebuilt`` when the task names an image that can be had, else
   its Dockerfile built when its base images can be had, else host mode, with a note
   saying why. A build whose base image can be had but whose step fails is an error, not
-  host mode. An image that could not be had is not tried again by the same process (a
-  job of many trials on one task asks the registry once).
+  host mode. An image that could not be had is not tried again by the same process for
+  two minutes (a job of many trials on one task asks the registry once).
 
 Building is given as ``build`` (a function of the task), so that this module decides
 only *which* system, and :mod:`sequester.build` alone knows how to build one.
@@ -22,6 +22,7 @@ only *which* system, and :mod:`sequester.build` alone knows how to build one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ __all__ = ["Choice", "choose_image", "prefetch_images", "Builder"]
 
 Builder = Callable[[Task], ImageRecord]
 
-_failed: dict[tuple[str, str], str] = {}
+_FAILURE_TTL = 120.0
+_failed: dict[tuple[str, str], tuple[float, str]] = {}
 _failed_lock = threading.Lock()
 _fetch_lock = threading.Lock()  # concurrent trials of one task pull its image once
 
@@ -97,13 +99,16 @@ def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progre
 
 
 def _remembered(store: ImageStore, what: str) -> str | None:
+    """An earlier failure to have ``what``, for a while (a job asks once; a long-running
+    server asks again after a registry's bad minute)."""
     with _failed_lock:
-        return _failed.get((str(store.root), what))
+        when, message = _failed.get((str(store.root), what), (0.0, None))
+    return message if time.monotonic() - when < _FAILURE_TTL else None
 
 
 def _remember(store: ImageStore, what: str, message: str) -> str:
     with _failed_lock:
-        _failed[(str(store.root), what)] = message
+        _failed[(str(store.root), what)] = (time.monotonic(), message)
     return message
 
 
