@@ -25,6 +25,7 @@ from . import __version__
 from .config import Config, load_config
 from .cli_images import add_image_commands
 from .cli_build import add_build_command, positive
+from .cli_serve import add_serve_command
 from .errors import ImageError, PolicyError, SequesterError, TaskError
 from .images.settings import IMAGE_SOURCES
 from .policy import Policy
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_image_commands(sub)
     add_build_command(sub)
+    add_serve_command(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
 """The whole config file, one schema: ``[runtime]`` and ``[limits]`` (the kernel's
 :class:`~sequester.policy.Policy`) and ``[episodes]`` (the
 :class:`~sequester.episodes.settings.EpisodeSettings`) and ``[images]`` (their
-:class:`~sequester.images.settings.ImageSettings`).
+:class:`~sequester.images.settings.ImageSettings`) and ``[serve]`` (``sequester serve``'s
+:class:`~sequester.serve.settings.ServeSettings`).
 
 Every command reads the file through :func:`load_config`, so each of them rejects the same
 mistakes the same way: an unknown table (``[episode]``), an unknown key in a known table
@@ -21,6 +22,7 @@ from typing import Any
 from .episodes.settings import EpisodeSettings, settings_from_mapping
 from .images.settings import images_from_mapping
 from .policy import Policy, policy_from_mapping, read_config
+from .serve.settings import ServeSettings, serve_from_mapping
 
 __all__ = ["Config", "config_from_mapping", "load_config"]
 
@@ -32,6 +34,7 @@ class Config:
     policy: Policy
     episodes: EpisodeSettings
     source: str
+    serve: ServeSettings = dataclasses.field(default_factory=ServeSettings)
 
 
 def config_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> Config:
@@ -39,7 +42,7 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
     policy = policy_from_mapping(data, base_dir, source)  # the tables, [runtime], [limits]
     episodes = settings_from_mapping(data, base_dir, source)
     episodes = dataclasses.replace(episodes, images=images_from_mapping(data, base_dir, source))
-    return Config(policy, episodes, source)
+    return Config(policy, episodes, source, serve_from_mapping(data, base_dir, source))
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:

@@ -245,7 +245,7 @@ def _endpoint(value: Any, key: str) -> Endpoint:
 
 
 _RUNTIME_KEYS = {"isolation", "readonly", "allow", "env"}
-TABLES = ("runtime", "limits", "episodes", "images")  # every table a config file may have
+TABLES = ("runtime", "limits", "episodes", "images", "serve")  # every table a config file may have
 
 
 def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "policy") -> Policy:

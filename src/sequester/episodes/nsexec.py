@@ -274,9 +274,36 @@ _shared_lock = threading.Lock()
 
 def shared_nsexec() -> NsExec:
     """The process's helper, started on first use (it is single-threaded, so it must be
-    its own process; one is enough for any number of episodes)."""
+    its own process; one is enough for any number of episodes).
+
+    It dies with the *thread* that starts it (``PR_SET_PDEATHSIG`` follows the parent
+    thread), so it is started from a keeper thread that lives as long as the process: a
+    short-lived caller (a server session's worker, a trial's thread) must not take every
+    other episode's helper with it when it ends."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared._proc.poll() is not None:
-            _shared = NsExec()
+            _shared = _start_on_keeper()
         return _shared
+
+
+_forever = threading.Event()  # never set: keeper threads wait on it for the process's life
+
+
+def _start_on_keeper() -> NsExec:
+    started: dict[str, object] = {}
+    ready = threading.Event()
+
+    def keep() -> None:
+        try:
+            started["helper"] = NsExec()
+        except BaseException as exc:  # handed to the caller below
+            started["error"] = exc
+        ready.set()
+        _forever.wait()
+
+    threading.Thread(target=keep, name="sequester-nsexec-keeper", daemon=True).start()
+    ready.wait()
+    if "error" in started:
+        raise started["error"]  # type: ignore[misc]
+    return started["helper"]  # type: ignore[return-value]

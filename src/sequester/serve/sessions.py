@@ -1,0 +1,334 @@
+"""Sessions of ``sequester serve``: an episode or a kernel per WebSocket connection.
+
+Every call into an :class:`~sequester.episodes.episode.Episode` or a
+:class:`~sequester.kernel.client.Kernel` blocks (a command, a verifier run, a sandbox's
+start), so each session has **one worker thread of its own**: the event loop never blocks,
+sessions never wait for one another, and one session's calls run in order (neither class
+is thread-safe). The sandboxes a session starts die with the thread that started them
+(``bwrap --die-with-parent``), so they live exactly as long as their session's worker.
+Closing a session first kills what runs in it (``Episode.abort``, the kernel's processes;
+both are safe from any thread), then queues the close behind it on the same worker, so a
+close never races a step.
+
+:class:`SessionManager` holds the capacity (``max_sessions`` live sessions; a reset beyond
+is refused at once), the tasks folder (``resolve_task``: nothing outside it can be named),
+and the connections (closed on shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol, TypeVar
+
+from ..config import Config
+from ..errors import KernelClosedError, SequesterError
+from ..episodes.verifier import VerifierError
+from ..tasks import Task, load_task
+from . import protocol as p
+
+__all__ = ["Session", "EpisodeSession", "KernelSession", "SessionManager", "resolve_task", "log_event"]
+
+log = logging.getLogger("sequester.serve")
+
+T = TypeVar("T")
+_CLOSE_GRACE = 30.0  # seconds a close waits for an interrupted step to give way
+StepResult = tuple[Any, float | None, bool]  # observation model, reward, done
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """One structured line per session event: ``{"event": "step", "session": ..., ...}``."""
+    log.info("%s", json.dumps({"event": event, **fields}, default=str))
+
+
+class Session:
+    """One session: its worker thread, its counters, and the calls a connection makes."""
+
+    kind: ClassVar[str]
+    actions: ClassVar[frozenset[str]]
+
+    def __init__(self, session_id: str, task: str | None = None):
+        self.id, self.task = session_id, task
+        self.steps, self.done = 0, False
+        self.started_at: float | None = None
+        self.closed = False
+        self._closing: asyncio.Future[None] | None = None
+        self._running = 0  # calls submitted and not finished (on the event loop's side)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"serve-{session_id}")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        self._running += 1
+        try:
+            return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        finally:
+            self._running -= 1
+
+    def state(self) -> p.SessionState:
+        return p.SessionState(session_id=self.id, kind=self.kind, task=self.task,  # type: ignore[arg-type]
+                              steps=self.steps, done=self.done, started_at=self.started_at)
+
+    async def start(self) -> p.ResetObservation:
+        observation = await self._call(self._start)
+        self.started_at = time.time()
+        return observation
+
+    async def step(self, action: Any) -> StepResult:
+        result = await self._call(self._step, action)
+        self.steps += 1
+        self.done = self.done or result[2]
+        return result
+
+    async def close(self, grace: float = _CLOSE_GRACE) -> None:
+        """Kill what runs, then close on the worker. Idempotent: every caller waits for the
+        one close. A step that does not give way within ``grace`` seconds is left to finish
+        (the close runs right after it)."""
+        self.closed = True
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close_now(grace))
+        await asyncio.shield(self._closing)
+
+    async def _close_now(self, grace: float) -> None:
+        if self._running:
+            try:
+                self._interrupt()
+            except Exception:  # noqa: BLE001 - the close below still runs
+                log.exception("interrupting session %s", self.id)
+        loop = asyncio.get_running_loop()
+        closing = loop.run_in_executor(self._executor, self._close)
+        closing.add_done_callback(self._closed)
+        try:
+            await asyncio.wait_for(asyncio.shield(closing), grace)
+        except asyncio.TimeoutError:
+            log.warning("session %s: a step did not stop within %g s; it closes when the step ends", self.id, grace)
+        except Exception:  # noqa: BLE001 - reported by _closed: a failed cleanup is the server's, not a client's
+            pass
+        finally:
+            self._executor.shutdown(wait=False)
+
+    def _closed(self, closing: asyncio.Future[None]) -> None:
+        if not closing.cancelled() and closing.exception() is not None:
+            log.error("session %s was not closed cleanly: %s", self.id, closing.exception())
+
+    # -- on the worker -------------------------------------------------------------------
+    def _start(self) -> p.ResetObservation:
+        raise NotImplementedError
+
+    def _step(self, action: Any) -> StepResult:
+        raise NotImplementedError
+
+    def _interrupt(self) -> None:
+        """From the event loop's thread: end the call in flight now."""
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+class EpisodeSession(Session):
+    """An :class:`Episode` on one task. ``evaluate`` ends it (``done``)."""
+
+    kind = "episode"
+    actions = p.EPISODE_ACTIONS
+
+    def __init__(self, session_id: str, task: Task, config: Config, hide: tuple[Path, ...], read_cap: int):
+        super().__init__(session_id, task.name)
+        from ..episodes.episode import Episode
+        from ..episodes.nsexec import shared_nsexec
+
+        self._task = task
+        # The namespace helper is one process for all episodes, and it dies with the
+        # *thread* that started it (PR_SET_PDEATHSIG): started (or restarted) here, on the
+        # event loop's thread, which lives as long as the server, never on a session's
+        # worker, which ends with its session and would take every other episode's helper
+        # with it.
+        self._episode = Episode(config.episodes, hide=hide, nsexec=shared_nsexec())
+        self._read_cap = read_cap
+
+    def _start(self) -> p.ResetObservation:
+        try:
+            self._episode.reset(self._task)
+        except BaseException:
+            self._episode.close()
+            raise
+        return p.ResetObservation(session_id=self.id, kind="episode", task=self.task,
+                                  instruction=self._episode.instruction, workdir=self._episode.workdir)
+
+    @property
+    def init_pid(self) -> int:
+        """Host pid of the episode's init (diagnostics and tests)."""
+        return self._episode.init_pid
+
+    def _step(self, action: Any) -> StepResult:
+        ep = self._episode
+        if isinstance(action, p.ExecAction):
+            r = ep.exec(action.command, action.timeout)
+            return p.ExecObservation(stdout=r.stdout, stderr=r.stderr, exit_code=r.exit_code, timed_out=r.timed_out,
+                                     duration=r.duration, note=r.note), None, False
+        if isinstance(action, p.WriteFileAction):
+            data = action.data()
+            ep.write_file(action.path, data, mode=action.mode)
+            return p.WriteFileObservation(path=action.path, bytes=len(data)), None, False
+        if isinstance(action, p.ReadFileAction):
+            data = ep.read_file(action.path)
+            cap = self._read_cap if action.limit is None else min(action.limit, self._read_cap)
+            truncated, data = len(data) > cap, data[:cap]
+            content = (base64.b64encode(data).decode() if action.encoding == "base64"
+                       else data.decode("utf-8", "replace"))
+            return p.ReadFileObservation(content=content, encoding=action.encoding, truncated=truncated), None, False
+        if isinstance(action, p.EvaluateAction):
+            return self._evaluate()
+        raise p.FrameError(p.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action")
+
+    def _evaluate(self) -> StepResult:
+        """The verdict only: neither the tests' output nor the files they left (the client
+        may hand observations to the model, and those would teach it the tests)."""
+        try:
+            result = self._episode.evaluate()
+        except VerifierError as exc:  # the verifier could not run: no verdict, the trial is an error
+            verdict = p.VerifierObservation(reward=None, rewards={}, zero_reason=None, tampering=list(exc.tampering),
+                                            notes=[], error=str(exc))
+            return p.EvaluateObservation(verifier=verdict), None, True
+        verdict = p.VerifierObservation(reward=result.reward, rewards=dict(result.rewards),
+                                        zero_reason=result.zero_reason, tampering=list(result.tampering),
+                                        notes=list(result.notes), error=None)
+        return p.EvaluateObservation(verifier=verdict), result.reward, True
+
+    def _interrupt(self) -> None:
+        self._episode.abort()  # every process of the episode is killed: an exec in flight ends
+
+    def _close(self) -> None:
+        self._episode.close()
+
+
+class KernelSession(Session):
+    """A :class:`Kernel` under the config's policy; actions are code cells."""
+
+    kind = "kernel"
+    actions = p.KERNEL_ACTIONS
+
+    def __init__(self, session_id: str, config: Config):
+        super().__init__(session_id)
+        from ..kernel.client import Kernel
+
+        self._kernel = Kernel(config.policy)
+
+    def _start(self) -> p.ResetObservation:
+        self._kernel.start()
+        return p.ResetObservation(session_id=self.id, kind="kernel")
+
+    def _step(self, action: Any) -> StepResult:
+        if not isinstance(action, p.CellAction):
+            raise p.FrameError(p.ErrorCode.SESSION_ERROR, f"a kernel session takes no {action.type!r} action")
+        try:
+            r = self._kernel.run(action.code, timeout=action.timeout)
+        except KernelClosedError as exc:  # its lifetime (limits.kernel_timeout) is over
+            raise p.FrameError(p.ErrorCode.EXECUTION_ERROR, f"{exc}: reset for a new kernel") from None
+        error = None if r.error is None else p.CellErrorModel(type=r.error.type, message=r.error.message,
+                                                              traceback=r.error.traceback)
+        return p.CellObservation(stdout=r.stdout, stderr=r.stderr, value=r.value, error=error, duration=r.duration,
+                                 timed_out=r.timed_out, restarted=r.restarted), None, False
+
+    def _interrupt(self) -> None:
+        # Kill the kernel's processes without closing its pipes: the worker reading them
+        # sees the kernel die and returns (terminate() would close fds that thread is
+        # reading, and a number reused by another session's pipe would then be read).
+        process = self._kernel.process
+        if process is None:
+            return
+        if process.sandbox is not None:
+            process.sandbox.started.signal_init()
+        else:
+            try:
+                os.killpg(process.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _close(self) -> None:
+        self._kernel.close()
+
+
+def resolve_task(root: Path, task_id: str, where: str = "data.task") -> Path:
+    """The folder of task ``task_id`` under ``root`` (already resolved).
+
+    Attack stopped: a client naming a folder outside the tasks folder (``../../etc``,
+    ``/root/other-tasks/x``, a symlink inside the folder pointing out of it) to run an
+    episode on (and have verified, and see the instruction of) a task the operator did not
+    serve. The path is taken apart by name (no ``..``, no hidden names, not absolute),
+    then its real path must lie inside ``root``'s.
+    """
+    if task_id.startswith("/") or "\\" in task_id:
+        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: an absolute path is refused: name a task of the "
+                           "tasks folder by its folder name or its path relative to it")
+    parts = task_id.split("/")
+    if parts[-1] == "":  # "python-csv-stats/"
+        parts = parts[:-1]
+    if not parts or any(part == "" or part.startswith(".") for part in parts):
+        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: '..', '.', empty and hidden path components are "
+                           "refused: name a task of the tasks folder")
+    real = Path(os.path.realpath(root.joinpath(*parts)))
+    if real == root or root not in real.parents:
+        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: resolves outside the tasks folder (a symlink "
+                           "pointing out of it?): refused")
+    if not (real / "task.toml").is_file():
+        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: no task {task_id[:200]!r} in the tasks folder")
+    return real
+
+
+class _Closable(Protocol):
+    async def shutdown(self) -> None: ...
+
+
+class SessionManager:
+    """Capacity, the tasks folder, and every live connection (closed on shutdown)."""
+
+    def __init__(self, config: Config, *, hide: tuple[Path, ...] = (), tasks: int = 0):
+        self.config = config
+        self.settings = config.serve
+        self.tasks_dir = self.settings.tasks_dir.resolve() if self.settings.tasks_dir is not None else None
+        self.max_sessions = self.settings.max_sessions
+        # Hidden from every agent: the tasks folder (other tasks' tests and solutions), the
+        # token file and the config file (the token in them would let an agent that
+        # reached the server drive it).
+        self.hide = tuple(dict.fromkeys([*(() if self.tasks_dir is None else (self.tasks_dir,)), *hide]))
+        self.task_count = tasks
+        self.active = 0
+        self.connections: set[_Closable] = set()
+
+    def try_acquire(self) -> bool:
+        """Take a session slot, or ``False`` at capacity (never waits). Runs on the event
+        loop: the check and the take happen with no await between them."""
+        if self.active >= self.max_sessions:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active = max(0, self.active - 1)
+
+    def new_session(self, session_id: str, request: p.EpisodeReset | p.KernelReset, where: str = "data") -> Session:
+        """A session for a reset (not started); :class:`FrameError` for a task that cannot be named or loaded."""
+        if isinstance(request, p.KernelReset):
+            return KernelSession(session_id, self.config)
+        if self.tasks_dir is None:
+            raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}.task: this server serves no tasks (it was "
+                               "started without --tasks-dir); only kernel sessions ({\"kind\": \"kernel\"})")
+        folder = resolve_task(self.tasks_dir, request.task, f"{where}.task")
+        try:
+            task = load_task(folder)
+        except SequesterError as exc:  # a malformed task: the operator's, not the client's
+            raise p.FrameError(p.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}") from None
+        return EpisodeSession(session_id, task, self.config, self.hide, self.settings.max_message_bytes)
+
+    async def close_all(self) -> None:
+        """Graceful shutdown: every connection's session closed, its processes gone."""
+        connections = list(self.connections)
+        if connections:
+            await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
