@@ -5,6 +5,7 @@ namespace change, like everything the helper runs."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -17,7 +18,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_REC, MS_PRIVATE, MNT_DETACH = 0x4000, 1 << 18, 2
-NS_GET_USERNS = 0xB701
+NS_GET_PARENT = 0xB702
 PR_SET_PDEATHSIG = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
@@ -81,8 +82,8 @@ def die_with_parent(parent: int | None) -> None:
 
 
 def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, harden: bool = False) -> None:
-    """Join ``target``'s namespaces. First the user namespace that owns its mount
-    namespace (the one bwrap made, parent of the agent's own, owner of the others): there we hold every
+    """Join ``target``'s namespaces. First the parent of the agent's user namespace (the
+    one bwrap made, which owns the episode's other namespaces): there we hold every
     capability, as root or as the user who made it, which joining the others needs. Then
     the mount, network, IPC and UTS namespaces (and PID, for children); last, for
     ``user="agent"``, the agent's own user namespace. ``harden``: in the mount namespace,
@@ -93,12 +94,15 @@ def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, 
     fds = {name: os.open(f"/proc/{target}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
            for name in ("mnt", "net", "ipc", "uts", "pid", "user")}
     try:
-        # The user namespace that owns the mount namespace (bwrap's first one): the
-        # parent of the agent's own, and also right for a target that has not entered
-        # that nested one yet (a build step's bwrap, held before its command).
-        parent = fcntl.ioctl(fds["mnt"], NS_GET_USERNS)
+        parent = fcntl.ioctl(fds["user"], NS_GET_PARENT)
         try:
-            check(libc.setns(parent, CLONE_NEWUSER), "setns(user)")
+            if libc.setns(parent, CLONE_NEWUSER) != 0:
+                if ctypes.get_errno() != errno.EINVAL:
+                    check(-1, "setns(user)")
+                # EINVAL: the parent is ours, so the target is still in bwrap's first user
+                # namespace (a build step's bwrap, held before its command nests one): that
+                # first namespace is the one that owns the others.
+                check(libc.setns(fds["user"], CLONE_NEWUSER), "setns(user)")
         finally:
             os.close(parent)
         order = [("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)]

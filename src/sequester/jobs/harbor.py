@@ -66,6 +66,10 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     "SequesterError": _NO_RETRY,  # e.g. the oracle on a task without solution/solve.sh
     "KernelError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "KernelClosedError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
+    # sequester serve's client, in an agent driving a remote environment: the connection
+    # or the server's session failed, which a new trial may not meet again
+    "ClientError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
+    "ServerError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
 }
 
 
