@@ -258,15 +258,8 @@ def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
         kind = "table" if isinstance(data[key], Mapping) else "key"
         raise PolicyError(f"{source}: unknown {kind} {key!r} (a config file has the tables "
                           f"{', '.join(f'[{t}]' for t in TABLES)}, and nothing else)")
-    runtime = _table(data, "runtime", source)
-    limits = _table(data, "limits", source)
-    unknown = set(runtime) - _RUNTIME_KEYS
-    if unknown:
-        raise PolicyError(f"{source}: unknown key 'runtime.{sorted(unknown)[0]}'")
-    known_limits = {f.name for f in dataclasses.fields(Limits)}
-    unknown = set(limits) - known_limits
-    if unknown:
-        raise PolicyError(f"{source}: unknown key 'limits.{sorted(unknown)[0]}'")
+    runtime = config_table(data, "runtime", set(_RUNTIME_KEYS), source)
+    limits = config_table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
 
     def rel(values: Any, key: str) -> list[Path]:
         if not isinstance(values, list):
@@ -304,6 +297,16 @@ def _table(data: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise PolicyError(f"{source}: {key!r} must be a table ([{key}]), got {value!r}")
     return value
+
+
+def config_table(data: Mapping[str, Any], key: str, known: set[str], source: str) -> dict[str, Any]:
+    """The config file's ``[key]`` table (empty when absent), with no key but ``known``:
+    every table of the file is checked the same way, naming the first unknown key."""
+    table = _table(data, key, source)
+    unknown = set(table) - known
+    if unknown:
+        raise PolicyError(f"{source}: unknown key '{key}.{sorted(unknown)[0]}'")
+    return dict(table)
 
 
 def read_config(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], Path, str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
+from ..policy import config_table
 from ..images.settings import ImageSettings
 
 __all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
@@ -83,17 +84,11 @@ def _reward_range(value: Any) -> tuple[float, float] | None:
 
 
 def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> EpisodeSettings:
-    table = data.get("episodes", {})
-    if not isinstance(table, Mapping):
-        raise PolicyError(f"{source}: 'episodes' must be a table ([episodes]), got {table!r}")
-    known = {f.name for f in dataclasses.fields(EpisodeSettings)} - {"images"}
-    unknown = set(table) - known
-    if "on_tamper" in unknown:
+    raw = data.get("episodes")
+    if isinstance(raw, Mapping) and "on_tamper" in raw:
         raise PolicyError(f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "
                           "(the verifier's runner is out of the agent's reach); the report stays in the results")
-    if unknown:
-        raise PolicyError(f"{source}: unknown key 'episodes.{sorted(unknown)[0]}'")
-    values = dict(table)
+    values = config_table(data, "episodes", {f.name for f in dataclasses.fields(EpisodeSettings)} - {"images"}, source)
     for key in ("state_dir", "toolchain_dir"):
         if key in values:
             if not isinstance(values[key], str):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
+from ..policy import config_table
 from .reference import is_loopback_host
 
 __all__ = ["ImageSettings", "IMAGE_SOURCES", "BUILD_NETWORKS", "images_from_mapping", "default_store_dir"]
@@ -79,14 +80,7 @@ class ImageSettings:
 
 
 def images_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> ImageSettings:
-    table = data.get("images", {})
-    if not isinstance(table, Mapping):
-        raise PolicyError(f"{source}: 'images' must be a table ([images]), got {table!r}")
-    known = {f.name for f in dataclasses.fields(ImageSettings)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise PolicyError(f"{source}: unknown key 'images.{unknown[0]}'")
-    values = dict(table)
+    values = config_table(data, "images", {f.name for f in dataclasses.fields(ImageSettings)}, source)
     if "store_dir" in values:
         if not isinstance(values["store_dir"], str):
             raise PolicyError(f"{source}: images.store_dir: {values['store_dir']!r} is not a path")

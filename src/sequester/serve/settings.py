@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
+from ..policy import config_table
 
 __all__ = ["ServeSettings", "serve_from_mapping", "check_token", "MIN_TOKEN_CHARS"]
 
@@ -80,14 +81,7 @@ class ServeSettings:
 
 
 def serve_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> ServeSettings:
-    table = data.get("serve", {})
-    if not isinstance(table, Mapping):
-        raise PolicyError(f"{source}: 'serve' must be a table ([serve]), got a {type(table).__name__}")
-    known = {f.name for f in dataclasses.fields(ServeSettings)}
-    unknown = set(table) - known
-    if unknown:
-        raise PolicyError(f"{source}: unknown key 'serve.{sorted(unknown)[0]}'")
-    values = dict(table)
+    values = config_table(data, "serve", {f.name for f in dataclasses.fields(ServeSettings)}, source)
     if "tasks_dir" in values:
         if not isinstance(values["tasks_dir"], str):
             raise PolicyError(f"{source}: serve.tasks_dir: {values['tasks_dir']!r} is not a path")
