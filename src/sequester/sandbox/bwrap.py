@@ -3,13 +3,16 @@ episodes alike.
 
 bwrap reports the pid of the sandbox's init on an info pipe; we keep a pidfd on it (a pid
 could be recycled, a pidfd cannot). For the ``NOBODY`` identity, bwrap then waits until
-we have written the uid map that also maps ``nobody``. Any failure kills what started.
+we have written the uid map that also maps ``nobody``. A held sandbox
+(``SandboxSpec.hold``) is returned only once its view is complete. Any failure kills
+what started.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import select
 import signal
 import subprocess
@@ -27,6 +30,7 @@ from .probe import bwrap_path
 __all__ = ["StartedBwrap", "start_bwrap", "close_fd", "descendants", "read_pending"]
 
 _ID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
+_SYS_READ = {"x86_64": 0, "aarch64": 63}  # read(2)'s number, as /proc/PID/syscall shows it
 
 
 @dataclass
@@ -155,9 +159,48 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(_ID_MAP)
             os.write(block_w, b"1")
+        if hold_r is not None:
+            _wait_until_held(pid, pidfd, hold_r, popen, stderr_reader)
         on_failure.pop_all()
     net_ns = info.get("net-namespace")
     return StartedBwrap(popen, pid, pidfd, hold_fd=hold_w, net_namespace=net_ns if isinstance(net_ns, int) else None)
+
+
+def _wait_until_held(pid: int, pidfd: int, hold_fd: int, popen: subprocess.Popen[bytes],
+                     stderr_reader: int | None, timeout: float = 30) -> None:
+    """Return once bwrap's child is blocked reading ``hold_fd`` (its ``--block-fd``).
+
+    Attack (CI, a root caller's ``ADD`` of a tar with ``proc/sys/...``): bwrap reports the
+    child's pid as soon as it has cloned it, *before* the child builds the view. Host-side
+    setup done then (hardening the view's ``/proc``) lands on the mounts the child is
+    about to replace: the fresh ``/proc`` it mounts next stays writable by host uid 0.
+    The child reads the block fd only after its last mount, its ``pivot_root`` and the
+    drop of its privileges, so a child seen in that read has its final view. The kernel
+    says which call a blocked process is in (``/proc/PID/syscall``: number and arguments);
+    nothing the sandbox runs exists yet to fake it."""
+    number = _SYS_READ.get(platform.machine())
+    if number is None:
+        raise SandboxError(f"holding a sandbox is not supported on {platform.machine()} (no read(2) number known)")
+    deadline, pause = time.monotonic() + timeout, 0.0002
+    while True:
+        try:
+            with open(f"/proc/{pid}/syscall") as f:
+                fields = f.read().split()
+        except PermissionError as exc:
+            raise SandboxError(f"cannot see whether the sandbox is ready ({exc}): a held sandbox needs read access "
+                               "to its own child's /proc/PID/syscall (kernel.yama.ptrace_scope 0 or 1)") from None
+        except OSError:
+            fields = []  # the child is gone: found below
+        if len(fields) >= 4 and fields[0] == str(number) and int(fields[1], 16) == hold_fd and int(fields[3], 16) == 1:
+            return
+        if select.select([pidfd], [], [], 0)[0]:  # the child died building the view
+            popen.wait()
+            said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
+            raise SandboxError(f"bwrap failed to set up the sandbox: {said or 'no message'}")
+        if time.monotonic() > deadline:
+            raise SandboxError("bwrap did not finish building the sandbox in time")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
 
 
 def _data_fd(text: str | bytes) -> int:
