@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import json
 import logging
 import os
+import queue
 import signal
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol, TypeVar
 
@@ -49,6 +49,49 @@ def log_event(event: str, **fields: Any) -> None:
     log.info("%s", json.dumps({"event": event, **fields}, default=str))
 
 
+class _Worker:
+    """A session's own thread: runs its calls in order, each answered on an asyncio future.
+
+    Why not a ``ThreadPoolExecutor(max_workers=1)`` (as before): per step it costs a
+    semaphore, a work item, a wrapped concurrent future and its callbacks on the event
+    loop's one thread, which every session shares; this is one queue put and one
+    ``call_soon_threadsafe``. The thread lives until :meth:`stop`, like the sandboxes
+    it starts (they die with it)."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """End the thread after the calls already queued."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            loop, future, fn, args = item
+            try:
+                outcome = (True, fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see, as an executor would
+                outcome = (False, exc)
+            try:
+                loop.call_soon_threadsafe(_settle, future, outcome)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+
+def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if not future.done():
+        ok, value = outcome
+        future.set_result(value) if ok else future.set_exception(value)
+
+
 class Session:
     """One session: its worker thread, its counters, and the calls a connection makes."""
 
@@ -62,13 +105,12 @@ class Session:
         self.closed = False
         self._closing: asyncio.Future[None] | None = None
         self._running = 0  # calls submitted and not finished (on the event loop's side)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"serve-{session_id}")
+        self._worker = _Worker(f"serve-{session_id}")
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
         self._running += 1
         try:
-            return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+            return await self._worker.submit(fn, *args)
         finally:
             self._running -= 1
 
@@ -102,8 +144,7 @@ class Session:
                 self._interrupt()
             except Exception:  # noqa: BLE001 - the close below still runs
                 log.exception("interrupting session %s", self.id)
-        loop = asyncio.get_running_loop()
-        closing = loop.run_in_executor(self._executor, self._close)
+        closing = self._worker.submit(self._close)
         closing.add_done_callback(self._closed)
         try:
             await asyncio.wait_for(asyncio.shield(closing), grace)
@@ -112,7 +153,7 @@ class Session:
         except Exception:  # noqa: BLE001 - reported by _closed: a failed cleanup is the server's, not a client's
             pass
         finally:
-            self._executor.shutdown(wait=False)
+            self._worker.stop()
 
     def _closed(self, closing: asyncio.Future[None]) -> None:
         if not closing.cancelled() and closing.exception() is not None:
