@@ -3,10 +3,10 @@ import sequester
 
 def test_exported_names():
     assert sorted(sequester.__all__) == [
-        "CellError", "CellResult", "Endpoint", "Episode", "EpisodeSettings", "ExecResult", "Isolation", "Kernel",
+        "Capabilities", "CellError", "CellResult", "Endpoint", "Environment", "Episode", "EpisodeSettings", "ExecResult", "Isolation", "Kernel",
         "KernelClosedError", "KernelError", "Limits", "Policy", "PolicyError", "SandboxError",
         "SandboxUnavailableError", "SequesterError", "Task", "TaskError", "VerifierError", "VerifierResult",
-        "find_tasks", "load_agent", "load_policy", "load_task", "parse_endpoint",
+        "find_tasks", "load_agent", "load_policy", "load_task", "open_environment", "parse_endpoint",
     ]
     for name in sequester.__all__:
         assert getattr(sequester, name) is not None

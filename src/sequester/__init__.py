@@ -11,9 +11,11 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "Capabilities",
     "CellError",
     "CellResult",
     "Endpoint",
+    "Environment",
     "Episode",
     "EpisodeSettings",
     "ExecResult",
@@ -35,11 +37,15 @@ __all__ = [
     "load_agent",
     "load_policy",
     "load_task",
+    "open_environment",
     "parse_endpoint",
 ]
 __version__ = "0.1.0"
 
 _WHERE = {
+    "Capabilities": "sequester.environments.base",
+    "Environment": "sequester.environments.base",
+    "open_environment": "sequester.environments",
     "CellError": "sequester.kernel.results",
     "CellResult": "sequester.kernel.results",
     "Kernel": "sequester.kernel.client",
@@ -82,6 +88,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .agents import load_agent
+    from .environments import Capabilities, Environment, open_environment
     from .episodes.episode import Episode
     from .episodes.settings import EpisodeSettings
     from .episodes.shell import ExecResult

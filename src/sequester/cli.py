@@ -24,6 +24,7 @@ from rich.table import Table
 from . import __version__
 from .config import Config, load_config
 from .cli_images import add_image_commands
+from .cli_backend import add_backend_arguments, apply_backend_arguments
 from .cli_build import add_build_command, positive
 from .cli_serve import add_serve_command
 from .errors import ImageError, PolicyError, SequesterError, TaskError
@@ -159,9 +160,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.image_source:
         settings = replace(settings, images=replace(settings.images, source=args.image_source))
+    settings = apply_backend_arguments(args, settings)
     tasks = find_tasks(args.tasks)  # also: a malformed task fails here, before anything runs
     total = len(tasks)
-    if settings.images.source in ("prebuilt", "auto") and any(t.config.environment.docker_image for t in tasks):
+    if settings.backend == "local" and settings.images.source in ("prebuilt", "auto") and any(t.config.environment.docker_image for t in tasks):
         from .cli_images import image_bars
         from .images import ImageStore
         from .images.choose import prefetch_images
@@ -244,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-source", choices=list(IMAGE_SOURCES),
                    help="what each episode runs on: the task's prebuilt docker_image, its Dockerfile, the host's "
                         "system, or auto (the image when it can be had, else host mode); default: [images] source")
+    add_backend_arguments(p)
     p.set_defaults(func=cmd_run)
 
     add_image_commands(sub)

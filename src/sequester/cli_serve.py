@@ -19,6 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
+from .cli_backend import add_backend_arguments, apply_backend_arguments
 from .cli_build import positive
 from .config import load_config
 from .errors import PolicyError, SequesterError
@@ -70,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     episodes = config.episodes
     if args.image_source:
         episodes = dataclasses.replace(episodes, images=dataclasses.replace(episodes.images, source=args.image_source))
+    episodes = apply_backend_arguments(args, episodes)
     if settings.tasks_dir is not None and not settings.tasks_dir.is_dir():
         raise PolicyError(f"--tasks-dir {str(settings.tasks_dir)!r}: not a folder")
     if settings.tasks_dir is not None and (settings.tasks_dir / "task.toml").exists():
@@ -119,6 +121,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                                                        "(default: [serve] tasks_dir; none: kernel sessions only)")
     p.add_argument("--image-source", choices=list(IMAGE_SOURCES),
                    help="what each episode runs on (default: [images] source)")
+    add_backend_arguments(p)
     p.add_argument("--max-sessions", type=positive(int), metavar="N",
                    help="live sessions at once; a reset beyond is refused (default: [serve] max_sessions, 16)")
     p.add_argument("--idle-timeout", type=positive(float), metavar="S",

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..environments.base import Capabilities, wanted_verifier_env, wants_freeze
 from ..errors import EpisodeError, SandboxError
 from ..guard import seccomp
 from ..images import ImageRecord, ImageStore
@@ -60,6 +61,12 @@ class _State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     CLOSED = "closed"
+
+
+# The tests run by the runner tree the agent cannot write, in the agent's view or a fresh
+# one; the agent can be frozen (cgroup freezer, else signals); no network, or public.
+LOCAL_CAPABILITIES = Capabilities(backend="local", separate_verifier=True, shared_verifier=True, freeze=True,
+                                  trusted_runner=True)
 
 
 class Episode:
@@ -99,6 +106,15 @@ class Episode:
     def init_pid(self) -> int:
         """Host pid of the episode's init (diagnostics, tests)."""
         return self._running().bwrap.pid
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the local backend can do (see :mod:`sequester.environments.base`)."""
+        return LOCAL_CAPABILITIES
+
+    def start(self, task: Task | str | os.PathLike[str]) -> Episode:
+        """:meth:`reset` on ``task``, as :class:`~sequester.environments.base.Environment` names it."""
+        return self.reset(task)
 
     def _running(self) -> RunningEpisode:
         if self._aborted.is_set():
@@ -301,12 +317,8 @@ class Episode:
         """
         run = self._running()
         task = run.task
-        wanted = freeze if freeze is not None else (
-            task.config.verifier.freeze_agent if task.config.verifier.freeze_agent is not None
-            else self.settings.freeze_agent)
-        mode = verifier_env or self.settings.verifier_env or task.config.verifier.environment_mode or "shared"
-        if mode not in ("shared", "separate"):
-            raise ValueError(f"verifier_env: {mode!r} is not 'shared' or 'separate'")
+        wanted = wants_freeze(task, self.settings, freeze)
+        mode = wanted_verifier_env(task, self.settings, verifier_env)
         assert self._nsexec is not None
         notes: tuple[str, ...] = ()
         frozen = None

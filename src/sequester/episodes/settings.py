@@ -9,6 +9,9 @@
     max_processes = 4096        # processes the agent may have at once (RLIMIT_NPROC)
     state_dir = "/var/tmp/..."  # where episodes keep their writable layers
     toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
+    backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
+    docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
+    docker_build = false        # docker: build the task's environment/Dockerfile with the engine
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from ..errors import PolicyError
 from ..policy import config_table
 from ..images.settings import ImageSettings
 
-__all__ = ["EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
+BACKENDS = ("local", "docker")
+
+__all__ = ["BACKENDS", "EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
            "frozen_evaluation_note"]
 
 
@@ -57,6 +62,9 @@ class EpisodeSettings:
     images: ImageSettings = dataclasses.field(default_factory=ImageSettings)
     # RLIMIT_NPROC of the agent's processes: a fork bomb stops here, not at the host's limit.
     max_processes: int = 4096
+    backend: str = "local"  # what runs the episodes: "local" (namespaces here) or "docker" (see sequester.environments)
+    docker_host: str | None = None
+    docker_build: bool = False
 
     def __post_init__(self) -> None:
         for name in ("exec_timeout", "output_bytes", "max_processes"):
@@ -65,8 +73,14 @@ class EpisodeSettings:
                 raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
         if self.verifier_env not in (None, "shared", "separate"):
             raise PolicyError(f"episodes.verifier_env: {self.verifier_env!r} is not 'shared' or 'separate'")
-        if not isinstance(self.freeze_agent, bool):
-            raise PolicyError(f"episodes.freeze_agent: {self.freeze_agent!r} is not true or false")
+        for name in ("freeze_agent", "docker_build"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"episodes.{name}: {getattr(self, name)!r} is not true or false")
+        if self.backend not in BACKENDS:
+            raise PolicyError(f"episodes.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.docker_host is not None and (not isinstance(self.docker_host, str) or not self.docker_host):
+            raise PolicyError(f"episodes.docker_host: {self.docker_host!r} is not an engine address "
+                              "(unix:///PATH, tcp://HOST:PORT, ssh://...)")
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))

@@ -23,14 +23,15 @@ if TYPE_CHECKING:
     from .results import TrialResult
 
 __all__ = [
-    "ENVIRONMENT_IMPORT_PATH", "harbor_exception", "task_checksum", "agent_config", "agent_info", "task_config",
+    "ENVIRONMENT_IMPORT_PATHS", "harbor_exception", "task_checksum", "agent_config", "agent_info", "task_config",
     "job_stats", "evals_key",
 ]
 
 # Harbor's TrialConfig.environment names a type (docker, modal, ...) or an import path.
 # Episodes are neither a Docker container nor a Harbor environment class: the import path
 # says what ran the trial without claiming a Harbor environment type.
-ENVIRONMENT_IMPORT_PATH = "sequester.episodes.episode:Episode"
+ENVIRONMENT_IMPORT_PATHS = {"local": "sequester.episodes.episode:Episode",
+                            "docker": "sequester.environments.docker:DockerEnvironment"}
 
 # sequester's exception name -> Harbor's name for the same failure (its error policy then
 # applies: retry, grade, reward valid). See harbor/models/trial/error_policy.py.
@@ -62,7 +63,8 @@ _NO_RETRY = {"should_retry": False, "should_grade": False, "has_valid_reward": F
 _OVERRIDES: dict[str, dict[str, bool]] = {
     "TaskError": _NO_RETRY,  # a malformed task: running it again gives the same error
     "PolicyError": _NO_RETRY,  # a bad setting
-    "EpisodeError": _NO_RETRY,  # the agent used its episode out of order (e.g. ran the verifier)
+    "EpisodeError": _NO_RETRY,
+    "UnsupportedByBackend": _NO_RETRY,  # the backend lacks what the trial asks for (the operator's set-up)  # the agent used its episode out of order (e.g. ran the verifier)
     "SequesterError": _NO_RETRY,  # e.g. the oracle on a task without solution/solve.sh
     "KernelError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "KernelClosedError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},

@@ -24,7 +24,7 @@ from ..images.choose import prefetch_images
 from ..images.progress import NO_PROGRESS, Progress
 from ..errors import PolicyError
 from ..tasks import Task, find_tasks
-from .harbor import ENVIRONMENT_IMPORT_PATH, agent_config, task_config
+from .harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
 from .paths import JobPaths, check_name
 from .results import JobResult, TrialResult, utc_now
 from .trial import TrialCancel, new_trial_name, run_trial, settings_to_dict, write_json
@@ -59,7 +59,9 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     load_agent(agent_spec)  # a bad spec fails here, before any folder is made
     # The tasks' images, before any trial starts: one that cannot be had is an ImageError
     # here with --image-source prebuilt (auto: those trials run in host mode, with a note).
-    prefetch_images(tasks, settings.images.source, ImageStore(settings.images), progress=image_progress)
+    local = settings.backend == "local"  # an engine (docker backend) pulls and builds its own images
+    if local:
+        prefetch_images(tasks, settings.images.source, ImageStore(settings.images), progress=image_progress)
     job_name = default_job_name() if job_name is None else job_name
     try:
         check_name(job_name, "job name")
@@ -79,7 +81,8 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
 
     # The tasks' Dockerfiles (--image-source dockerfile, or auto without a prebuilt image):
     # built once each, logged in the job's folder; a failed build fails that task's trials.
-    prebuild_images(tasks, settings, ImageStore(settings.images), paths.build_log, on_step=build_progress)
+    if local:
+        prebuild_images(tasks, settings, ImageStore(settings.images), paths.build_log, on_step=build_progress)
     started_at = utc_now()
     job_id = str(uuid.uuid4())
     hide = [*(task.path for task in tasks), jobs_root]
@@ -147,7 +150,7 @@ def job_config(job_name: str, jobs_root: Path, agent_spec: str, concurrency: int
     return {
         "schema_version": 1, "job_name": job_name, "jobs_dir": str(jobs_root), "n_attempts": 1,
         "n_concurrent_trials": concurrency, "agents": [agent_config(agent_spec, load_agent(agent_spec))],
-        "environment": {"import_path": ENVIRONMENT_IMPORT_PATH},
+        "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]},
         "datasets": [{"path": str(folder)} for folder in datasets],
         "tasks": [task_config(t.path, None) for t in tasks if sources[t.name] is None],
         "agent_spec": agent_spec, "task_names": [t.name for t in tasks], "settings": settings_to_dict(settings),

@@ -1,7 +1,7 @@
 """One trial: one agent on one task, in its own episode, with everything it did kept on disk.
 
-The template (as in Harbor's trial): set up the environment (``Episode.reset``), run the
-agent, run the verifier, and, whatever happened, close the episode and write
+The template (as in Harbor's trial): set up the environment (``Environment.start`` of the
+backend's, see :mod:`sequester.environments`), run the agent, run the verifier, and, whatever happened, close the episode and write
 ``result.json``. Each phase is timed. The agent gets the episode through a recording
 proxy, so every command it ran is in ``agent/commands.jsonl`` with its output (and in
 Harbor's ``agent/command-N/``), and it cannot reset, evaluate or close the episode itself:
@@ -23,19 +23,20 @@ import secrets
 import string
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..agents import load_agent
 from ..build.wheels import ensure_task_wheels
-from ..episodes.episode import Episode, EpisodeError, ExecResult
+from ..environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
+from ..episodes.episode import EpisodeError, ExecResult
 from ..episodes.settings import EpisodeSettings
 from ..episodes.verifier import VerifierError
 from ..errors import SequesterError
 from ..tasks import Task
 from .capture import capture_thread_output
-from .harbor import ENVIRONMENT_IMPORT_PATH, agent_config, agent_info, task_checksum, task_config
+from .harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
 from .paths import TEST_STDOUT, TrialPaths
 from .results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
 
@@ -86,7 +87,7 @@ class TrialCancel:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._episodes: set[Episode] = set()
+        self._episodes: set[Environment] = set()
 
     @property
     def cancelled(self) -> bool:
@@ -103,7 +104,7 @@ class TrialCancel:
             raise TrialCancelled("the job was interrupted")
 
     @contextlib.contextmanager
-    def watching(self, episode: Episode) -> Iterator[None]:
+    def watching(self, episode: Environment) -> Iterator[None]:
         """While inside, :meth:`cancel` aborts ``episode``."""
         with self._lock:
             self._episodes.add(episode)
@@ -149,20 +150,29 @@ class _TrialLog:
             self._file.close()
 
 
-class _RecordingEpisode:
-    """What the agent gets instead of the :class:`Episode`: every attribute is the
-    episode's, but each ``exec`` is appended to ``agent/commands.jsonl`` (and, readable, to
-    ``agent/agent.log``), and ``reset``/``evaluate``/``close`` are refused: an agent that
-    could run the verifier could search for the reward instead of solving the task."""
+# What an agent may read of its environment; every call it may make is a method below.
+# An allowlist: a backend's new method (``start`` was one) is not the agent's by default.
+_AGENT_READS = frozenset({"task", "instruction", "workdir", "settings", "system", "notes", "capabilities"})
 
-    def __init__(self, episode: Episode, paths: TrialPaths, cancel: TrialCancel | None):
+
+class _RecordingEpisode:
+    """What the agent gets instead of the environment: its calls (``exec``, ``read_file``,
+    ``write_file``, ``upload_dir``) and :data:`_AGENT_READS`, nothing else. Each ``exec``
+    is appended to ``agent/commands.jsonl`` (and, readable, to ``agent/agent.log``);
+    ``start``/``reset``/``evaluate``/``close``/``abort`` are refused: an agent that could run
+    the verifier could search for the reward instead of solving the task."""
+
+    def __init__(self, episode: Environment, paths: TrialPaths, cancel: TrialCancel | None):
         self._episode, self._paths, self._cancel = episode, paths, cancel
         self._n_commands = 0
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # before __init__ ran (copy, pickle), or the episode's internals
-            raise AttributeError(name)
+        if name not in _AGENT_READS:  # also before __init__ ran (copy, pickle), and the internals
+            raise AttributeError(f"{name}: not something an agent may use of its episode")
         return getattr(self._episode, name)
+
+    def read_file(self, path: str) -> bytes:
+        return self._episode.read_file(path)
 
     def exec(self, command: str, timeout: float | None = None) -> ExecResult:
         if self._cancel is not None:
@@ -202,6 +212,11 @@ class _RecordingEpisode:
 
     def reset(self, *args: object, **kwargs: object) -> None:
         raise EpisodeError("an agent may not reset its episode: the trial does")
+
+    start = reset
+
+    def abort(self) -> None:
+        raise EpisodeError("an agent may not abort its episode: the trial ends it")
 
     def evaluate(self, *args: object, **kwargs: object) -> None:
         raise EpisodeError("an agent may not run the verifier: the trial does, after the agent")
@@ -246,17 +261,19 @@ def trial_config(task: Task, agent_spec: str, trial_dir: Path, *, settings: Epis
     return {
         "schema_version": 1, "task": task_config(task.path, source), "trial_name": trial_dir.name,
         "trials_dir": str(trial_dir.parent), "agent": agent_config(agent_spec, agent),
-        "environment": {"import_path": ENVIRONMENT_IMPORT_PATH}, "job_id": job_id,
+        "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]}, "job_id": job_id,
         "settings": settings_to_dict(settings), "hide": [str(p) for p in hide],
     }
 
 
 def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
-              cancel: TrialCancel | None = None, source: str | None = None, job_id: str | None = None) -> TrialResult:
+              cancel: TrialCancel | None = None, source: str | None = None, job_id: str | None = None,
+              open_env: Callable[..., Environment] = open_environment) -> TrialResult:
     """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
     episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
     exist; its name is the trial's name). ``source`` is the dataset the task belongs to
-    and ``job_id`` the job's id (both for Harbor's grouping). Returns the result it wrote
+    and ``job_id`` the job's id (both for Harbor's grouping). ``open_env``: makes the
+    environment (``settings.backend``'s; tests pass a fake). Returns the result it wrote
     to ``result.json``."""
     paths = TrialPaths(trial_dir)
     paths.mkdir()
@@ -273,7 +290,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
     error: ExceptionInfo | None = None
     tampering: list[str] = []
     notes: list[str] = []
-    episode: Episode | None = None
+    episode: Environment | None = None
     system: dict[str, Any] | None = None
     mode = settings.verifier_env or task.config.verifier.environment_mode or "shared"
     with trial_log.capture():
@@ -291,8 +308,13 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                     # The wheels the test script pins beyond the runner's (fetched once, on the
                     # host): before the agent runs, so a pin that cannot be had costs no agent run.
                     ensure_task_wheels(task, settings.toolchain_dir)
-                    episode = Episode(settings, hide=hide)
-                    episode.reset(task)
+                    episode = open_env(settings, hide=hide)
+                    # What the trial needs of its backend, before anything starts: a trial
+                    # that asks for a separate verifier or a frozen agent never gets less.
+                    missing = missing_capabilities(episode.capabilities, task, settings)
+                    if missing:
+                        raise UnsupportedByBackend("; ".join(missing))
+                    episode.start(task)
                     system = episode.system
                     if cancel is not None:
                         watch.enter_context(cancel.watching(episode))
@@ -357,7 +379,7 @@ def _keep_trajectory(agent: object, paths: TrialPaths) -> list[str]:
     return []
 
 
-def _verify(episode: Episode, paths: TrialPaths, tampering: list[str]) -> tuple[VerifierOutcome, list[str]]:
+def _verify(episode: Environment, paths: TrialPaths, tampering: list[str]) -> tuple[VerifierOutcome, list[str]]:
     """Run the verifier; keep what it printed and left (and the tampering found), also when
     it gives no verdict."""
     try:
@@ -392,7 +414,7 @@ def _keep(paths: TrialPaths, output: str, files: dict[str, bytes]) -> list[str]:
     return notes
 
 
-def _episode_notes(episode: Episode) -> list[str]:
+def _episode_notes(episode: Environment) -> list[str]:
     try:
         return episode.notes
     except EpisodeError:  # the episode never started

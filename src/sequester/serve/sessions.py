@@ -181,7 +181,7 @@ class EpisodeSession(Session):
 
     def __init__(self, session_id: str, task: Task, config: Config, hide: tuple[Path, ...], read_cap: int):
         super().__init__(session_id, task.name)
-        from ..episodes.episode import Episode
+        from ..environments import open_environment
         from ..episodes.nsexec import shared_nsexec
 
         self._task = task
@@ -189,13 +189,19 @@ class EpisodeSession(Session):
         # *thread* that started it (PR_SET_PDEATHSIG): started (or restarted) here, on the
         # event loop's thread, which lives as long as the server, never on a session's
         # worker, which ends with its session and would take every other episode's helper
-        # with it.
-        self._episode = Episode(config.episodes, hide=hide, nsexec=shared_nsexec())
+        # with it. (The docker backend needs none.)
+        nsexec = shared_nsexec() if config.episodes.backend == "local" else None
+        self._episode = open_environment(config.episodes, hide=hide, nsexec=nsexec)
         self._read_cap = read_cap
 
     def _start(self) -> p.ResetObservation:
+        from ..environments import UnsupportedByBackend, missing_capabilities
+
+        missing = missing_capabilities(self._episode.capabilities, self._task, self._episode.settings)
+        if missing:  # before anything starts (a FACTORY_ERROR naming what is missing)
+            raise UnsupportedByBackend("; ".join(missing))
         try:
-            self._episode.reset(self._task)
+            self._episode.start(self._task)
         except BaseException:
             self._episode.close()
             raise
@@ -205,7 +211,7 @@ class EpisodeSession(Session):
     @property
     def init_pid(self) -> int:
         """Host pid of the episode's init (diagnostics and tests)."""
-        return self._episode.init_pid
+        return self._episode.init_pid  # type: ignore[attr-defined] - the local backend's
 
     def _step(self, action: Any) -> StepResult:
         ep = self._episode

@@ -1,0 +1,121 @@
+"""The one interface the job runner and the server talk to, whatever runs the episode.
+
+An :class:`Environment` is one agent's episode on one task: started on a task, driven with
+``exec`` and file calls, scored with ``evaluate``, closed. Backends: ``local`` (namespaces
+on this host: :class:`sequester.episodes.episode.Episode`), ``docker`` (a Docker-API
+engine: :mod:`sequester.environments.docker`), and :mod:`.fake` for unit tests.
+
+Compared with Harbor's ``BaseEnvironment`` (start/stop, exec, upload/download file and
+dir, plus build and compose plumbing), this keeps the calls an agent and a verifier need
+and adds what Harbor leaves implicit: :class:`Capabilities`, which a backend declares and
+the runner checks *before* anything starts (:func:`missing_capabilities`), so a trial
+that asks for a separate verifier environment or a frozen agent never silently gets less.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ..errors import SequesterError
+
+if TYPE_CHECKING:
+    from ..episodes.settings import EpisodeSettings
+    from ..episodes.shell import ExecResult
+    from ..episodes.verifier import VerifierResult
+    from ..tasks import Task
+
+__all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "wanted_verifier_env",
+           "wants_freeze"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the runner refuses a trial that needs more (see module doc)."""
+
+    backend: str
+    separate_verifier: bool    # the tests can run in a fresh environment from the pristine system
+    shared_verifier: bool      # the tests can run in the agent's own environment
+    freeze: bool               # every agent process can be stopped while the verdict is made
+    trusted_runner: bool       # the tests' interpreter comes from outside what the agent could write
+    network_policies: frozenset[str] = frozenset({"none", "public"})
+
+
+class UnsupportedByBackend(SequesterError):
+    """A trial asks for something its backend cannot do (the operator's set-up, not the agent's)."""
+
+
+class Environment(Protocol):
+    """One episode of one agent on one task (see module doc). Not thread-safe, but
+    :meth:`abort` may be called from any thread."""
+
+    settings: EpisodeSettings
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def start(self, task: Task | str | os.PathLike[str]) -> Environment:
+        """Start on ``task`` (replacing an earlier episode); the environment itself."""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def instruction(self) -> str: ...
+
+    @property
+    def workdir(self) -> str: ...
+
+    @property
+    def notes(self) -> list[str]: ...
+
+    @property
+    def system(self) -> dict[str, object]:
+        """What the episode runs on, for the trial's record."""
+
+    def exec(self, command: str, timeout: float | None = None) -> ExecResult: ...
+
+    def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None: ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None: ...
+
+    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> VerifierResult:
+        """The task's pristine tests, scored; agent-caused failures are a 0 with a reason,
+        :class:`~sequester.episodes.verifier.VerifierCouldNotRun` only for what it cannot cause."""
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def wanted_verifier_env(task: Task, settings: EpisodeSettings, verifier_env: str | None = None) -> str:
+    """``"shared"`` or ``"separate"``: the call's, else the settings', else the task's."""
+    mode = verifier_env or settings.verifier_env or task.config.verifier.environment_mode or "shared"
+    if mode not in ("shared", "separate"):
+        raise ValueError(f"verifier_env: {mode!r} is not 'shared' or 'separate'")
+    return mode
+
+
+def wants_freeze(task: Task, settings: EpisodeSettings, freeze: bool | None = None) -> bool:
+    """Whether the agent is to be frozen while its verdict is made: the call's, the task's, the settings'."""
+    if freeze is not None:
+        return freeze
+    if task.config.verifier.freeze_agent is not None:
+        return task.config.verifier.freeze_agent
+    return settings.freeze_agent
+
+
+def missing_capabilities(caps: Capabilities, task: Task, settings: EpisodeSettings) -> list[str]:
+    """What ``task`` under ``settings`` needs that ``caps`` lacks, each said in a sentence."""
+    missing = []
+    mode = wanted_verifier_env(task, settings)
+    if mode == "separate" and not caps.separate_verifier:
+        missing.append(f"the {caps.backend} backend cannot run the verifier in a separate environment")
+    if mode == "shared" and not caps.shared_verifier:
+        missing.append(f"the {caps.backend} backend cannot run the verifier in the agent's environment")
+    if wants_freeze(task, settings) and not caps.freeze:
+        missing.append(f"the {caps.backend} backend cannot freeze the agent while it is scored (freeze_agent)")
+    return missing
