@@ -224,7 +224,8 @@ def test_config_file_and_flags_set_the_episode_settings(tmp_path):
     settings = json.loads(TrialPaths(tmp_path / "c" / trial["trial_name"]).config_path.read_text())["settings"]
     assert (settings["exec_timeout"], settings["verifier_env"], settings["freeze_agent"]) == (45, "separate", True)
     assert json.loads((tmp_path / "c" / "config.json").read_text())["settings"] == settings
-    assert trial["verifier_result"]["rewards"] == {"reward": 0.0}  # separate: the example declares no artifacts
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}  # separate: its working directory was copied
+    assert any("its working directory /app was copied" in n for n in trial["notes"]), trial["notes"]
     assert any("separate environment" in n for n in trial["notes"]), trial["notes"]
     for bad, said in (('verifier_env = "sometimes"', "episodes.verifier_env: 'sometimes'"),
                       ('on_tamper = "zero"', "episodes.on_tamper was removed")):

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from ..episodes.shell import ExecResult
     from ..episodes.verifier import VerifierResult
     from ..tasks import Task
+    from ..tasks.config import Artifact
 
-__all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "wanted_verifier_env",
+__all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "separate_artifacts",
+           "wanted_verifier_env",
            "wants_freeze"]
 
 
@@ -40,6 +42,7 @@ class Capabilities:
     freeze: bool               # every agent process can be stopped while the verdict is made
     trusted_runner: bool       # the tests' interpreter comes from outside what the agent could write
     network_policies: frozenset[str] = frozenset({"none", "public"})
+    default_verifier_env: str = "shared"  # when neither the call, the settings nor the task say
 
 
 class UnsupportedByBackend(SequesterError):
@@ -91,12 +94,28 @@ class Environment(Protocol):
     def close(self) -> None: ...
 
 
-def wanted_verifier_env(task: Task, settings: EpisodeSettings, verifier_env: str | None = None) -> str:
-    """``"shared"`` or ``"separate"``: the call's, else the settings', else the task's."""
-    mode = verifier_env or settings.verifier_env or task.config.verifier.environment_mode or "shared"
+def wanted_verifier_env(task: Task, settings: EpisodeSettings, verifier_env: str | None = None, *,
+                        default: str = "shared") -> str:
+    """``"shared"`` or ``"separate"``: the call's, else the settings', else the task's, else
+    the backend's ``default``."""
+    mode = verifier_env or settings.verifier_env or task.config.verifier.environment_mode or default
     if mode not in ("shared", "separate"):
         raise ValueError(f"verifier_env: {mode!r} is not 'shared' or 'separate'")
     return mode
+
+
+def separate_artifacts(task: Task, workdir: str) -> tuple[tuple[Artifact, ...], str | None]:
+    """What a separate verifier environment gets of the agent's final state, and a note:
+    the task's declared ``artifacts``, else its working directory (where Terminal-Bench
+    tasks, which declare none, keep the work their tests check; without it every such
+    task would score 0 in a separate environment)."""
+    from ..tasks.config import Artifact
+
+    if task.config.artifacts:
+        return tuple(task.config.artifacts), None
+    if workdir in ("", "/"):
+        return (), "the task declares no artifacts and works in /: the tests saw none of the agent's work"
+    return (Artifact(workdir),), f"the task declares no artifacts: its working directory {workdir} was copied"
 
 
 def wants_freeze(task: Task, settings: EpisodeSettings, freeze: bool | None = None) -> bool:
@@ -111,7 +130,7 @@ def wants_freeze(task: Task, settings: EpisodeSettings, freeze: bool | None = No
 def missing_capabilities(caps: Capabilities, task: Task, settings: EpisodeSettings) -> list[str]:
     """What ``task`` under ``settings`` needs that ``caps`` lacks, each said in a sentence."""
     missing = []
-    mode = wanted_verifier_env(task, settings)
+    mode = wanted_verifier_env(task, settings, default=caps.default_verifier_env)
     if mode == "separate" and not caps.separate_verifier:
         missing.append(f"the {caps.backend} backend cannot run the verifier in a separate environment")
     if mode == "shared" and not caps.shared_verifier:

@@ -2,8 +2,9 @@
 
 The tests run in a fresh view of the task's pristine environment (a second episode of
 the same task, with no agent shell) into which only the task's declared ``artifacts``
-are copied from the agent's final state: no agent process and no file the agent changed
-outside those paths is in it. The copy is a tar made inside the agent's view (links kept
+are copied from the agent's final state (its working directory when it declares none:
+:func:`~sequester.environments.base.separate_artifacts`): no agent process and no file
+the agent changed outside those paths is in it. The copy is a tar made inside the agent's view (links kept
 as links, never followed; no devices, fifos or hard links) and unpacked inside the new
 view, where nothing is written through a link; its size is bounded.
 """
@@ -14,6 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from ..environments.base import separate_artifacts
 from ..errors import SequesterError
 from .evaluation import Evaluation, run_tests
 
@@ -35,13 +37,12 @@ def evaluate_separately(episode: Episode, agent_init: int, *,
 
     task, workdir, nsexec = episode.task, episode.workdir, episode._nsexec_call()
     notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
-    artifacts = task.config.artifacts if with_artifacts else ()
+    artifacts, said = separate_artifacts(task, workdir) if with_artifacts else ((), None)
+    notes += [said] if said else []
     fresh = Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec)
     try:
         fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
-        if not artifacts and with_artifacts:
-            notes.append("the task declares no artifacts: the tests saw none of the agent's work")
-        else:
+        if artifacts:
             try:
                 tar, missing = nsexec.pack(agent_init, [a.source for a in artifacts],
                                            {a.source: list(a.exclude) for a in artifacts}, limit=ARTIFACT_LIMIT)

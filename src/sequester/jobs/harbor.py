@@ -54,6 +54,8 @@ _HARBOR_NAMES: dict[str, str] = {
     "BuildError": "SandboxBuildFailedError",
     "BuildTimeout": "SandboxBuildFailedError",
     "VerifierWheelsError": "SandboxBuildFailedError",
+    # the docker backend's engine refused or failed a request
+    "EngineError": "SandboxBuildFailedError",
 }
 
 # sequester's errors that Harbor has no name for: the name stays, with the policy Harbor
@@ -64,7 +66,10 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     "TaskError": _NO_RETRY,  # a malformed task: running it again gives the same error
     "PolicyError": _NO_RETRY,  # a bad setting
     "EpisodeError": _NO_RETRY,
-    "UnsupportedByBackend": _NO_RETRY,  # the backend lacks what the trial asks for (the operator's set-up)  # the agent used its episode out of order (e.g. ran the verifier)
+    "UnsupportedByBackend": _NO_RETRY,
+    # a file call of the agent's on its container (a missing path, one too large): its own doing
+    "ContainerFileError": _NO_RETRY,
+    "TooLarge": _NO_RETRY,  # the backend lacks what the trial asks for (the operator's set-up)  # the agent used its episode out of order (e.g. ran the verifier)
     "SequesterError": _NO_RETRY,  # e.g. the oracle on a task without solution/solve.sh
     "KernelError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "KernelClosedError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},

@@ -30,6 +30,7 @@ from typing import Any
 from ..agents import load_agent
 from ..build.wheels import ensure_task_wheels
 from ..environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
+from ..environments.base import wanted_verifier_env
 from ..episodes.episode import EpisodeError, ExecResult
 from ..episodes.settings import EpisodeSettings
 from ..episodes.verifier import VerifierError
@@ -292,7 +293,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
     notes: list[str] = []
     episode: Environment | None = None
     system: dict[str, Any] | None = None
-    mode = settings.verifier_env or task.config.verifier.environment_mode or "shared"
+    mode = wanted_verifier_env(task, settings)  # the backend's default, once it is known (below)
     with trial_log.capture():
         try:
             agent = load_agent(agent_spec)
@@ -311,6 +312,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                     episode = open_env(settings, hide=hide)
                     # What the trial needs of its backend, before anything starts: a trial
                     # that asks for a separate verifier or a frozen agent never gets less.
+                    mode = wanted_verifier_env(task, settings, default=episode.capabilities.default_verifier_env)
                     missing = missing_capabilities(episode.capabilities, task, settings)
                     if missing:
                         raise UnsupportedByBackend("; ".join(missing))

@@ -1,0 +1,121 @@
+"""The containers of an episode: which image, and a container made from it with the
+task's limits, network and working directory, kept alive by nothing but ``/bin/sh``.
+
+Nothing of the task's ``tests/`` or ``solution/`` is ever put in the agent's container:
+an image is built from ``environment/`` only (the Dockerfile's build context, which holds
+neither), and the container gets no mount of the task's folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ...episodes.settings import EpisodeSettings
+from ...tasks import Task
+from ..base import UnsupportedByBackend
+from .engine import MANAGED, EngineError, labels
+
+__all__ = ["KEEP_ALIVE", "ImageChoice", "resolve_image", "network_for", "create_container", "container_workdir"]
+
+# The container's init: only /bin/sh needed (no `sleep infinity`, no tini); TERM ends it
+# at once (`docker stop` does not wait out its grace period).
+KEEP_ALIVE = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"]
+_serial = itertools.count()
+
+
+@dataclass(frozen=True)
+class ImageChoice:
+    """The image an episode runs on: the reference it was named by and its id."""
+
+    reference: str
+    id: str
+    workdir: str | None  # the image's WorkingDir, if any
+    built: bool = False
+
+
+def _engine(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:  # noqa: BLE001 - the SDK's and requests' errors alike
+        raise EngineError(f"the engine could not {what}: {exc}") from exc
+
+
+def resolve_image(client: Any, task: Task, image: str | None = None, build: bool = False) -> ImageChoice:
+    """The caller's ``image``, else an image built from the task's ``environment/`` when
+    ``build``, else task.toml's ``docker_image`` (pulled if the engine lacks it)."""
+    import docker.errors
+
+    if image is None and build:
+        if not (task.environment_dir / "Dockerfile").is_file():
+            raise UnsupportedByBackend(f"{task.name}: build=True, but the task has no environment/Dockerfile")
+        tag = f"localhost/sequester-build/{task.name.lower()}:latest"
+        built, _ = _engine(f"build {task.environment_dir}", client.images.build, path=str(task.environment_dir),
+                           tag=tag, rm=True, forcerm=True, labels={MANAGED: "1"},
+                           timeout=task.config.environment.build_timeout_sec)
+        return ImageChoice(tag, built.id, (built.attrs.get("Config") or {}).get("WorkingDir") or None, True)
+    reference = image or task.config.environment.docker_image
+    if reference is None:
+        raise UnsupportedByBackend(f"{task.name}: task.toml names no [environment] docker_image; pass image= "
+                                   "or build=True")
+    try:
+        found = client.images.get(reference)
+    except docker.errors.ImageNotFound:
+        found = _engine(f"pull {reference}", client.images.pull, reference)
+    except Exception as exc:  # noqa: BLE001
+        raise EngineError(f"the engine could not look up image {reference}: {exc}") from exc
+    return ImageChoice(reference, found.id, (found.attrs.get("Config") or {}).get("WorkingDir") or None)
+
+
+def container_workdir(task: Task, choice: ImageChoice) -> str:
+    """task.toml's ``workdir``, else the image's ``WorkingDir``, else the Dockerfile's
+    ``WORKDIR``, else ``/`` (as the local backend on an image)."""
+    return task.config.environment.workdir or choice.workdir or task.default_workdir or "/"
+
+
+def network_for(task: Task) -> str | None:
+    """The engine's ``network_mode``: ``none`` for a task without internet, the engine's
+    default network for a public one; an allowlist cannot be had here."""
+    mode = task.config.environment.effective_network_mode
+    if mode == "no-network":
+        return "none"
+    if mode == "public":
+        return None
+    raise UnsupportedByBackend(f"{task.name}: network_mode = {mode!r} is not supported by the docker backend "
+                               "(only 'no-network' and 'public')")
+
+
+def create_container(client: Any, image_id: str, task: Task, settings: EpisodeSettings, *, role: str,
+                     workdir: str, network: str | None) -> Any:
+    """Create and start a container of ``image_id`` for ``role`` (see the module). Its
+    limits: task.toml's ``cpus`` and ``memory_mb``; processes: the settings'
+    ``max_processes`` (task.toml has no such key). On a failed start nothing is left."""
+    env = task.config.environment
+    name = f"sequester-{role}-{os.getpid()}-{next(_serial)}-{secrets.token_hex(3)}"
+    options: dict[str, Any] = {
+        "entrypoint": KEEP_ALIVE, "command": [], "working_dir": workdir, "labels": labels(role), "name": name,
+        "detach": True, "nano_cpus": int(env.cpus * 1e9), "pids_limit": settings.max_processes,
+        "stdin_open": False, "tty": False,
+    }
+    if env.memory_mb is not None:
+        options["mem_limit"] = env.memory_mb << 20
+        options["memswap_limit"] = env.memory_mb << 20  # no swap beyond the limit: the limit is the limit
+    if network is not None:
+        options["network_mode"] = network
+    container = _engine(f"create a container of {image_id}", client.containers.create, image_id, **options)
+    try:
+        _engine(f"start container {name}", container.start)
+        container.reload()
+    except BaseException:
+        try:
+            container.remove(force=True)
+        except Exception:  # noqa: BLE001,S110 - the reaper removes it when this process is gone
+            pass
+        raise
+    if not (container.attrs.get("State") or {}).get("Running"):
+        container.remove(force=True)
+        raise EngineError(f"container {name} of {image_id} exited at once (does the image have /bin/sh?)")
+    return container

@@ -1,0 +1,352 @@
+""":class:`DockerEnvironment`: an episode in a container of a Docker-API engine (Docker,
+or podman serving the Docker API), behind :class:`sequester.environments.base.Environment`.
+
+    env = DockerEnvironment(base_url="unix:///run/podman/podman.sock")
+    env.start("examples/tasks/python-csv-stats")
+    env.exec("python3 -c 'print(1)'")
+    result = env.evaluate()
+    env.close()
+
+The one place that orders the steps: :mod:`.engine` (connect, label, reap), :mod:`.container`
+(image, limits, network), :mod:`.exec` (one bounded, host-timed command), :mod:`.files`
+(archives in and out), :mod:`.verify` (scoring). Unlike the local backend, each exec is a
+fresh ``sh -c`` in the task's working directory: ``cd`` and ``export`` do not persist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import EpisodeError, SandboxError
+from ...episodes import verifier as v
+from ...episodes.evaluation import Evaluation, zero_result
+from ...episodes.settings import EpisodeSettings, frozen_evaluation_note
+from ...episodes.shell import ExecResult
+from ...tasks import Task, load_task
+from ..base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
+from . import files
+from .container import KEEP_ALIVE, ImageChoice, container_workdir, create_container, network_for, resolve_image
+from .engine import EngineError, connect, reap_once
+from .exec import run_exec
+from .procs import pid_namespace, stop_namespace
+from .verify import WIPE, evaluate_separate, evaluate_shared
+
+__all__ = ["DockerEnvironment", "CAPABILITIES"]
+
+CAPABILITIES = Capabilities(backend="docker", separate_verifier=True, shared_verifier=True, freeze=True,
+                            trusted_runner=False, network_policies=frozenset({"none", "public"}),
+                            # Nothing the agent touched runs the verdict, unless the task or the
+                            # settings ask for the agent's own container (live services).
+                            default_verifier_env="separate")
+_READ_LIMIT = 64 << 20
+_RM_TIMEOUT = 60.0
+
+
+def host_namespace(container: Any) -> str | None:
+    """The container's PID namespace if its processes are visible from here: its init's
+    host pid runs our keep-alive command in a namespace not ours. Attack/accident: a
+    remote engine's pid naming an unrelated process of this host, which a timeout would
+    then kill."""
+    pid = (container.attrs.get("State") or {}).get("Pid") or 0
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return None
+    ns = pid_namespace(pid) if pid > 0 else None
+    if cmdline != b"\0".join(a.encode() for a in KEEP_ALIVE) + b"\0" or ns == pid_namespace(os.getpid()):
+        return None
+    return ns
+
+
+class _Ops:
+    """:class:`~.verify.ContainerOps` on a real container."""
+
+    def __init__(self, client: Any, container: Any, output_limit: int, *, remove_on_discard: bool):
+        self.client, self.container, self.output_limit = client, container, output_limit
+        self.namespace = host_namespace(container)
+        self._remove = remove_on_discard
+
+    def exec(self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None,
+             workdir: str | None = None) -> tuple[int | None, bytes, bool]:
+        raw = run_exec(self.client, self.container.id, argv, timeout=timeout, output_bytes=self.output_limit,
+                       env=dict(env) if env else None, workdir=workdir, namespace=self.namespace)
+        return raw.exit_code, raw.stdout + raw.stderr, raw.timed_out
+
+    def put_tar(self, path: str, data: bytes) -> None:
+        files.put_tar(self.container, path, data)
+
+    def get_tar(self, path: str, limit: int) -> bytes | None:
+        got = files.get_tar(self.container, path, limit)
+        return None if got is None else got[0]
+
+    def read_file(self, path: str, limit: int) -> bytes | None:
+        try:
+            return files.read_file(self.container, path, limit)
+        except files.TooLarge:
+            raise
+        except files.ContainerFileError:
+            return None
+
+    def remove(self, paths: Sequence[str]) -> bool:
+        raw = run_exec(self.client, self.container.id, ["/bin/sh", "-c", WIPE, "sh", *paths], timeout=_RM_TIMEOUT,
+                       output_bytes=4096, namespace=self.namespace)
+        return raw.exit_code == 0 and not raw.timed_out
+
+    def discard(self) -> None:
+        try:
+            if self._remove:
+                self.container.remove(force=True)
+            else:
+                self.container.kill()
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"the engine could not {'remove' if self._remove else 'kill'} "
+                              f"{self.container.name}: {exc}") from exc
+
+
+@dataclass
+class _Run:
+    task: Task
+    image: ImageChoice
+    container: Any
+    ops: _Ops
+    workdir: str
+    deadline: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+class DockerEnvironment:
+    """One agent's episode on one task in a Docker-API engine's container (see the
+    module). Not thread-safe; :meth:`abort` may be called from any thread."""
+
+    def __init__(self, settings: EpisodeSettings | None = None, *, base_url: str | None = None,
+                 image: str | None = None, build: bool = False, hide: Iterable[str | os.PathLike[str]] = ()):
+        """``base_url``: the engine (else ``$DOCKER_HOST``, else the default socket);
+        ``image``: run on this image instead of task.toml's ``docker_image``; ``build``:
+        build the task's ``environment/Dockerfile`` on the engine. ``hide`` is accepted
+        for the interface: a container shows nothing of the host's files to hide."""
+        self.settings = settings or EpisodeSettings()
+        self._base_url, self._image, self._build = base_url, image, build
+        self.extra_hidden = tuple(hide)
+        self._client: Any = None
+        self._run: _Run | None = None
+        self._closed = False
+        self._aborted = threading.Event()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    # -- properties --------------------------------------------------------------------
+
+    def _running(self) -> _Run:
+        if self._aborted.is_set():
+            raise EpisodeError("the episode was aborted")
+        if self._run is None:
+            raise EpisodeError("the episode is closed" if self._closed else
+                               "the episode is not running: call start(task) first")
+        return self._run
+
+    @property
+    def task(self) -> Task:
+        return self._running().task
+
+    @property
+    def instruction(self) -> str:
+        return self._running().task.instruction
+
+    @property
+    def workdir(self) -> str:
+        return self._running().workdir
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._running().notes)
+
+    @property
+    def container(self) -> Any:
+        """The agent's container (an SDK object: diagnostics, tests)."""
+        return self._running().container
+
+    @property
+    def system(self) -> dict[str, object]:
+        run = self._running()
+        return {"mode": "docker", "image": run.image.reference, "id": run.image.id, "container": run.container.id}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self, task: Task | str | os.PathLike[str]) -> DockerEnvironment:
+        """Start on ``task`` in a new container, replacing any earlier one."""
+        if self._closed:
+            raise EpisodeError("the episode is closed")
+        self._stop()
+        task = task if isinstance(task, Task) else load_task(task)
+        network = network_for(task)  # before anything is made: an unsupported network refuses the task
+        if self._client is None:
+            self._client = connect(self._base_url)
+            reap_once(self._client, self._client.api.base_url)
+        choice = resolve_image(self._client, task, self._image, self._build)
+        workdir = container_workdir(task, choice)
+        container = create_container(self._client, choice.id, task, self.settings, role="agent", workdir=workdir,
+                                     network=network)
+        ops = _Ops(self._client, container, self.settings.output_bytes, remove_on_discard=False)
+        limit = task.config.agent.timeout_sec
+        run = _Run(task, choice, container, ops, workdir, time.monotonic() + limit if limit else None)
+        run.notes.append("each exec runs in a fresh sh in the working directory (cd and exports do not persist)")
+        if task.config.environment.storage_mb is not None:
+            run.notes.append("[environment] storage_mb is not enforced by the docker backend")
+        if ops.namespace is None:
+            run.notes.append("the engine's processes are not visible from this host: a timed-out command is "
+                             "killed from inside its container")
+        self._run = run
+        return self
+
+    def exec(self, command: str, timeout: float | None = None) -> ExecResult:
+        """Run ``command`` with ``/bin/sh -c`` in the working directory; ``timeout``
+        (default: the settings' ``exec_timeout``) is enforced from the host."""
+        run = self._running()
+        limit = self.settings.exec_timeout if timeout is None else timeout
+        if limit <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if run.deadline is not None:
+            left = run.deadline - time.monotonic()
+            if left <= 0:
+                return ExecResult("", "", None, True, 0.0, "the episode's agent time ([agent] timeout_sec) is over")
+            limit = min(limit, left)
+        try:
+            raw = run_exec(self._client, run.container.id, ["/bin/sh", "-c", command], timeout=limit,
+                           output_bytes=self.settings.output_bytes, workdir=run.workdir, namespace=run.ops.namespace)
+        except EngineError as exc:
+            if self._aborted.is_set():
+                raise EpisodeError("the episode was aborted") from None
+            if not self._is_running(run):  # the agent ended its container's init: its doing
+                return ExecResult("", "", None, False, 0.0, "the agent's container is no longer running, so the "
+                                  "command did not run")
+            raise EpisodeError(f"the command could not be run: {exc}") from exc
+        return ExecResult(raw.stdout.decode(errors="replace"), raw.stderr.decode(errors="replace"), raw.exit_code,
+                          raw.timed_out, raw.duration, "; ".join(raw.notes))
+
+    def _is_running(self, run: _Run) -> bool:
+        try:
+            run.container.reload()
+        except Exception:  # noqa: BLE001 - removed, or the engine is gone: not running
+            return False
+        return bool((run.container.attrs.get("State") or {}).get("Running"))
+
+    def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
+        """Write a file in the agent's container (as its root), making parent folders."""
+        data = content.encode() if isinstance(content, str) else content
+        files.write_file(self._running().container, self._absolute(path), data, mode)
+
+    def read_file(self, path: str) -> bytes:
+        return files.read_file(self._running().container, self._absolute(path), _READ_LIMIT)
+
+    def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
+        """Copy a host folder into the agent's container at ``dest`` (the oracle's solution)."""
+        files.upload_dir(self._running().container, source, self._absolute(dest))
+
+    def _absolute(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def _start_verifier(self) -> _Ops:
+        run = self._running()
+        container = create_container(self._client, run.image.id, run.task, self.settings, role="verifier",
+                                     workdir=run.workdir, network=network_for(run.task))
+        return _Ops(self._client, container, self.settings.output_bytes, remove_on_discard=True)
+
+    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> v.VerifierResult:
+        """The task's pristine tests, scored (see :mod:`.verify`): in a fresh container of
+        the same image holding the task's artifacts (``separate``), or in the agent's
+        (``shared``). ``freeze``: the agent's container is paused (separate), or each of
+        its processes stopped (shared: the tests run beside them), until the verdict is in.
+        Agent-caused failures are a 0 with ``zero_reason``; :class:`VerifierCouldNotRun`
+        only for the engine's."""
+        run = self._running()
+        task = run.task
+        mode = wanted_verifier_env(task, self.settings, verifier_env, default=CAPABILITIES.default_verifier_env)
+        wanted = wants_freeze(task, self.settings, freeze)
+        common: dict[str, Any] = {"workdir": run.workdir, "output_limit": self.settings.output_bytes,
+                                  "reward_range": self.settings.reward_range}
+        if mode == "shared" and not self._is_running(run):
+            return zero_result(Evaluation({}, b"", (), 0.0), "the agent's container is no longer running (its init "
+                               "was ended), so the tests could not run in it", tampering=(), frozen=None, notes=())
+        if wanted and mode == "shared" and run.ops.namespace is None:
+            raise UnsupportedByBackend("freezing the agent for a shared verifier needs the engine's processes "
+                                       "visible from this host (the engine runs elsewhere)")
+        frozen, stopped, paused = None, None, False
+        if wanted:  # first: nothing of the evaluation happens while an agent process runs
+            if mode == "separate":
+                try:
+                    run.container.pause()
+                    paused, frozen = True, "pause"
+                except Exception as exc:  # noqa: BLE001 - e.g. the agent ended its container: nothing runs
+                    if self._is_running(run):
+                        raise v.VerifierCouldNotRun(f"the agent's container could not be paused: {exc}") from exc
+            else:
+                assert run.ops.namespace is not None
+                stopped, frozen = stop_namespace(run.ops.namespace), "sigstop"
+        try:
+            if mode == "separate":
+                verdict = evaluate_separate(run.ops, self._start_verifier, task, frozen=frozen, **common)
+            else:
+                verdict = evaluate_shared(run.ops, task, frozen=frozen, start_verifier=self._start_verifier, **common)
+        finally:
+            if paused:
+                try:
+                    run.container.unpause()
+                except Exception as exc:  # noqa: BLE001 - the verdict stands; the next exec says what broke
+                    run.notes.append(f"the agent's container could not be unpaused: {exc}")
+            if stopped is not None:
+                stopped.resume()
+        if not verdict.clean:
+            run.notes.append("the agent's container was killed after scoring (the tests could not be removed)")
+        result = verdict.result
+        said = frozen_evaluation_note(frozen, timed_out=bool(result.zero_reason and "ran over" in result.zero_reason),
+                                      reward=result.reward)
+        return dataclasses.replace(result, notes=(*result.notes, said)) if said else result
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        try:
+            run.container.remove(force=True)
+        except Exception as exc:  # noqa: BLE001
+            import docker.errors
+
+            if not isinstance(exc, docker.errors.NotFound):
+                raise SandboxError(f"the agent's container {run.container.name} was not removed: {exc}") from exc
+
+    def abort(self) -> None:
+        """From any thread: kill the agent's container now (a command in flight ends at
+        once). Every later use raises :class:`EpisodeError`; :meth:`close` still removes it."""
+        self._aborted.set()
+        run = self._run
+        if run is not None:
+            try:
+                run.container.kill()
+            except Exception:  # noqa: BLE001,S110 - already dead, or going: close removes it
+                pass
+
+    def close(self) -> None:
+        """Remove the agent's container (after errors too). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop()
+
+    def __enter__(self) -> DockerEnvironment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
