@@ -314,3 +314,28 @@ def test_build_from_the_tasks_environment_folder(docker_host, tmp_path):
         env.start(task)
         assert env.workdir == "/work" and env.system["image"].startswith("localhost/sequester-build/")
         assert env.exec("cat /built; ls / | grep -cx -e tests -e solution").stdout == "built\n0\n"
+
+
+def test_tests_a_shared_evaluation_left_are_gone_before_the_agents_next_call(env, tmp_path):
+    """Unfrozen, the wipe after a shared evaluation waits for the agent's next call (its
+    processes ran beside the tests all along): the tests are still there until then, and
+    nothing the agent asks for runs before they are gone."""
+    env.start(docker_task(tmp_path))
+    env.exec("printf hello > /app/out.txt")
+    assert env.evaluate(verifier_env="shared").reward == 1.0
+    assert env.container.exec_run(["test", "-e", "/tests/test.sh"]).exit_code == 0  # left, for now
+    out = env.exec("ls /tests /logs/verifier 2>&1; echo end").stdout
+    assert out.count("No such file") == 2 and out.endswith("end\n"), out
+
+
+def test_a_wipe_the_agent_breaks_after_the_tests_went_in_kills_its_container(env, tmp_path):
+    """Its process waits for the pristine tests, then replaces rm: the wipe before its next
+    call does not take, so the container is killed (fail closed) and the notes say why."""
+    env.start(docker_task(tmp_path))
+    env.exec("printf hello > /app/out.txt; (while [ ! -e /tests/test.sh ]; do sleep 0.01; done; "
+             "printf '#!/bin/sh\\nexit 0\\n' > /usr/bin/rm) >/dev/null 2>&1 &")
+    assert env.evaluate(verifier_env="shared").reward == 1.0
+    time.sleep(0.3)
+    result = env.exec("cat /tests/test.sh")
+    assert result.exit_code is None and "no longer running" in result.note and "pristine" not in result.stdout
+    assert any("could not be removed from the agent's container after scoring" in n for n in env.notes)

@@ -271,3 +271,12 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_shared_evaluation_can_leave_the_wipe_to_its_caller(task):
+    ops = FakeOps(gone=(True,))
+    verdict = verify.evaluate_shared(ops, task, workdir="/app", output_limit=4096, wipe_after=False)
+    assert verdict.staged and verdict.clean and [c[0] for c in ops.calls].count("remove") == 1  # the one before
+    ops.gone = [False]
+    ops.discarded = False
+    assert not verify.wipe_staged(ops) and ops.discarded  # the caller's wipe fails closed

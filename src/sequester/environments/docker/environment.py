@@ -35,7 +35,7 @@ from .container import KEEP_ALIVE, ImageChoice, container_workdir, create_contai
 from .engine import EngineError, connect, reap_once
 from .exec import run_exec
 from .procs import pid_namespace, stop_namespace
-from .verify import WIPE, evaluate_separate, evaluate_shared
+from .verify import NOT_WIPED, WIPE, evaluate_separate, evaluate_shared, wipe_staged
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]
 
@@ -119,6 +119,7 @@ class _Run:
     workdir: str
     deadline: float | None
     notes: list[str] = field(default_factory=list)
+    staged: bool = False  # the tests of a shared evaluation are still in the agent's container
 
 
 class DockerEnvironment:
@@ -144,6 +145,17 @@ class DockerEnvironment:
         return CAPABILITIES
 
     # -- properties --------------------------------------------------------------------
+
+    def _for_agent(self) -> _Run:
+        """The run, with the tests a shared evaluation left in the container wiped first
+        (fail closed: if that does not take, the container is killed and nothing the
+        agent asks for runs). Why they may be left until now: see :meth:`evaluate`."""
+        run = self._running()
+        if run.staged:
+            run.staged = False
+            if not wipe_staged(run.ops):
+                run.notes.append(NOT_WIPED)
+        return run
 
     def _running(self) -> _Run:
         if self._aborted.is_set():
@@ -210,7 +222,7 @@ class DockerEnvironment:
     def exec(self, command: str, timeout: float | None = None) -> ExecResult:
         """Run ``command`` with ``/bin/sh -c`` in the working directory; ``timeout``
         (default: the settings' ``exec_timeout``) is enforced from the host."""
-        run = self._running()
+        run = self._for_agent()
         limit = self.settings.exec_timeout if timeout is None else timeout
         if limit <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -242,14 +254,14 @@ class DockerEnvironment:
     def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
         """Write a file in the agent's container (as its root), making parent folders."""
         data = content.encode() if isinstance(content, str) else content
-        files.write_file(self._running().container, self._absolute(path), data, mode)
+        files.write_file(self._for_agent().container, self._absolute(path), data, mode)
 
     def read_file(self, path: str) -> bytes:
-        return files.read_file(self._running().container, self._absolute(path), _READ_LIMIT)
+        return files.read_file(self._for_agent().container, self._absolute(path), _READ_LIMIT)
 
     def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
         """Copy a host folder into the agent's container at ``dest`` (the oracle's solution)."""
-        files.upload_dir(self._running().container, source, self._absolute(dest))
+        files.upload_dir(self._for_agent().container, source, self._absolute(dest))
 
     def _absolute(self, path: str) -> str:
         return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
@@ -269,7 +281,7 @@ class DockerEnvironment:
         its processes stopped (shared: the tests run beside them), until the verdict is in.
         Agent-caused failures are a 0 with ``zero_reason``; :class:`VerifierCouldNotRun`
         only for the engine's."""
-        run = self._running()
+        run = self._for_agent()
         task = run.task
         mode = wanted_verifier_env(task, self.settings, verifier_env, default=CAPABILITIES.default_verifier_env)
         wanted = wants_freeze(task, self.settings, freeze)
@@ -297,7 +309,13 @@ class DockerEnvironment:
             if mode == "separate":
                 verdict = evaluate_separate(run.ops, self._start_verifier, task, frozen=frozen, **common)
             else:
-                verdict = evaluate_shared(run.ops, task, frozen=frozen, start_verifier=self._start_verifier, **common)
+                # Unfrozen, the agent's processes ran beside the tests and could read them
+                # all along; wiping them before its next call (or never, when the trial
+                # closes the container next) shows them nothing more, and saves an exec.
+                # Frozen, they never saw them: wiped before they resume.
+                verdict = evaluate_shared(run.ops, task, frozen=frozen, start_verifier=self._start_verifier,
+                                          wipe_after=stopped is not None, **common)
+                run.staged = verdict.staged
         finally:
             if paused:
                 try:

@@ -54,7 +54,7 @@ from .engine import EngineError
 from .files import ContainerFileError, dir_tar
 
 __all__ = ["ContainerOps", "Verdict", "ARTIFACT_LIMIT", "docker_verifier_argv", "docker_verifier_env",
-           "evaluate_shared", "evaluate_separate", "pack_artifacts"]
+           "evaluate_shared", "evaluate_separate", "pack_artifacts", "wipe_staged", "NOT_WIPED"]
 
 log = logging.getLogger("sequester.environments.docker")
 
@@ -100,6 +100,7 @@ class Verdict:
 
     result: v.VerifierResult
     clean: bool = True
+    staged: bool = False  # the tests are still in the agent's container (``wipe_after=False``)
 
 
 def docker_verifier_argv(task: Task) -> list[str]:
@@ -157,7 +158,7 @@ def _could_not_run(exc: EngineError) -> v.VerifierCouldNotRun:
 def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit: int,
                     reward_range: tuple[float, float] | None = v.DEFAULT_REWARD_RANGE,
                     frozen: str | None = None, notes: tuple[str, ...] = (),
-                    start_verifier: Callable[[], ContainerOps] | None = None) -> Verdict:
+                    start_verifier: Callable[[], ContainerOps] | None = None, wipe_after: bool = True) -> Verdict:
     """The tests in the agent's own container (see the module for what this trusts).
 
     ``start_verifier`` (a fresh container of the pristine image) decides whom to blame
@@ -165,7 +166,12 @@ def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit
     container refuse one (a file where a folder is staged, at the right moment). If the
     same tests run in the pristine container without engine failure, the failure was the
     agent's doing and is its 0; else it is :class:`VerifierCouldNotRun` (as the local
-    backend decides: :meth:`sequester.episodes.episode.Episode.evaluate`)."""
+    backend decides: :meth:`sequester.episodes.episode.Episode.evaluate`).
+
+    ``wipe_after=False``: the tests are left in place (``Verdict.staged``) for the caller
+    to wipe with :func:`wipe_staged` before the agent acts again, or never if the
+    container is removed first (see :meth:`DockerEnvironment.evaluate` for when that is
+    safe)."""
     notes = (*notes, "the verifier ran in the agent's container (shared mode: the agent's programs ran the tests)")
     empty = Evaluation({}, b"", (), 0.0)
     failure: EngineError | None = None
@@ -184,24 +190,34 @@ def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit
     except EngineError as exc:
         failure = exc
     finally:
-        try:
-            clean = _wipe(ops, VERIFIER_PATHS)
-        except EngineError as exc:
-            log.warning("the tests could not be removed from the agent's container: %s", exc)
-        if not clean:
-            # Fail closed: the tests may still be where the agent is; it runs no more.
-            try:
-                ops.discard()
-            except EngineError as exc:
-                log.error("the agent's container still holds the tests and could not be killed: %s", exc)
+        clean = wipe_staged(ops) if wipe_after or failure is not None else True
     if failure is not None:
         result = _blame(failure, task, start_verifier, workdir=workdir, frozen=frozen, notes=notes)
     assert result is not None
     if not clean:
-        said = ("/tests or /logs/verifier could not be removed from the agent's container after scoring: the "
-                "container was killed so that nothing of the agent's can read them")
-        result = dataclasses.replace(result, notes=(*result.notes, said))
-    return Verdict(result, clean)
+        result = dataclasses.replace(result, notes=(*result.notes, NOT_WIPED))
+    return Verdict(result, clean, staged=not wipe_after and failure is None)
+
+
+NOT_WIPED = ("/tests or /logs/verifier could not be removed from the agent's container after scoring: the "
+             "container was killed so that nothing of the agent's can read them")
+
+
+def wipe_staged(ops: ContainerOps) -> bool:
+    """Remove the staged tests and the verifier's logs from the agent's container; if that
+    does not take (or the engine fails), kill the container (fail closed: the tests may
+    still be where the agent is, so it runs no more). Whether the wipe took."""
+    clean = False
+    try:
+        clean = _wipe(ops, VERIFIER_PATHS)
+    except EngineError as exc:
+        log.warning("the tests could not be removed from the agent's container: %s", exc)
+    if not clean:
+        try:
+            ops.discard()
+        except EngineError as exc:
+            log.error("the agent's container still holds the tests and could not be killed: %s", exc)
+    return clean
 
 
 def _blame(failure: EngineError, task: Task, start_verifier: Callable[[], ContainerOps] | None, *, workdir: str,
@@ -294,7 +310,8 @@ def evaluate_separate(agent: ContainerOps | None, start_verifier: Callable[[], C
         for parent, tar in packed:
             # Attack: a parent that resolves through a link an earlier artifact made (the
             # pristine image's own tools check it: nothing of the agent's runs here yet).
-            code, _, _ = verifier.exec(["/bin/sh", "-c", _PARENT, "sh", parent], WIPE_TIMEOUT)
+            # "/" (a task's working directory as its artifact) needs neither: saves an exec.
+            code = 0 if parent == "/" else verifier.exec(["/bin/sh", "-c", _PARENT, "sh", parent], WIPE_TIMEOUT)[0]
             if code != 0:
                 more.append(f"an artifact below {parent} was not copied: that folder is not a plain folder there")
                 continue
