@@ -1,11 +1,12 @@
 """One trial: one agent on one task, in its own episode, with everything it did kept on disk.
 
 The template (as in Harbor's trial): set up the environment (``Environment.start`` of the
-backend's, see :mod:`sequester.environments`), run the agent, run the verifier, and, whatever happened, close the episode and write
-``result.json``. Each phase is timed. The agent gets the episode through a recording
-proxy, so every command it ran is in ``agent/commands.jsonl`` with its output (and in
-Harbor's ``agent/command-N/``), and it cannot reset, evaluate or close the episode itself:
-those steps are the trial's. What the agent prints goes to ``trial.log``.
+backend's, see :mod:`sequester.environments`), run the agent, run the verifier, and,
+whatever happened, close the episode and write ``result.json``. Each phase is timed. The
+agent gets the episode through a recording proxy (:mod:`.agent_view`), so every command
+it ran is in ``agent/commands.jsonl`` with its output (and in Harbor's
+``agent/command-N/``), and it cannot reset, evaluate or close the episode itself: those
+steps are the trial's. What the agent prints goes to ``trial.log``.
 
 A trial never raises for what happens inside it (a broken task, a crashing agent, a
 verifier without a verdict): that is its ``exception_info``. Only an interrupt
@@ -31,11 +32,12 @@ from ..agents import load_agent
 from ..build.wheels import ensure_task_wheels
 from ..environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
 from ..environments.base import wanted_verifier_env
-from ..episodes.episode import EpisodeError, ExecResult
+from ..episodes.episode import EpisodeError
 from ..episodes.settings import EpisodeSettings
 from ..episodes.verifier import VerifierError
 from ..errors import SequesterError
 from ..tasks import Task
+from .agent_view import RecordingEnvironment
 from .capture import capture_thread_output
 from .harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
 from .paths import TEST_STDOUT, TrialPaths
@@ -151,89 +153,6 @@ class _TrialLog:
             self._file.close()
 
 
-# What an agent may read of its environment; every call it may make is a method below.
-# An allowlist: a backend's new method (``start`` was one) is not the agent's by default.
-_AGENT_READS = frozenset({"task", "instruction", "workdir", "settings", "system", "notes", "capabilities"})
-
-
-class _RecordingEpisode:
-    """What the agent gets instead of the environment: its calls (``exec``, ``read_file``,
-    ``write_file``, ``upload_dir``) and :data:`_AGENT_READS`, nothing else. Each ``exec``
-    is appended to ``agent/commands.jsonl`` (and, readable, to ``agent/agent.log``);
-    ``start``/``reset``/``evaluate``/``close``/``abort`` are refused: an agent that could run
-    the verifier could search for the reward instead of solving the task."""
-
-    def __init__(self, episode: Environment, paths: TrialPaths, cancel: TrialCancel | None):
-        self._episode, self._paths, self._cancel = episode, paths, cancel
-        self._n_commands = 0
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in _AGENT_READS:  # also before __init__ ran (copy, pickle), and the internals
-            raise AttributeError(f"{name}: not something an agent may use of its episode")
-        return getattr(self._episode, name)
-
-    def read_file(self, path: str) -> bytes:
-        return self._episode.read_file(path)
-
-    def exec(self, command: str, timeout: float | None = None) -> ExecResult:
-        if self._cancel is not None:
-            self._cancel.check()
-        limit = self._episode.settings.exec_timeout if timeout is None else timeout
-        entry: dict[str, Any] = {"command": command, "timeout": limit, "started_at": utc_now()}
-        self._transcript(f"$ {command}    # timeout {limit:g} s")
-        command_dir = self._paths.command_dir(self._n_commands)
-        self._n_commands += 1
-        command_dir.mkdir()
-        (command_dir / "command.txt").write_text(command, encoding="utf-8")
-        try:
-            result = self._episode.exec(command, timeout)
-        except BaseException as exc:
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-            self._record(entry)
-            (command_dir / "stdout.txt").write_text(f"[raised {entry['error']}]\n", encoding="utf-8")
-            self._transcript(f"[raised {entry['error']}]")
-            raise
-        entry.update(result.to_dict())
-        self._record(entry)
-        (command_dir / "stdout.txt").write_text(result.stdout, encoding="utf-8")
-        (command_dir / "stderr.txt").write_text(result.stderr, encoding="utf-8")
-        (command_dir / "return-code.txt").write_text("timed out\n" if result.timed_out else f"{result.exit_code}\n")
-        status = "timed out" if result.timed_out else f"exit {result.exit_code}"
-        note = f"; {result.note}" if result.note else ""
-        self._transcript(f"{result.stdout}{result.stderr}[{status}, {result.duration:.2f} s{note}]")
-        return result
-
-    def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
-        self._transcript(f"[write_file {path} ({len(content)} {'bytes' if isinstance(content, bytes) else 'chars'})]")
-        self._episode.write_file(path, content, mode)
-
-    def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
-        self._transcript(f"[upload_dir {source} -> {dest}]")
-        self._episode.upload_dir(source, dest)
-
-    def reset(self, *args: object, **kwargs: object) -> None:
-        raise EpisodeError("an agent may not reset its episode: the trial does")
-
-    start = reset
-
-    def abort(self) -> None:
-        raise EpisodeError("an agent may not abort its episode: the trial ends it")
-
-    def evaluate(self, *args: object, **kwargs: object) -> None:
-        raise EpisodeError("an agent may not run the verifier: the trial does, after the agent")
-
-    def close(self) -> None:
-        raise EpisodeError("an agent may not close its episode: the trial does")
-
-    def _record(self, entry: dict[str, Any]) -> None:
-        with self._paths.commands_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
-
-    def _transcript(self, text: str) -> None:
-        with self._paths.agent_log_path.open("a", encoding="utf-8") as f:
-            f.write(text if text.endswith("\n") else text + "\n")
-
-
 class _Phases:
     """Times the phases of a trial; a phase cut short by an exception still gets its end."""
 
@@ -323,7 +242,7 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                         cancel.check()
                 with phase("agent_execution", trial_log):
                     try:
-                        agent.run(episode.instruction, _RecordingEpisode(episode, paths, cancel))  # type: ignore[arg-type]
+                        agent.run(episode.instruction, RecordingEnvironment(episode, paths, cancel))  # type: ignore[arg-type]
                     finally:
                         notes += _keep_trajectory(agent, paths)
                     if cancel is not None:
