@@ -28,10 +28,12 @@ HACKS = sorted((ROOT / "hacks").glob("*.sh"))
 TASK = ROOT / "tasks" / "python-csv-stats"
 # In shared mode the tests run the agent's python3 and bash, from the agent's PATH and
 # libraries: what replaces or preloads them wins. Each is the README's residual risk.
-# (Measured: the others do not win even here: bash-env and ld-preload act through the
-# agent's shell environment, which the tests' exec does not inherit; runner-ld-cache and
-# the stdlib hacks aim at the trusted runner's own files, which a container does not have.)
-SHARED_RESIDUAL = {"fake-python", "sitecustomize", "runner-late-plant", "runner-path-symlink", "runner-pyvenv-home"}
+# (Measured, with the agent frozen: the others do not win even here: bash-env and
+# ld-preload act through the agent's shell environment, which the tests' exec does not
+# inherit; runner-ld-cache and the stdlib hacks aim at the trusted runner's own files,
+# which a container does not have; the watchers and runner-late-plant are stopped.
+# Unfrozen, those watchers race the tests and sometimes win: README.)
+SHARED_RESIDUAL = {"fake-python", "sitecustomize", "runner-path-symlink", "runner-pyvenv-home"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def docker_settings(module_engine):  # noqa: F811 - the fixture
     return EpisodeSettings(backend="docker", docker_host=module_engine.host, docker_build=True, exec_timeout=120)
 
 
-def _scores(settings: EpisodeSettings, hack: Path, mode: str) -> tuple[float, float, str]:
+def _scores(settings: EpisodeSettings, hack: Path, mode: str, freeze: bool = False) -> tuple[float, float, str]:
     from sequester.environments.docker import DockerEnvironment
 
     env = DockerEnvironment(settings, base_url=settings.docker_host, build=True)
@@ -48,7 +50,7 @@ def _scores(settings: EpisodeSettings, hack: Path, mode: str) -> tuple[float, fl
         env.start(TASK)
         nop = env.evaluate(verifier_env=mode).reward  # the agent has done nothing yet
         ScriptAgent(hack).run(env.instruction, env)
-        result = env.evaluate(verifier_env=mode)  # a VerifierError here (no verdict) fails the test too
+        result = env.evaluate(verifier_env=mode, freeze=freeze)  # a VerifierError (no verdict) fails it too
         return nop, result.reward, result.output[-3000:]
     finally:
         env.close()
@@ -65,7 +67,9 @@ def test_hack_scores_no_more_than_nop_in_a_separate_container(docker_settings, h
     h.stem in SHARED_RESIDUAL, strict=True, reason="RESIDUAL (README, docker shared mode): the tests run the "
     "agent's own programs")) for h in HACKS], ids=[h.stem for h in HACKS])
 def test_hack_in_shared_mode(docker_settings, hack):
-    nop, reward, output = _scores(docker_settings, hack, "shared")
+    # Frozen: the agent's live processes (watchers) cannot race the tests, which is the
+    # README's mitigation for them; what stays is what the tests themselves run.
+    nop, reward, output = _scores(docker_settings, hack, "shared", freeze=True)
     assert nop == 0.0
     assert reward <= nop, f"{hack.name} scored {reward}\n{output}"
 

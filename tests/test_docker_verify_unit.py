@@ -280,3 +280,37 @@ def test_a_shared_evaluation_can_leave_the_wipe_to_its_caller(task):
     ops.gone = [False]
     ops.discarded = False
     assert not verify.wipe_staged(ops) and ops.discarded  # the caller's wipe fails closed
+
+
+class _FlakyContainer:
+    """A container whose removal the engine fails ``failures`` times (podman under load)."""
+
+    name = "flaky"
+
+    def __init__(self, failures: int, error: Exception | None = None):
+        self.failures, self.error, self.removed, self.killed = failures, error, 0, 0
+
+    def kill(self):
+        self.killed += 1
+
+    def remove(self, force=False):
+        if self.failures:
+            self.failures -= 1
+            raise self.error or RuntimeError('500 Server Error: "could not be stopped: timed out waiting for file"')
+        self.removed += 1
+
+
+def test_a_removal_the_engine_fails_is_tried_again(monkeypatch):
+    from sequester.environments.docker import container as c
+
+    monkeypatch.setattr(c, "_REMOVE_TRIES", (0.0, 0.0, 0.0, 0.0))
+    flaky = _FlakyContainer(2)
+    c.remove_container(flaky)
+    assert flaky.removed == 1 and flaky.killed == 2  # killed before each later try
+    with pytest.raises(EngineError, match="did not remove container flaky"):
+        c.remove_container(_FlakyContainer(9))
+    import docker.errors
+
+    gone = _FlakyContainer(1, docker.errors.NotFound("no such container"))
+    c.remove_container(gone)  # already gone: done
+    assert gone.removed == 0

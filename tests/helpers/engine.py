@@ -79,6 +79,17 @@ def _end_leftovers(runroot: Path) -> None:
                 os.kill(int(name), signal.SIGKILL)
 
 
+def _unmount_below(top: Path) -> None:
+    """Detach every mount at or below ``top``, deepest first: podman's overlay driver
+    bind-mounts its ``overlay`` folder onto itself and ``system reset`` leaves it, which
+    would keep the storage from being removed (and pytest's temporary folders with it)."""
+    prefix = str(top.resolve())
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted({p for p in points if p == prefix or p.startswith(prefix + "/")}, key=len, reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=60)
+
+
 @contextlib.contextmanager
 def running_engine(base: Path) -> Iterator[Engine]:
     """A podman API service whose configuration and storage live under ``base``; on exit
@@ -108,6 +119,7 @@ def running_engine(base: Path) -> Iterator[Engine]:
             service.wait()
         subprocess.run([*podman, "system", "reset", "--force"], env=env, capture_output=True, timeout=120)
         _end_leftovers(runroot)
+        _unmount_below(base / "storage")
         shutil.rmtree(runroot, ignore_errors=True)
         shutil.rmtree(base / "storage", ignore_errors=True)
 

@@ -8,9 +8,11 @@ neither), and the container gets no mount of the task's folder.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,8 @@ from ...tasks import Task
 from ..base import UnsupportedByBackend
 from .engine import MANAGED, EngineError, labels
 
-__all__ = ["KEEP_ALIVE", "ImageChoice", "resolve_image", "network_for", "create_container", "container_workdir"]
+__all__ = ["KEEP_ALIVE", "ImageChoice", "resolve_image", "network_for", "create_container", "container_workdir",
+           "remove_container"]
 
 # The container's init: only /bin/sh needed (no `sleep infinity`, no tini); TERM ends it
 # at once (`docker stop` does not wait out its grace period).
@@ -116,6 +119,33 @@ def create_container(client: Any, image_id: str, task: Task, settings: EpisodeSe
             pass
         raise
     if not (container.attrs.get("State") or {}).get("Running"):
-        container.remove(force=True)
+        remove_container(container)
         raise EngineError(f"container {name} of {image_id} exited at once (does the image have /bin/sh?)")
     return container
+
+
+_REMOVE_TRIES = (0.0, 0.5, 2.0, 5.0)  # seconds before each try
+
+
+def remove_container(container: Any) -> None:
+    """Force-remove ``container``, trying again when the engine fails: under load podman
+    answers 500 ("could not be stopped: timed out waiting for file .../exits/...", "unlinkat
+    .../shm: device or resource busy") and a later try takes. Gone already is done. Raises
+    :class:`EngineError` when the last try fails too."""
+    import docker.errors
+
+    last: Exception | None = None
+    for pause in _REMOVE_TRIES:
+        time.sleep(pause)
+        try:
+            if last is not None:
+                with contextlib.suppress(Exception):  # a container that would not stop: killed first
+                    container.kill()
+            container.remove(force=True)
+            return
+        except docker.errors.NotFound:
+            return
+        except Exception as exc:  # noqa: BLE001 - the SDK's and requests' errors alike
+            last = exc
+    raise EngineError(f"the engine did not remove container {container.name} "
+                      f"({len(_REMOVE_TRIES)} tries): {last}")

@@ -31,10 +31,11 @@ from ...episodes.shell import ExecResult
 from ...tasks import Task, load_task
 from ..base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
 from . import files
-from .container import KEEP_ALIVE, ImageChoice, container_workdir, create_container, network_for, resolve_image
+from .container import (KEEP_ALIVE, ImageChoice, container_workdir, create_container, network_for,
+                        remove_container, resolve_image)
 from .engine import EngineError, connect, reap_once
 from .exec import run_exec
-from .procs import pid_namespace, stop_namespace
+from .procs import kill_init, pid_namespace, stop_namespace
 from .verify import NOT_WIPED, WIPE, evaluate_separate, evaluate_shared, wipe_staged
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]
@@ -46,6 +47,7 @@ CAPABILITIES = Capabilities(backend="docker", separate_verifier=True, shared_ver
                             default_verifier_env="separate")
 _READ_LIMIT = 64 << 20
 _RM_TIMEOUT = 60.0
+_INIT_WAIT = 5.0  # seconds for a started container's init to become our keep-alive command
 
 
 def host_namespace(container: Any) -> str | None:
@@ -54,15 +56,32 @@ def host_namespace(container: Any) -> str | None:
     remote engine's pid naming an unrelated process of this host, which a timeout would
     then kill."""
     pid = (container.attrs.get("State") or {}).get("Pid") or 0
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-    except OSError:
-        return None
+    wanted = b"\0".join(a.encode() for a in KEEP_ALIVE) + b"\0"
+    # The engine reports the pid as soon as the runtime's init has it, which may still be
+    # the runtime's own program for a moment (seen under load: runc init), not ours yet.
+    deadline = time.monotonic() + _INIT_WAIT
+    while True:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            return None
+        if cmdline == wanted or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     ns = pid_namespace(pid) if pid > 0 else None
-    if cmdline != b"\0".join(a.encode() for a in KEEP_ALIVE) + b"\0" or ns == pid_namespace(os.getpid()):
+    if cmdline != wanted or ns == pid_namespace(os.getpid()):
         return None
     return ns
+
+
+def _kill_from_host(ops: _Ops) -> None:
+    """Kill the container's processes from this host first, when they are visible here:
+    a fork-bombed container's removal through the engine timed out (podman: "given PIDs
+    did not die within timeout"), and its processes outlived the engine's teardown."""
+    pid = (ops.container.attrs.get("State") or {}).get("Pid") or 0
+    if ops.namespace is not None and pid > 0:
+        kill_init(pid, ops.namespace)
 
 
 class _Ops:
@@ -100,9 +119,10 @@ class _Ops:
         return raw.exit_code == 0 and not raw.timed_out
 
     def discard(self) -> None:
+        _kill_from_host(self)
         try:
             if self._remove:
-                self.container.remove(force=True)
+                remove_container(self.container)
             else:
                 self.container.kill()
         except Exception as exc:  # noqa: BLE001
@@ -237,12 +257,25 @@ class DockerEnvironment:
         except EngineError as exc:
             if self._aborted.is_set():
                 raise EpisodeError("the episode was aborted") from None
+            if not self._engine_answers():  # the engine's failure: the trial's error
+                raise EpisodeError(f"the command could not be run: {exc}") from exc
             if not self._is_running(run):  # the agent ended its container's init: its doing
                 return ExecResult("", "", None, False, 0.0, "the agent's container is no longer running, so the "
                                   "command did not run")
-            raise EpisodeError(f"the command could not be run: {exc}") from exc
+            # The engine answers and the container runs, yet this exec failed (seen: every
+            # process slot taken by a fork bomb, the exec session lost): the container's
+            # state did it, which is the agent's, never a trial error.
+            return ExecResult("", "", None, False, 0.0, f"the engine could not run the command in the agent's "
+                              f"container ({exc})")
         return ExecResult(raw.stdout.decode(errors="replace"), raw.stderr.decode(errors="replace"), raw.exit_code,
                           raw.timed_out, raw.duration, "; ".join(raw.notes))
+
+    def _engine_answers(self) -> bool:
+        try:
+            self._client.ping()
+        except Exception:  # noqa: BLE001 - any failure: it does not
+            return False
+        return True
 
     def _is_running(self, run: _Run) -> bool:
         try:
@@ -337,13 +370,11 @@ class DockerEnvironment:
         run, self._run = self._run, None
         if run is None:
             return
+        _kill_from_host(run.ops)
         try:
-            run.container.remove(force=True)
-        except Exception as exc:  # noqa: BLE001
-            import docker.errors
-
-            if not isinstance(exc, docker.errors.NotFound):
-                raise SandboxError(f"the agent's container {run.container.name} was not removed: {exc}") from exc
+            remove_container(run.container)
+        except EngineError as exc:
+            raise SandboxError(f"the agent's container {run.container.name} was not removed: {exc}") from exc
 
     def abort(self) -> None:
         """From any thread: kill the agent's container now (a command in flight ends at

@@ -138,7 +138,8 @@ def run_exec(client: Any, container_id: str, argv: list[str], *, timeout: float,
         # deadline: asking at once cost ~40 ms of every exec on podman.
         timed_out = _wait(api, exec_id, raw, demux, deadline)
         if timed_out:
-            notes.append(f"the command ran over its {timeout:g} s and was killed (with every process it started)")
+            notes.append(f"the command ran over its {timeout:g} s and was killed, with every process still below it "
+                         "(one it detached, e.g. by setsid and a double fork, keeps running until the episode closes)")
             if namespace:
                 pid, pidfd = _running_pid(api, exec_id, namespace)
             if pid:

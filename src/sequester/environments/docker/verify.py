@@ -108,7 +108,9 @@ def docker_verifier_argv(task: Task) -> list[str]:
     ``python3 -m pytest`` on the tests, 0/1 by its exit status (anything else: no verdict)."""
     if task.test_script is not None:
         return ["bash", "/tests/test.sh"]
-    script = ("python3 -m pytest /tests -rA\nrc=$?\n"
+    # -I: not the working directory (the agent's copied work: an /app/pytest.py would
+    # be imported as pytest) nor PYTHON* variables on the path.
+    script = ("python3 -I -m pytest /tests -rA\nrc=$?\n"
               'case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;'
               ' *) echo "sequester: pytest could not run the tests (exit $rc)" >&2;; esac\n')
     return ["/bin/sh", "-c", script]
@@ -250,7 +252,13 @@ def pack_artifacts(ops: ContainerOps, artifacts: Sequence[Artifact],
         if data is None:
             notes.append(f"artifact {artifact.source} does not exist in the agent's environment")
             continue
-        tar = _filtered(data, artifact.exclude)
+        try:
+            tar = _filtered(data, artifact.exclude)
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            # The agent changed the files while the engine packed them (a file growing or
+            # shrinking: the engine's archive ends early): its loss, never an error.
+            notes.append(f"artifact {artifact.source} was not copied: it changed while it was copied ({exc})")
+            continue
         used += len(tar)
         packed.append((posixpath.dirname(artifact.source.rstrip("/")) or "/", tar))
     return packed, notes
@@ -262,20 +270,23 @@ def _filtered(data: bytes, exclude: Sequence[str]) -> bytes:
     (attack: ``out -> /usr/bin`` then ``out/python3`` overwriting the verifier's tools),
     and nothing matching ``exclude`` (relative to the artifact, or its full name)."""
     out = io.BytesIO()
-    links: list[str] = []
+    links: set[str] = set()
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src, \
             tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
         for member in src:
             name = member.name.strip("/")
+            parts = name.split("/")
             rel = name.split("/", 1)[-1]
-            if not (member.isreg() or member.isdir() or member.issym()):
+            if not (member.isreg() or member.isdir() or member.issym()) or ".." in parts:
                 continue
-            if any(name.startswith(link + "/") for link in links):
+            # Below a link kept earlier? One set lookup per folder of the name (a scan of
+            # every link for every member was quadratic: an agent's 100,000 links).
+            if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
                 continue
             if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(name, p) for p in exclude):
                 continue
             if member.issym():
-                links.append(name)
+                links.add(name)
             member.mode &= 0o1777
             dst.addfile(member, src.extractfile(member) if member.isreg() else None)
     return out.getvalue()
