@@ -62,8 +62,9 @@ def resolve_image(client: Any, task: Task, image: str | None = None, build: bool
         return ImageChoice(tag, built.id, (built.attrs.get("Config") or {}).get("WorkingDir") or None, True)
     reference = image or task.config.environment.docker_image
     if reference is None:
-        raise UnsupportedByBackend(f"{task.name}: task.toml names no [environment] docker_image; pass image= "
-                                   "or build=True")
+        raise UnsupportedByBackend(f"{task.name}: task.toml names no [environment] docker_image: build its "
+                                   "environment/Dockerfile with --docker-build (docker_build = true; build=True "
+                                   "in the API), or name an image (image=)")
     try:
         found = client.images.get(reference)
     except docker.errors.ImageNotFound:
