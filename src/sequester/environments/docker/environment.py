@@ -9,7 +9,8 @@ or podman serving the Docker API), behind :class:`sequester.environments.base.En
 
 The one place that orders the steps: :mod:`.engine` (connect, label, reap), :mod:`.container`
 (image, limits, network), :mod:`.exec` (one bounded, host-timed command), :mod:`.files`
-(archives in and out), :mod:`.verify` (scoring). Unlike the local backend, each exec is a
+(archives in and out), :mod:`.ops` (one container's calls, its processes seen from here),
+:mod:`.verify` (scoring). Unlike the local backend, each exec is a
 fresh ``sh -c`` in the task's working directory: ``cd`` and ``export`` do not persist.
 """
 
@@ -19,7 +20,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +32,12 @@ from ...episodes.shell import ExecResult
 from ...tasks import Task, load_task
 from ..base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
 from . import files
-from .container import (KEEP_ALIVE, ImageChoice, container_workdir, create_container, network_for,
-                        remove_container, resolve_image)
+from .container import ImageChoice, container_workdir, create_container, network_for, remove_container, resolve_image
 from .engine import EngineError, connect, reap_once
 from .exec import run_exec
-from .procs import kill_init, pid_namespace, stop_namespace
-from .verify import NOT_WIPED, WIPE, evaluate_separate, evaluate_shared, wipe_staged
+from .ops import ContainerHandle, kill_from_host
+from .procs import stop_namespace
+from .verify import NOT_WIPED, evaluate_separate, evaluate_shared, wipe_staged
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]
 
@@ -46,88 +47,6 @@ CAPABILITIES = Capabilities(backend="docker", separate_verifier=True, shared_ver
                             # settings ask for the agent's own container (live services).
                             default_verifier_env="separate")
 _READ_LIMIT = 64 << 20
-_RM_TIMEOUT = 60.0
-_INIT_WAIT = 5.0  # seconds for a started container's init to become our keep-alive command
-
-
-def host_namespace(container: Any) -> str | None:
-    """The container's PID namespace if its processes are visible from here: its init's
-    host pid runs our keep-alive command in a namespace not ours. Attack/accident: a
-    remote engine's pid naming an unrelated process of this host, which a timeout would
-    then kill."""
-    pid = (container.attrs.get("State") or {}).get("Pid") or 0
-    wanted = b"\0".join(a.encode() for a in KEEP_ALIVE) + b"\0"
-    # The engine reports the pid as soon as the runtime's init has it, which may still be
-    # the runtime's own program for a moment (seen under load: runc init), not ours yet.
-    deadline = time.monotonic() + _INIT_WAIT
-    while True:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            return None
-        if cmdline == wanted or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    ns = pid_namespace(pid) if pid > 0 else None
-    if cmdline != wanted or ns == pid_namespace(os.getpid()):
-        return None
-    return ns
-
-
-def _kill_from_host(ops: _Ops) -> None:
-    """Kill the container's processes from this host first, when they are visible here:
-    a fork-bombed container's removal through the engine timed out (podman: "given PIDs
-    did not die within timeout"), and its processes outlived the engine's teardown."""
-    pid = (ops.container.attrs.get("State") or {}).get("Pid") or 0
-    if ops.namespace is not None and pid > 0:
-        kill_init(pid, ops.namespace)
-
-
-class _Ops:
-    """:class:`~.verify.ContainerOps` on a real container."""
-
-    def __init__(self, client: Any, container: Any, output_limit: int, *, remove_on_discard: bool):
-        self.client, self.container, self.output_limit = client, container, output_limit
-        self.namespace = host_namespace(container)
-        self._remove = remove_on_discard
-
-    def exec(self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None,
-             workdir: str | None = None) -> tuple[int | None, bytes, bool]:
-        raw = run_exec(self.client, self.container.id, argv, timeout=timeout, output_bytes=self.output_limit,
-                       env=dict(env) if env else None, workdir=workdir, namespace=self.namespace)
-        return raw.exit_code, raw.stdout + raw.stderr, raw.timed_out
-
-    def put_tar(self, path: str, data: bytes) -> None:
-        files.put_tar(self.container, path, data)
-
-    def get_tar(self, path: str, limit: int) -> bytes | None:
-        got = files.get_tar(self.container, path, limit)
-        return None if got is None else got[0]
-
-    def read_file(self, path: str, limit: int) -> bytes | None:
-        try:
-            return files.read_file(self.container, path, limit)
-        except files.TooLarge:
-            raise
-        except files.ContainerFileError:
-            return None
-
-    def remove(self, paths: Sequence[str]) -> bool:
-        raw = run_exec(self.client, self.container.id, ["/bin/sh", "-c", WIPE, "sh", *paths], timeout=_RM_TIMEOUT,
-                       output_bytes=4096, namespace=self.namespace)
-        return raw.exit_code == 0 and not raw.timed_out
-
-    def discard(self) -> None:
-        _kill_from_host(self)
-        try:
-            if self._remove:
-                remove_container(self.container)
-            else:
-                self.container.kill()
-        except Exception as exc:  # noqa: BLE001
-            raise EngineError(f"the engine could not {'remove' if self._remove else 'kill'} "
-                              f"{self.container.name}: {exc}") from exc
 
 
 @dataclass
@@ -135,7 +54,7 @@ class _Run:
     task: Task
     image: ImageChoice
     container: Any
-    ops: _Ops
+    ops: ContainerHandle
     workdir: str
     deadline: float | None
     notes: list[str] = field(default_factory=list)
@@ -227,7 +146,7 @@ class DockerEnvironment:
         workdir = container_workdir(task, choice)
         container = create_container(self._client, choice.id, task, self.settings, role="agent", workdir=workdir,
                                      network=network)
-        ops = _Ops(self._client, container, self.settings.output_bytes, remove_on_discard=False)
+        ops = ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=False)
         limit = task.config.agent.timeout_sec
         run = _Run(task, choice, container, ops, workdir, time.monotonic() + limit if limit else None)
         run.notes.append("each exec runs in a fresh sh in the working directory (cd and exports do not persist)")
@@ -301,11 +220,11 @@ class DockerEnvironment:
 
     # -- evaluation --------------------------------------------------------------------
 
-    def _start_verifier(self) -> _Ops:
+    def _start_verifier(self) -> ContainerHandle:
         run = self._running()
         container = create_container(self._client, run.image.id, run.task, self.settings, role="verifier",
                                      workdir=run.workdir, network=network_for(run.task))
-        return _Ops(self._client, container, self.settings.output_bytes, remove_on_discard=True)
+        return ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=True)
 
     def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> v.VerifierResult:
         """The task's pristine tests, scored (see :mod:`.verify`): in a fresh container of
@@ -370,7 +289,7 @@ class DockerEnvironment:
         run, self._run = self._run, None
         if run is None:
             return
-        _kill_from_host(run.ops)
+        kill_from_host(run.ops)
         try:
             remove_container(run.container)
         except EngineError as exc:
