@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
 
 from _report import report  # noqa: E402
 from engine import import_rootfs, running_engine  # noqa: E402
+from episode_bench import TEST_SH, minimal_task  # noqa: E402
 from images import trixie_rootfs  # noqa: E402
 
 from sequester.environments.docker import DockerEnvironment  # noqa: E402
@@ -42,20 +43,10 @@ from sequester.images import ImageSettings, ImageStore  # noqa: E402
 
 IMAGE = "localhost/bench/trixie:1"
 KEEP_ALIVE = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"]
-TEST_SH = "echo 1 > /logs/verifier/reward.txt\n"
 
 
-def minimal_task(root: Path) -> Path:
-    task = root / "bench-task"
-    for sub in ("tests", "environment", "solution"):
-        (task / sub).mkdir(parents=True)
-    (task / "instruction.md").write_text("Nothing to do.\n")
-    (task / "task.toml").write_text(f'version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
-                                    f'docker_image = "{IMAGE}"\nallow_internet = false\n')
-    (task / "environment" / "Dockerfile").write_text(f"FROM {IMAGE}\nWORKDIR /app\n")
-    (task / "tests" / "test.sh").write_text(TEST_SH)
-    (task / "solution" / "solve.sh").write_text("true\n")
-    return task
+def docker_task(root: Path) -> Path:
+    return minimal_task(root, base=IMAGE, environment=f'docker_image = "{IMAGE}"\nallow_internet = false\n')
 
 
 def tests_tar() -> bytes:
@@ -117,7 +108,7 @@ def main() -> int:
         (root / "engine").mkdir()
         with running_engine(root / "engine") as eng:
             import_rootfs(eng, trixie_rootfs(), IMAGE, changes=["WORKDIR /app"])
-            task = minimal_task(root)
+            task = docker_task(root)
             settings = EpisodeSettings(backend="docker", docker_host=eng.host)
             os.environ["DOCKER_HOST"] = eng.host
             store = ImageStore(ImageSettings(store_dir=root / "store"))

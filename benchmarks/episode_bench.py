@@ -34,13 +34,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 TEST_SH = "echo 1 > /logs/verifier/reward.txt\n"
 
 
-def minimal_task(root: Path) -> Path:
+def minimal_task(root: Path, *, base: str = "debian:12", environment: str = "") -> Path:
+    """A task with nothing to do whose test.sh writes reward 1; ``environment``: lines of
+    its ``[environment]`` table (docker_bench names its image there)."""
     task = root / "bench-task"
     for sub in ("tests", "environment", "solution"):
         (task / sub).mkdir(parents=True)
     (task / "instruction.md").write_text("Nothing to do.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n')
-    (task / "environment" / "Dockerfile").write_text("FROM debian:12\nWORKDIR /app\n")
+    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n'
+                                    + (f"[environment]\n{environment}" if environment else ""))
+    (task / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /app\n")
     (task / "tests" / "test.sh").write_text(TEST_SH)
     (task / "solution" / "solve.sh").write_text("true\n")
     return task

@@ -4,13 +4,12 @@ image imported from the cached Debian trixie rootfs, without ``/usr/bin/timeout`
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from engine import import_rootfs, module_engine  # noqa: F401 - the fixture
+from engine import host_pids_of, import_rootfs, module_engine  # noqa: F401 - the fixture
 from tasks import make_task
 
 from sequester.environments.docker import DockerEnvironment
@@ -48,19 +47,6 @@ def docker_task(root: Path, name: str = "t", test_sh: str = CHECK_OUT, *, extra:
         f'[environment]\ndocker_image = "{IMAGE}"\nallow_internet = false\ncpus = 0.5\nmemory_mb = 512\n'
         f'{environment}')
     return task
-
-
-def host_pids_of(cmdline: bytes) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if f.read() == cmdline:
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
 
 
 def test_exec_output_exit_code_and_workdir(env, tmp_path):

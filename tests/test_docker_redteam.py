@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine import import_rootfs, module_engine  # noqa: F401 - the fixture
+from engine import host_pids_of, import_rootfs, module_engine  # noqa: F401 - the fixture
 from tasks import make_task
 
 from sequester.environments.docker import DockerEnvironment
@@ -50,19 +50,6 @@ def docker_task(root: Path, name: str = "t", test_sh: str | None = CHECK_OUT, *,
         f'version = "1.0"\nartifacts = {artifacts}\n{extra}\n[verifier]\ntimeout_sec = {timeout}\n'
         f'[environment]\ndocker_image = "{IMAGE}"\nallow_internet = false\ncpus = 0.5\nmemory_mb = 512\n')
     return task
-
-
-def host_pids_of(cmdline: bytes) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if f.read() == cmdline:
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
 
 
 def _both(env, nop_expected: float = 0.0):

@@ -10,6 +10,7 @@ what started.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -89,22 +90,34 @@ def close_fd(fd: int) -> None:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from ``/proc/PID/task/*/children``."""
+    """Every process below ``pid`` (breadth first), from ``/proc/PID/task/*/children``.
+    A walk with a queue, not recursion: a chain of thousands of nested processes (a
+    sandbox's) would overflow Python's stack."""
+    seen: set[int] = set()
     out: list[int] = []
+    queue = collections.deque([pid])
+    while queue:
+        for child in _children(queue.popleft()):
+            if child not in seen:
+                seen.add(child)
+                out.append(child)
+                queue.append(child)
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return found
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
+                found += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
             continue
-        for child in children:
-            out.append(child)
-            out += descendants(child)
-    return out
+    return found
 
 
 def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: list[int], stdout: int | None,

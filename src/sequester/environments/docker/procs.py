@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-__all__ = ["pid_namespace", "open_pidfd", "descendants", "kill_tree", "Stopped", "stop_namespace"]
+from ...sandbox.bwrap import descendants
+
+__all__ = ["pid_namespace", "open_pidfd", "kill_tree", "Stopped", "stop_namespace"]
 
 
 def pid_namespace(pid: int) -> str | None:
@@ -39,32 +41,6 @@ def open_pidfd(pid: int, namespace: str) -> int | None:
     return fd
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, and so on (breadth first)."""
-    seen, queue = [], [pid]
-    while queue:
-        for child in _children(queue.pop(0)):
-            if child not in seen:
-                seen.append(child)
-                queue.append(child)
-    return seen
-
-
 def _signal(fd: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, OSError):
         signal.pidfd_send_signal(fd, sig)
@@ -82,21 +58,28 @@ def kill_tree(pid: int, namespace: str, rounds: int = 10, pidfd: int | None = No
     fds = {pid: root}
     try:
         _signal(root, signal.SIGSTOP)
-        for _ in range(rounds):
-            new = [p for p in descendants(pid) if p not in fds]
-            if not new:
-                break
-            for p in new:
-                fd = open_pidfd(p, namespace)
-                if fd is not None:
-                    fds[p] = fd
-                    _signal(fd, signal.SIGSTOP)
+        _stop_rounds(lambda: descendants(pid), namespace, fds, rounds)
         for fd in fds.values():
             _signal(fd, signal.SIGKILL)
     finally:
         for fd in fds.values():
             os.close(fd)
     return True
+
+
+def _stop_rounds(candidates: Callable[[], Iterable[int]], namespace: str, fds: dict[int, int], rounds: int) -> None:
+    """SIGSTOP each of ``candidates()`` in ``namespace`` not yet in ``fds`` (its pidfd is
+    added), round after round until a round finds none new: a process forking during the
+    first rounds has its children stopped in the next."""
+    for _ in range(rounds):
+        new = [p for p in candidates() if p not in fds]
+        if not new:
+            break
+        for p in new:
+            fd = open_pidfd(p, namespace)
+            if fd is not None:
+                fds[p] = fd
+                _signal(fd, signal.SIGSTOP)
 
 
 def _in_namespace(namespace: str) -> Iterator[int]:
@@ -126,15 +109,7 @@ def stop_namespace(namespace: str, rounds: int = 20) -> Stopped:
     round finds none not yet stopped (a process forking during the first rounds has its
     children stopped in the next)."""
     fds: dict[int, int] = {}
-    for _ in range(rounds):
-        new = [p for p in _in_namespace(namespace) if p not in fds]
-        if not new:
-            break
-        for p in new:
-            fd = open_pidfd(p, namespace)
-            if fd is not None:
-                fds[p] = fd
-                _signal(fd, signal.SIGSTOP)
+    _stop_rounds(lambda: _in_namespace(namespace), namespace, fds, rounds)
     return Stopped(fds)
 
 
