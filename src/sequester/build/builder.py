@@ -143,7 +143,7 @@ def build_image(store: ImageStore, dockerfile: Path, context: Path, *, name: str
     deadline = started + options.timeout if options.timeout else None
     if proxy_factory is None and options.network.mode != "none":
         proxy_factory = _default_proxy_factory(options.network)
-    with store._lock("gc.lock", fcntl.LOCK_SH):
+    with store.lock("gc.lock", fcntl.LOCK_SH):
         stages: dict[int, _Stage] = {}
         for index in order:
             stages[index] = _plan_stage(store, df, graph[index], stages, names, context, source, options, cache)

@@ -32,7 +32,7 @@ def drop_record(self: ImageStore, record: ImageRecord) -> None:
         except BlockingIOError:
             raise ImageError(f"image {record.names[0] if record.names else record.short_id} is in use by a "
                              "running episode") from None
-        with self._lock("lock", fcntl.LOCK_EX):
+        with self.lock("lock", fcntl.LOCK_EX):
             (self.root / "images" / f"{hex_of(record.id)}.json").unlink(missing_ok=True)
             used.unlink(missing_ok=True)
     finally:

@@ -9,6 +9,7 @@
       images/<id hex>.json   one record per image (:mod:`.records`); <hex>.used: last use
       tmp/                   skopeo's layouts and temporary files, removed after each fetch
       gc.lock, lock          fetches and builds hold gc.lock shared, prune exclusive; lock: record writes
+      locks/<hex>.lock       one fetch of an image at a time (:mod:`.fetch`)
 
 The store folder is 0700: an image's setuid programs and its files are nobody else's
 to run or read (a root caller's store would otherwise hand every local user the image's
@@ -38,9 +39,9 @@ from pathlib import Path
 
 from ..errors import ImageError
 from . import skopeo as sk
-from .credentials import authfile_for
-from .manifest import (DIGEST, INDEX_TYPES, Descriptor, declared_compression, Platform, host_platform, is_index, parse_config, parse_json, parse_manifest,
-                       select_platform, sha256_digest)
+from .fetch import skopeo_fetch
+from .manifest import (Descriptor, Platform, declared_compression, host_platform, parse_config, parse_json,
+                       parse_manifest, sha256_digest)
 from .progress import NO_PROGRESS, Progress
 from .records import ImageRecord, LayerRef, hex_of, read_record, write_record
 from .reference import parse_reference
@@ -81,7 +82,7 @@ class ImageStore:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             os.chmod(self.root, 0o700)
-            for sub in ("blobs/sha256", "layers", "images", "tmp"):
+            for sub in ("blobs/sha256", "layers", "images", "tmp", "locks"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
             policy = self.root / "policy.json"
             if not policy.exists():
@@ -97,7 +98,7 @@ class ImageStore:
         return self.root / "layers" / hex_of(diff_id)
 
     @contextlib.contextmanager
-    def _lock(self, name: str, kind: int, *, wait: float = 600) -> Iterator[None]:
+    def lock(self, name: str, kind: int, *, wait: float = 600) -> Iterator[None]:
         self._ensure()
         fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -203,66 +204,23 @@ class ImageStore:
 
     def _fetch(self, source: Source, name: str | None, progress: Progress, *, what: str) -> ImageRecord:
         self._ensure()
-        with self._lock("gc.lock", fcntl.LOCK_SH):
+        with self.lock("gc.lock", fcntl.LOCK_SH):
             tmp = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.root / "tmp"))
             try:
                 if source.kind in (SourceKind.ROOTFS_DIR, SourceKind.ROOTFS_TAR):
                     manifest_digest, fetched_from, source_digest = rootfs_image(self, source, tmp, progress), \
                         f"{source.kind.value}:{source.location}", None
+                    record = self._unpack_and_record(manifest_digest, name, fetched_from, source_digest, progress, what)
                 else:
-                    manifest_digest, fetched_from, source_digest = self._skopeo_fetch(source, tmp, progress, what)
-                record = self._unpack_and_record(manifest_digest, name, fetched_from, source_digest, progress, what)
+                    # Held until the image is recorded: skopeo rewrites a manifest blob in place,
+                    # so a second fetch of the same image must not copy while this one reads it.
+                    with skopeo_fetch(self, source, tmp, progress, what) as (manifest_digest, fetched_from,
+                                                                             source_digest):
+                        record = self._unpack_and_record(manifest_digest, name, fetched_from, source_digest,
+                                                         progress, what)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return record
-
-    def _skopeo_fetch(self, source: Source, tmp: Path, progress: Progress, what: str) -> tuple[str, str, str | None]:
-        skopeo = sk.skopeo_path()
-        common = dict(policy=self.root / "policy.json", plat=self.platform, tmpdir=tmp)
-        if source.kind is SourceKind.REGISTRY:
-            ref = parse_reference(source.location)
-            fetch = ref.mirrored(self.settings.mirrors)
-            tls = fetch.registry not in self.settings.insecure
-            with authfile_for(fetch.registry) as authfile:
-                # skopeo takes a tag or a digest, not both; the digest is what counts.
-                asked = f"{fetch.name}@{ref.digest}" if ref.digest else str(fetch)
-                raw = sk.run_skopeo(sk.inspect_argv(skopeo, f"docker://{asked}", tls_verify=tls, authfile=authfile,
-                                                    **common), what)
-                source_digest = ref.digest or sha256_digest(raw)
-                if ref.digest and sha256_digest(raw) != ref.digest:
-                    raise ImageError(f"{what}: the registry's manifest has digest {sha256_digest(raw)}, "
-                                     f"not the {ref.digest} asked for")
-                doc = parse_json(raw, what)
-                chosen = select_platform(doc, self.platform, what).digest if is_index(doc) else sha256_digest(raw)
-                location = f"docker://{fetch.name}@{chosen}"
-                progress.phase(f"pulling {ref.short}", None)
-                sk.run_skopeo(sk.copy_argv(skopeo, location, tmp / "layout", self.root / "blobs", tls_verify=tls,
-                                           authfile=authfile, **common), what, on_line=sk.progress_lines(progress))
-            fetched_from = location
-        else:
-            if source.kind is SourceKind.OCI_LAYOUT:
-                self._check_layout_platform(source, what)
-            progress.phase(f"importing {Path(source.location).name}", None)
-            sk.run_skopeo(sk.copy_argv(skopeo, source.skopeo, tmp / "layout", self.root / "blobs",
-                                       daemon_host=os.environ.get("DOCKER_HOST"), **common), what,
-                          on_line=sk.progress_lines(progress))
-            fetched_from, source_digest = source.skopeo, None
-        index = parse_json((tmp / "layout" / "index.json").read_bytes(), f"{what}: the fetched layout's index")
-        return sk.select_manifest(index, what), fetched_from, source_digest
-
-    def _check_layout_platform(self, source: Source, what: str) -> None:
-        """A layout whose index lists only other platforms: say so before skopeo copies anything."""
-        path = Path(source.location.rsplit(":", 1)[0] if not Path(source.location).exists() else source.location)
-        try:
-            index = parse_json((path / "index.json").read_bytes(), f"{what}: index.json")
-        except OSError as exc:
-            raise ImageError(f"{what}: not an OCI layout ({exc})") from None
-        for entry in index.get("manifests") or ():
-            digest = entry.get("digest") if isinstance(entry, dict) else None
-            if entry.get("mediaType") in INDEX_TYPES and isinstance(digest, str) and DIGEST.match(digest):
-                blob = path / "blobs" / "sha256" / hex_of(digest)
-                if blob.is_file():
-                    select_platform(parse_json(blob.read_bytes(), what), self.platform, what)
 
     def _read_blob(self, digest: str, what: str) -> bytes:
         try:
@@ -331,7 +289,7 @@ class ImageStore:
         """Write the record ``make(existing record, names)`` gives for ``image_id``, known
         also as ``name``: a name belongs to one image, the newest, so it is taken from any
         other that had it."""
-        with self._lock("lock", fcntl.LOCK_EX):
+        with self.lock("lock", fcntl.LOCK_EX):
             existing = self.find(image_id)
             names = list(existing.names) if existing else []
             if name and name not in names:
@@ -351,7 +309,7 @@ class ImageStore:
         record = self.find(name)
         if record is None:
             raise ImageError(f"image {name!r} is not in the store {self.root}")
-        with self._lock("gc.lock", fcntl.LOCK_EX):
+        with self.lock("gc.lock", fcntl.LOCK_EX):
             drop_record(self, record)
             collect_garbage(self)
         return record
@@ -362,7 +320,7 @@ class ImageStore:
         and temporary folder no image needs. Returns the removed images and bytes freed."""
         from ..build.cache import BuildCache
         removed = []
-        with self._lock("gc.lock", fcntl.LOCK_EX):
+        with self.lock("gc.lock", fcntl.LOCK_EX):
             BuildCache(self.root).drop(unused_for)
             if unused_for is not None:
                 for record in self.records():
