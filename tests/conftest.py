@@ -29,6 +29,20 @@ if not os.environ.get("XDG_RUNTIME_DIR"):
     os.environ["XDG_RUNTIME_DIR"] = _runtime
     atexit.register(shutil.rmtree, _runtime, True)
 
+# Ray reads its authentication settings once, when it is first imported: the test
+# clusters' token (tests/helpers/ray_cluster.py) is fixed for the session before any
+# test module imports Ray.
+if not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+    import atexit
+    import secrets
+    import shutil
+    import tempfile
+
+    _ray_auth = tempfile.mkdtemp(prefix="seqtest-ray-")
+    Path(_ray_auth, "token").write_text(secrets.token_hex(32))
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(Path(_ray_auth, "token")))
+    atexit.register(shutil.rmtree, _ray_auth, True)
+
 
 @pytest.fixture
 def tagged_service() -> Iterator:

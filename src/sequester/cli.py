@@ -24,7 +24,7 @@ from rich.table import Table
 from . import __version__
 from .config import Config, load_config
 from .cli_images import add_image_commands
-from .cli_backend import add_backend_arguments, apply_backend_arguments
+from .cli_backend import add_backend_arguments, apply_backend_arguments, scheduler_for
 from .cli_build import add_build_command, positive
 from .cli_serve import add_serve_command
 from .errors import ImageError, PolicyError, SequesterError, TaskError
@@ -162,8 +162,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         settings = replace(settings, images=replace(settings.images, source=args.image_source))
     settings = apply_backend_arguments(args, settings)
     tasks = find_tasks(args.tasks)  # also: a malformed task fails here, before anything runs
+    scheduler = scheduler_for(args)  # --backend ray (its nodes fetch and build their own images)
     total = len(tasks)
-    if settings.backend == "local" and settings.images.source in ("prebuilt", "auto") and any(t.config.environment.docker_image for t in tasks):
+    if scheduler is None and settings.backend == "local" and settings.images.source in ("prebuilt", "auto") and any(t.config.environment.docker_image for t in tasks):
         from .cli_images import image_bars
         from .images import ImageStore
         from .images.choose import prefetch_images
@@ -181,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             job = run_job(args.tasks, args.agent, jobs_dir=args.output, job_name=job_name,
                           concurrency=args.concurrency, settings=settings, progress=progress,
-                          build_progress=_build_lines)
+                          build_progress=_build_lines, scheduler=scheduler)
     except KeyboardInterrupt:
         if job_dir.is_dir():
             _err.print(f"interrupted: what finished is in {escape(str(job_dir))}", highlight=False, soft_wrap=True)
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-source", choices=list(IMAGE_SOURCES),
                    help="what each episode runs on: the task's prebuilt docker_image, its Dockerfile, the host's "
                         "system, or auto (the image when it can be had, else host mode); default: [images] source")
-    add_backend_arguments(p)
+    add_backend_arguments(p, cluster=True)
     p.set_defaults(func=cmd_run)
 
     add_image_commands(sub)

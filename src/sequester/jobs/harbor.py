@@ -30,7 +30,7 @@ __all__ = [
 # Harbor's TrialConfig.environment names a type (docker, modal, ...) or an import path.
 # Episodes are neither a Docker container nor a Harbor environment class: the import path
 # says what ran the trial without claiming a Harbor environment type.
-ENVIRONMENT_IMPORT_PATHS = {"local": "sequester.episodes.episode:Episode",
+ENVIRONMENT_IMPORT_PATHS = {"local": "sequester.episodes.episode:Episode",  # (on a Ray node too)
                             "docker": "sequester.environments.docker:DockerEnvironment"}
 
 # sequester's exception name -> Harbor's name for the same failure (its error policy then
@@ -65,11 +65,15 @@ _NO_RETRY = {"should_retry": False, "should_grade": False, "has_valid_reward": F
 _OVERRIDES: dict[str, dict[str, bool]] = {
     "TaskError": _NO_RETRY,  # a malformed task: running it again gives the same error
     "PolicyError": _NO_RETRY,  # a bad setting
-    "EpisodeError": _NO_RETRY,
+    "EpisodeError": _NO_RETRY,  # the agent used its episode out of order (e.g. ran the verifier)
+    # the backend (or the cluster) lacks what the trial asks for: the operator's set-up
     "UnsupportedByBackend": _NO_RETRY,
     # a file call of the agent's on its container (a missing path, one too large): its own doing
     "ContainerFileError": _NO_RETRY,
-    "TooLarge": _NO_RETRY,  # the backend lacks what the trial asks for (the operator's set-up)  # the agent used its episode out of order (e.g. ran the verifier)
+    "TooLarge": _NO_RETRY,
+    # the Ray cluster lost the trial with its worker or node (after its retry), or could
+    # not be joined: another run may not meet it again
+    "ClusterError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "SequesterError": _NO_RETRY,  # e.g. the oracle on a task without solution/solve.sh
     "KernelError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "KernelClosedError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},

@@ -12,7 +12,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from datetime import datetime
 from pathlib import Path
 
@@ -27,7 +26,8 @@ from ..tasks import Task, find_tasks
 from .harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
 from .paths import JobPaths, check_name
 from .results import JobResult, TrialResult, utc_now
-from .trial import TrialCancel, new_trial_name, run_trial, settings_to_dict, write_json
+from .schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
+from .trial import new_trial_name, settings_to_dict, write_json
 
 __all__ = ["run_job", "default_job_name", "job_config"]
 
@@ -41,14 +41,17 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
             job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
             progress: Callable[[TrialResult], None] | None = None,
             image_progress: Progress = NO_PROGRESS,
-            build_progress: Callable[[str, StepReport, bool], None] | None = None) -> JobResult:
+            build_progress: Callable[[str, StepReport, bool], None] | None = None,
+            scheduler: TrialScheduler | None = None) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
 
     Bad input (no tasks, a malformed task, a bad agent spec, an existing job folder) raises
     before anything runs. ``progress`` is called with each trial's result as it finishes.
     On an interrupt, running trials are stopped, the job's ``result.json`` is written with
-    what finished, and the interrupt propagates.
+    what finished, and the interrupt propagates. ``scheduler``: where the trials run
+    (:class:`~.schedule.LocalScheduler` of ``concurrency`` threads by default; a
+    :class:`sequester.cluster.RayScheduler` for a Ray cluster).
     """
     settings = settings or EpisodeSettings()
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -59,7 +62,9 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     load_agent(agent_spec)  # a bad spec fails here, before any folder is made
     # The tasks' images, before any trial starts: one that cannot be had is an ImageError
     # here with --image-source prebuilt (auto: those trials run in host mode, with a note).
-    local = settings.backend == "local"  # an engine (docker backend) pulls and builds its own images
+    scheduler = scheduler or LocalScheduler(concurrency)
+    # An engine (docker backend) pulls and builds its own images, a cluster's nodes theirs.
+    local = settings.backend == "local" and scheduler.runs_here
     if local:
         prefetch_images(tasks, settings.images.source, ImageStore(settings.images), progress=image_progress)
     job_name = default_job_name() if job_name is None else job_name
@@ -88,8 +93,8 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     hide = [*(task.path for task in tasks), jobs_root]
     planned = _plan(tasks)
     datasets, sources = _datasets(task_paths, tasks)
-    write_json(paths.config_path, job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources,
-                                             settings, started_at))
+    config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, started_at)
+    write_json(paths.config_path, {**config, "scheduler": scheduler.describe()})
     finished: dict[str, TrialResult] = {}
     lock = threading.Lock()
     running: set[str] = set()
@@ -102,41 +107,30 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
             write_json(paths.result_path, result.to_dict())
         return result
 
-    def trial(name: str, task: Task) -> TrialResult:
+    def started(name: str) -> None:
         with lock:
             running.add(name)
-        try:
-            return run_trial(task, agent_spec, paths.trial_dir(name), settings=settings, hide=hide, cancel=cancel,
-                             source=sources[task.name], job_id=job_id)
-        finally:
-            with lock:
-                running.discard(name)
+
+    def finish(trial: TrialResult) -> None:
+        with lock:
+            finished[trial.trial_name] = trial
+            running.discard(trial.trial_name)
 
     write_result(None)
-    cancel = TrialCancel()
-    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="trial")
-    futures: dict[Future[TrialResult], str] = {}
+    job = JobRun(agent_spec, settings, tuple(hide), job_id)
+    trials = [PlannedTrial(name, task, paths.trial_dir(name), sources[task.name]) for name, task in planned]
     try:
-        for name, task in planned:
-            futures[pool.submit(trial, name, task)] = name
-        for future in as_completed(futures):
-            with lock:
-                finished[futures[future]] = future.result()
+        for trial in scheduler.run(job, trials, started):
+            finish(trial)
             write_result(None)
             if progress is not None:
-                progress(finished[futures[future]])
+                progress(trial)
     except BaseException:
-        cancel.cancel()  # running trials stop at once and write their results
-        pool.shutdown(wait=False, cancel_futures=True)
+        for trial in scheduler.stop():  # running trials stop at once and write their results
+            finish(trial)
         raise
     finally:
-        try:
-            pool.shutdown(wait=True)
-            for future, name in futures.items():
-                if name not in finished and future.done() and not future.cancelled() and future.exception() is None:
-                    finished[name] = future.result()
-        finally:
-            result = write_result(utc_now())
+        result = write_result(utc_now())
     return result
 
 

@@ -120,6 +120,10 @@ class TrialResult:
     verifier_environment_mode: str | None = None
     # What the episode ran on: {"mode": "image", "image": ref, "digest": ..., "id": ...} or {"mode": "host"}.
     system: dict[str, Any] | None = None
+    # Where it ran on a cluster (sequester.cluster: node id, host name, worker pid), and
+    # each earlier attempt lost with its node or worker (what failed, where, when).
+    node: dict[str, Any] | None = None
+    retries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def reward(self) -> float | None:
@@ -142,6 +146,7 @@ class TrialResult:
             "environment_setup": self.environment_setup.to_dict(), "agent_execution": self.agent_execution.to_dict(),
             "verifier": self.verifier.to_dict(), "tampering": list(self.tampering), "notes": list(self.notes),
             "system": dict(self.system) if self.system is not None else None,
+            "node": dict(self.node) if self.node is not None else None, "retries": [dict(r) for r in self.retries],
         }
 
 

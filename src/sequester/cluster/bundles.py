@@ -1,0 +1,219 @@
+"""Folders as bytes for Ray's object store: a task to the nodes, a trial's folder back.
+
+Nodes share no filesystem with the driver, so a task reaches them as a tar archive put
+in the object store once (:func:`pack_task`, :func:`unpack_task`: unpacked once per node
+into a cache named by the archive's digest), and a finished trial's folder comes back the
+same way (:func:`pack_folder`, :func:`unpack_folder`), for the driver to write the job
+folder. Both are bounded: a task larger than ``MAX_TASK_BYTES`` is refused before any
+trial starts, and a trial folder ships at most ``MAX_TRIAL_BYTES``, its ``result.json``
+and ``config.json`` first, the files left out named (they are what the agent printed or
+left: its 0 or its verdict never depends on them).
+
+Only folders and regular files travel (and a task's symlinks that stay inside it):
+unpacking goes through :mod:`tarfile`'s ``data`` filter and a name check of our own, so
+an archive cannot write outside the folder it is unpacked into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PolicyError
+
+__all__ = ["TaskBundle", "pack_task", "unpack_task", "task_on_node", "evict_unused", "pack_folder", "unpack_folder", "MAX_TASK_BYTES",
+           "MAX_TRIAL_BYTES", "FIRST_FILES"]
+
+MAX_TASK_BYTES = 1 << 30  # a task's files (environment/, tests/, solution/); TB2's largest is far below
+MAX_TRIAL_BYTES = 256 << 20  # what one trial folder ships back to the driver
+EVICT_AFTER = 7 * 86400.0  # a node's shipped task not used for this long is removed
+FIRST_FILES = ("result.json", "config.json", "trial.log")  # shipped before anything else
+
+
+@dataclass(frozen=True)
+class TaskBundle:
+    """A task folder as an archive: ``name`` is the folder's name, ``digest`` the archive's."""
+
+    name: str
+    digest: str
+    data: bytes
+
+
+def _entries(root: Path) -> list[tuple[str, Path, os.stat_result]]:
+    """Every entry under ``root`` in a fixed order (sorted names), relative names."""
+    found: list[tuple[str, Path, os.stat_result]] = []
+    stack = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        for name in sorted(os.listdir(folder), reverse=True):
+            path = folder / name
+            st = path.lstat()
+            rel = f"{prefix}{name}"
+            found.append((rel, path, st))
+            if stat.S_ISDIR(st.st_mode):
+                stack.append((path, f"{rel}/"))
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def _tarinfo(rel: str, st: os.stat_result, kind: bytes, size: int = 0, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(rel)
+    info.type, info.size, info.linkname = kind, size, link
+    info.mode = stat.S_IMODE(st.st_mode) & 0o755 | (0o700 if kind == tarfile.DIRTYPE else 0o600)
+    info.mtime = int(st.st_mtime)  # no owner: the unpacking user owns every file
+    return info
+
+
+def pack_task(folder: Path) -> TaskBundle:
+    """``folder`` (a task) as a :class:`TaskBundle`; :class:`PolicyError` naming the file
+    for what cannot travel (a device, a socket, a link out of the task, too many bytes)."""
+    folder = folder.resolve()
+    buffer, total = io.BytesIO(), 0
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, path, st in _entries(folder):
+            if stat.S_ISDIR(st.st_mode):
+                tar.addfile(_tarinfo(rel, st, tarfile.DIRTYPE))
+            elif stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                if total > MAX_TASK_BYTES:
+                    raise PolicyError(f"task {folder}: more than {MAX_TASK_BYTES >> 20} MiB of files: too large to "
+                                      "ship to the cluster's nodes")
+                with open(path, "rb") as f:
+                    tar.addfile(_tarinfo(rel, st, tarfile.REGTYPE, st.st_size), f)
+            elif stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                inside = Path(os.path.normpath(path.parent / target))
+                if os.path.isabs(target) or not (inside == folder or folder in inside.parents):
+                    raise PolicyError(f"task {folder}: {rel} links out of the task ({target!r}): it cannot be shipped "
+                                      "to the cluster's nodes")
+                tar.addfile(_tarinfo(rel, st, tarfile.SYMTYPE, link=target))
+            else:
+                raise PolicyError(f"task {folder}: {rel} is not a file, folder or link: it cannot be shipped")
+    data = buffer.getvalue()
+    return TaskBundle(folder.name, hashlib.sha256(data).hexdigest(), data)
+
+
+def _check_names(tar: tarfile.TarFile, what: str) -> None:
+    for member in tar.getmembers():
+        parts = member.name.split("/")
+        if member.name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise PolicyError(f"{what}: the archive names {member.name!r}: refused")
+
+
+def _extract(data: bytes, dest: Path, what: str) -> None:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        _check_names(tar, what)
+        tar.extractall(dest, filter="data")
+
+
+def unpack_task(bundle: TaskBundle, cache: Path) -> Path:
+    """The task's folder on this node: ``cache/<digest>/<name>``, unpacked the first time
+    (into a temporary folder renamed into place, under a lock: concurrent trials of one
+    task on a node unpack it once)."""
+    final = cache / bundle.digest / bundle.name
+    if final.is_dir():
+        return final
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _locked(cache / f".{bundle.digest}.lock"):
+        if final.is_dir():
+            return final
+        if hashlib.sha256(bundle.data).hexdigest() != bundle.digest:
+            raise PolicyError(f"task {bundle.name}: the shipped archive does not match its digest")
+        temp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=cache))
+        try:
+            _extract(bundle.data, temp / bundle.name, f"task {bundle.name}")
+            os.rename(temp, cache / bundle.digest)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+    return final
+
+
+@contextlib.contextmanager
+def _locked(path: Path, kind: int = fcntl.LOCK_EX) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, kind)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def task_on_node(bundle: TaskBundle, cache: Path) -> Iterator[Path]:
+    """The task's folder on this node (:func:`unpack_task`), held while inside (a shared
+    lock, which :func:`evict_unused` respects), its last use noted."""
+    path = unpack_task(bundle, cache)
+    with _locked(cache / f".{bundle.digest}.lock", fcntl.LOCK_SH):
+        if not path.is_dir():  # evicted between the unpack and the lock: unpack again
+            path = unpack_task(bundle, cache)
+        os.utime(cache / bundle.digest)
+        yield path
+
+
+def evict_unused(cache: Path, older_than: float = EVICT_AFTER) -> list[str]:
+    """Remove the tasks no trial used for ``older_than`` seconds and none holds now (the
+    cache grows by one folder per task version a node has run); returns their digests."""
+    removed, now = [], time.time()
+    try:
+        names = os.listdir(cache)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        folder = cache / name
+        if name.startswith(".") or not folder.is_dir() or now - folder.stat().st_mtime < older_than:
+            continue
+        fd = os.open(cache / f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a trial holds it
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def pack_folder(folder: Path, limit: int = MAX_TRIAL_BYTES) -> tuple[bytes, list[str]]:
+    """A trial folder's folders and regular files (``FIRST_FILES`` first), at most
+    ``limit`` bytes of file content; returns the archive and the names left out."""
+    entries = _entries(folder)
+    order = {name: i for i, name in enumerate(FIRST_FILES)}
+    entries.sort(key=lambda e: (order.get(e[0], len(order)), e[0]) if not stat.S_ISDIR(e[2].st_mode) else (-1, e[0]))
+    buffer, total, left_out = io.BytesIO(), 0, []
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, path, st in entries:
+            if stat.S_ISDIR(st.st_mode):
+                tar.addfile(_tarinfo(rel, st, tarfile.DIRTYPE))
+            elif stat.S_ISREG(st.st_mode) and total + st.st_size <= limit:
+                with open(path, "rb") as f:
+                    data = f.read(st.st_size)  # as big as it was when listed: a growing file is cut there
+                total += len(data)
+                tar.addfile(_tarinfo(rel, st, tarfile.REGTYPE, len(data)), io.BytesIO(data))
+            else:
+                left_out.append(rel)
+    return buffer.getvalue(), left_out
+
+
+def unpack_folder(data: bytes, dest: Path) -> None:
+    """Unpack a :func:`pack_folder` archive into ``dest`` (which must not exist)."""
+    dest.mkdir()
+    try:
+        _extract(data, dest, f"trial folder {dest.name}")
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
