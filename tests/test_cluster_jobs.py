@@ -34,13 +34,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    started = ray_cluster.start_cluster()
-    try:
-        ray_cluster.join(started)
+    with ray_cluster.running() as started:
         yield started
-    finally:
-        ray.shutdown()
-        ray_cluster.stop_cluster(started)
 
 
 def marked(marker: str) -> list[int]:

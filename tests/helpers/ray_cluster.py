@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,3 +138,17 @@ def join(cluster: RayCluster):
         ray.init(address=cluster.address, log_to_driver=False, namespace="sequester")
     cluster.node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     return ray
+
+
+@contextmanager
+def running(cpus_per_node: int = 1, nodes: int = 2) -> Iterator[RayCluster]:
+    """A started cluster this process has joined; shut down and stopped on leaving."""
+    cluster = start_cluster(cpus_per_node, nodes)
+    try:
+        join(cluster)
+        yield cluster
+    finally:
+        import ray
+
+        ray.shutdown()
+        stop_cluster(cluster)

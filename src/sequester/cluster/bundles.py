@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import PolicyError
 
-__all__ = ["TaskBundle", "pack_task", "unpack_task", "task_on_node", "evict_unused", "pack_folder", "unpack_folder", "MAX_TASK_BYTES",
+__all__ = ["TaskBundle", "pack_task", "unpack_task", "hold_task", "task_on_node", "bundle_digest", "evict_unused", "pack_folder", "unpack_folder", "MAX_TASK_BYTES",
            "MAX_TRIAL_BYTES", "FIRST_FILES"]
 
 MAX_TASK_BYTES = 1 << 30  # a task's files (environment/, tests/, solution/); TB2's largest is far below
@@ -43,7 +43,8 @@ FIRST_FILES = ("result.json", "config.json", "trial.log")  # shipped before anyt
 
 @dataclass(frozen=True)
 class TaskBundle:
-    """A task folder as an archive: ``name`` is the folder's name, ``digest`` the archive's."""
+    """A task folder as an archive: ``name`` is the folder's name, ``digest`` names both
+    (:func:`bundle_digest`)."""
 
     name: str
     digest: str
@@ -101,20 +102,38 @@ def pack_task(folder: Path) -> TaskBundle:
             else:
                 raise PolicyError(f"task {folder}: {rel} is not a file, folder or link: it cannot be shipped")
     data = buffer.getvalue()
-    return TaskBundle(folder.name, hashlib.sha256(data).hexdigest(), data)
+    return TaskBundle(folder.name, bundle_digest(folder.name, data), data)
 
 
-def _check_names(tar: tarfile.TarFile, what: str) -> None:
+def bundle_digest(name: str, data: bytes) -> str:
+    """Of the folder's name and its archive: two tasks of one content under two names
+    (a copy of a task) are two cache entries (each unpacked under its own name)."""
+    return hashlib.sha256(name.encode() + b"\0" + data).hexdigest()
+
+
+def _check_members(tar: tarfile.TarFile, what: str) -> None:
+    """Only folders, regular files and links that stay inside, under plain relative names:
+    checked here whatever the Python (``tarfile``'s ``data`` filter, applied as well where
+    it exists, came in 3.11.4; Debian 12 has 3.11.2)."""
     for member in tar.getmembers():
         parts = member.name.split("/")
         if member.name.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise PolicyError(f"{what}: the archive names {member.name!r}: refused")
+        if member.issym():
+            target = os.path.normpath(os.path.join(os.path.dirname(member.name), member.linkname))
+            if os.path.isabs(member.linkname) or target == ".." or target.startswith("../"):
+                raise PolicyError(f"{what}: {member.name!r} links out of the archive: refused")
+        elif not (member.isdir() or member.isreg()):
+            raise PolicyError(f"{what}: {member.name!r} is not a file, folder or link: refused")
 
 
 def _extract(data: bytes, dest: Path, what: str) -> None:
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        _check_names(tar, what)
-        tar.extractall(dest, filter="data")
+        _check_members(tar, what)
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python < 3.11.4: the checks above are the filter
+            tar.extractall(dest)
 
 
 def unpack_task(bundle: TaskBundle, cache: Path) -> Path:
@@ -128,7 +147,7 @@ def unpack_task(bundle: TaskBundle, cache: Path) -> Path:
     with _locked(cache / f".{bundle.digest}.lock"):
         if final.is_dir():
             return final
-        if hashlib.sha256(bundle.data).hexdigest() != bundle.digest:
+        if bundle_digest(bundle.name, bundle.data) != bundle.digest or "/" in bundle.name or bundle.name in ("", ".", ".."):
             raise PolicyError(f"task {bundle.name}: the shipped archive does not match its digest")
         temp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=cache))
         try:
@@ -150,16 +169,32 @@ def _locked(path: Path, kind: int = fcntl.LOCK_EX) -> Iterator[None]:
         os.close(fd)
 
 
+def hold_task(bundle: TaskBundle, cache: Path) -> tuple[Path, int]:
+    """The task's folder on this node (:func:`unpack_task`) and a file descriptor holding
+    it (a shared lock, which :func:`evict_unused` respects) until it is closed; its last
+    use noted."""
+    path = unpack_task(bundle, cache)
+    fd = os.open(cache / f".{bundle.digest}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not path.is_dir():  # evicted between the unpack and the lock: unpack again
+            os.close(fd)
+            return hold_task(bundle, cache)
+        os.utime(cache / bundle.digest)
+    except BaseException:
+        os.close(fd)
+        raise
+    return path, fd
+
+
 @contextlib.contextmanager
 def task_on_node(bundle: TaskBundle, cache: Path) -> Iterator[Path]:
-    """The task's folder on this node (:func:`unpack_task`), held while inside (a shared
-    lock, which :func:`evict_unused` respects), its last use noted."""
-    path = unpack_task(bundle, cache)
-    with _locked(cache / f".{bundle.digest}.lock", fcntl.LOCK_SH):
-        if not path.is_dir():  # evicted between the unpack and the lock: unpack again
-            path = unpack_task(bundle, cache)
-        os.utime(cache / bundle.digest)
+    """:func:`hold_task` while inside."""
+    path, fd = hold_task(bundle, cache)
+    try:
         yield path
+    finally:
+        os.close(fd)
 
 
 def evict_unused(cache: Path, older_than: float = EVICT_AFTER) -> list[str]:

@@ -41,7 +41,9 @@ def require_ray() -> ModuleType:
 def connect(address: str | None = None, **init: Any) -> ModuleType:
     """Ray, joined to a cluster (see module doc); :class:`ClusterError` naming the address."""
     ray = require_ray()
-    if ray.is_initialized():
+    if ray.is_initialized():  # the caller's (a trainer's) connection: used as it is
+        if address not in (None, "auto"):
+            log.warning("this process is already connected to a Ray cluster: the address %s is not used", address)
         return ray
     options: dict[str, Any] = {"log_to_driver": False, "configure_logging": False, "namespace": "sequester",
                                **init}

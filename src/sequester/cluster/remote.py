@@ -31,7 +31,9 @@ def trial_task(order: TrialOrder, bundle: TaskBundle, monitor: Any) -> TrialRetu
     import os
 
     node_id = ray.get_runtime_context().get_node_id()
-    ray.get(monitor.started.remote(order.name, order.attempt, node_id, os.getpid()))
+    # Not awaited: the monitor's first call waits for its worker to start (about a second),
+    # which no trial should; the call is on its way before the trial does anything.
+    monitor.started.remote(order.name, order.attempt, node_id, os.getpid())
     cancel = TrialCancel()
     done = threading.Event()
 

@@ -94,6 +94,7 @@ class RayScheduler:
         self._bundles: dict[Path, Any] = {}
         self._nodes: list[dict[str, Any]] = []
         self._stopping = False
+        self._forced = False
 
     def describe(self) -> dict[str, object]:
         return {"type": "ray", "address": self.address, "n_concurrent_trials": self.concurrency,
@@ -110,6 +111,10 @@ class RayScheduler:
             num_cpus=0, max_concurrency=100_000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
         self._remote = ray.remote(trial_task)
+        # Up before the first trial: a trial tells the monitor where it runs without
+        # waiting, and a call queued for an actor still starting dies with a worker
+        # killed meanwhile (then the lost attempt would not say where it ran).
+        ray.get(self._monitor.starts.remote(), timeout=120)
         self._nodes = [n for n in ray.nodes() if n.get("Alive")]
         waiting = deque(trials)
         try:
@@ -166,7 +171,17 @@ class RayScheduler:
         assert job is not None
         try:
             returned = ray.get(ref)
+        except ray.exceptions.TaskCancelledError:
+            return land_error(trial, job, self._killed(), attempt.retries, started_at=attempt.started_at)
+        except ray.exceptions.RayTaskError as exc:
+            # sequester itself failed on the node, not the node (first: Ray's error for a
+            # failure raised in the task is also an instance of its cause's class, which
+            # may be one of the system failures below)
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            return land_error(trial, job, cause, attempt.retries, started_at=attempt.started_at)
         except system_failures() as exc:
+            if self._forced:  # its worker was killed by the cancel itself
+                return land_error(trial, job, self._killed(), attempt.retries, started_at=attempt.started_at)
             where = self._where(attempt)
             lost = {"attempt": attempt.number, "error_type": type(exc).__name__, "message": str(exc)[:2000],
                     "node_id": where.get("node_id"), "pid": where.get("pid"), "at": utc_now()}
@@ -179,13 +194,11 @@ class RayScheduler:
             error = ClusterError(f"the trial was lost with its worker or node {len(retries)} time(s), the last: "
                                  f"{type(exc).__name__}: {str(exc)[:500]}")
             return land_error(trial, job, error, retries, started_at=attempt.started_at)
-        except ray.exceptions.TaskCancelledError:
-            stopped = TrialCancelled("the job was interrupted; the trial did not stop in time and was cancelled")
-            return land_error(trial, job, stopped, attempt.retries, started_at=attempt.started_at)
-        except ray.exceptions.RayTaskError as exc:  # sequester itself failed on the node (not the trial)
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-            return land_error(trial, job, cause, attempt.retries, started_at=attempt.started_at)
         return land_trial(returned, trial, attempt.retries)
+
+    def _killed(self) -> TrialCancelled:
+        return TrialCancelled(f"the job was interrupted; the trial did not stop within {self.cancel_grace:g} s "
+                              "and its worker was killed")
 
     def _where(self, attempt: _Attempt) -> dict[str, Any]:
         try:
@@ -209,17 +222,16 @@ class RayScheduler:
                     result = self._collect(ref, self._pending.pop(ref))
                     if result is not None:
                         results.append(result)
+            self._forced = True
             for ref in list(self._pending):  # did not give way: its worker is killed, its sandboxes die with it
                 ray.cancel(ref, force=True)
             ended = time.monotonic() + 30
             while self._pending and time.monotonic() < ended:
                 ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=1.0)
-                for ref in ready:
-                    attempt = self._pending.pop(ref)
-                    results.append(land_error(attempt.trial, self._job, TrialCancelled(  # type: ignore[arg-type]
-                        "the job was interrupted; the trial did not stop within "
-                        f"{self.cancel_grace:g} s and its worker was killed"), attempt.retries,
-                        started_at=attempt.started_at))
+                for ref in ready:  # a trial that finished in the meantime keeps its result
+                    result = self._collect(ref, self._pending.pop(ref))
+                    if result is not None:
+                        results.append(result)
         finally:
             self._end()
         return results
