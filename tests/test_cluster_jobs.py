@@ -192,3 +192,24 @@ def test_without_ray_the_local_runner_works_and_the_ray_backend_says_how_to_inst
     assert "local 0" in done.stdout and "ray 3" in done.stdout, done.stdout + done.stderr
     assert "pip install 'sequester[ray]'" in " ".join(done.stderr.split())
     assert not (tmp_path / "r").exists()
+
+
+def test_an_agent_on_a_node_sees_no_shipped_task_nor_another_trial(cluster, tmp_path: Path) -> None:
+    """The node's cache holds every shipped task's tests and solution, and its staging the
+    running trials' folders: an agent looks for both (root's view shows /var; a user's
+    cache is in its home, which every episode hides)."""
+    from sequester.cluster.node import cluster_cache
+
+    run_job([EXAMPLES / "c-word-count"], "oracle", jobs_dir=tmp_path, job_name="warm", scheduler=RayScheduler())
+    cache = cluster_cache()
+    shipped = list((cache / "tasks").glob("*/c-word-count/solution/solve.sh"))
+    assert shipped, "control: the node's cache holds a shipped task's solution"
+    script = tmp_path / "look.sh"
+    script.write_text(f"ls -a {cache}/tasks {cache}/trials; cat {shipped[0]}; ls -a {EXAMPLES}; echo END\n")
+    run_job([EXAMPLES / "python-csv-stats"], f"script:{script}", jobs_dir=tmp_path, job_name="look",
+            scheduler=RayScheduler())
+    (trial,) = [p for p in (tmp_path / "look").iterdir() if p.is_dir()]
+    (command,) = [json.loads(line) for line in (trial / "agent" / "commands.jsonl").read_text().splitlines()]
+    seen = command["stdout"] + command["stderr"]
+    assert "END" in seen and shipped[0].read_text().strip().splitlines()[-1] not in seen
+    assert "c-word-count" not in command["stdout"] and "solve.sh" not in command["stdout"], seen
