@@ -7,8 +7,11 @@ pay for the host-side machinery.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+# Not ``typing``: the kernel imports this package at every start, and ``typing`` (with
+# ``re``, ``collections``, ...) costs milliseconds there. Annotations are strings anyway.
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
 
 __all__ = [
     "Capabilities",
@@ -76,6 +79,8 @@ _WHERE = {
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
+        from importlib import import_module
+
         value = getattr(import_module(_WHERE[name]), name)
         globals()[name] = value
         return value

@@ -66,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     overrides = {"host": args.host, "port": args.port, "max_sessions": args.max_sessions,
+                 "kernel_pool": args.kernel_pool,
                  "idle_timeout": args.idle_timeout, "tasks_dir": Path(args.tasks_dir) if args.tasks_dir else None}
     settings = dataclasses.replace(config.serve, **{k: v for k, v in overrides.items() if v is not None})
     episodes = config.episodes
@@ -124,6 +125,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     add_backend_arguments(p)
     p.add_argument("--max-sessions", type=positive(int), metavar="N",
                    help="live sessions at once; a reset beyond is refused (default: [serve] max_sessions, 16)")
+    p.add_argument("--kernel-pool", type=positive(int), metavar="N",
+                   help="keep N kernels started for kernel sessions (each used once; default: [serve] kernel_pool, 0)")
     p.add_argument("--idle-timeout", type=positive(float), metavar="S",
                    help="seconds without a frame before a connection and its session close (default: 600)")
     p.add_argument("--config", metavar="FILE", help="config file ([serve], [episodes], [images], and the kernels' "

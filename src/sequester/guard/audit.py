@@ -16,9 +16,11 @@ referenced by nothing but the interpreter once installed.
 
 from __future__ import annotations
 
-import ipaddress
 import sys
-from collections.abc import Iterable
+
+TYPE_CHECKING = False  # not ``typing``: this module is imported by every kernel at start-up
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterable
 
 __all__ = ["PROCESS_EVENTS", "BLOCKED_IMPORTS", "PROCESS_MESSAGE", "install_audit_hook"]
 
@@ -60,6 +62,9 @@ def install_audit_hook(
     name_ports = frozenset(p for _, p in connects)
     # Addresses that allowed names resolved to; filled as they resolve (tripwire state).
     resolved: set[str] = set()
+    # Bound now, before the hook is live (a module looked up later could be a cell's
+    # stand-in); imported only when the checks are on (guard-only mode).
+    ip_address = _ip_address() if check_network else None
 
     def hook(event: str, args: tuple) -> None:
         if event in PROCESS_EVENTS:
@@ -98,7 +103,7 @@ def install_audit_hook(
 
     def _numeric(host: str) -> bool:
         try:
-            ipaddress.ip_address(host)
+            ip_address(host)  # type: ignore[misc]
         except ValueError:
             return False
         return True
@@ -114,3 +119,9 @@ def install_audit_hook(
             except OSError:
                 pass
     sys.addaudithook(hook)
+
+
+def _ip_address():  # type: ignore[no-untyped-def]
+    import ipaddress
+
+    return ipaddress.ip_address

@@ -24,7 +24,10 @@ and the top-down mappings terabytes away from it. Every other ``execve`` (and ev
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+
+TYPE_CHECKING = False  # not ``typing``: this module is imported by every kernel at start-up
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["HANDOFF_ADDRESS", "Handoff"]
 

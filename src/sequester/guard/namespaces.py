@@ -27,20 +27,13 @@ applies it (ctypes: first stage only).
 
 from __future__ import annotations
 
-import fcntl
-import os
-import socket
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["MountStep", "plan_workspace", "enter_private_namespaces", "STAGING"]
 
-CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
-MNT_DETACH = 0x2
-_SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
 
 # Where the workspace tmpfs is mounted while its two folders are bound into place; an
 # empty folder bwrap made (the view's /run), back to empty once the staging is detached.
@@ -95,40 +88,8 @@ def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = ()
 def enter_private_namespaces(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = ()) -> None:
     """Unshare mount and network namespaces, mount the workspace, bring up loopback and
     let every port be bound. Needs CAP_SYS_ADMIN and CAP_NET_ADMIN in the current user
-    namespace; the bootstrap drops both right after."""
-    import ctypes
+    namespace; the bootstrap drops both right after. (A kernel's first stage gets the
+    plan from the host and applies it with :func:`.workspace.apply_workspace` directly.)"""
+    from .workspace import apply_workspace, steps_for_kernel
 
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
-
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare(mount, network)")
-    for step in plan_workspace(size_bytes, workspace, keep):
-        target = os.fsencode(step.target)
-        if step.op == "mountpoint":
-            for parent in reversed(step.target.parents):
-                if not parent.exists():
-                    os.mkdir(parent, 0o755)
-                    os.chmod(parent, 0o755)
-            if os.path.isdir(str(step.source)):
-                os.mkdir(step.target, 0o755)
-            else:
-                open(step.target, "x").close()
-        elif step.op == "mkdir":
-            os.mkdir(step.target, step.mode)
-            os.chmod(step.target, step.mode)  # not narrowed by the umask
-        elif step.op == "umount":
-            check(libc.umount2(target, MNT_DETACH), f"umount {step.target}")
-        else:
-            source = os.fsencode(step.source) if step.source else None
-            fstype = step.fstype.encode() if step.fstype else None
-            data = step.data.encode() if step.data else None
-            check(libc.mount(source, target, fstype, ctypes.c_ulong(step.flags), data), f"mount {step.target}")
-    os.chdir(workspace)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", _IFF_UP))
-    with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as f:
-        f.write("0")
+    apply_workspace(steps_for_kernel(plan_workspace(size_bytes, workspace, keep)), str(workspace))

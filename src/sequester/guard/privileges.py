@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Mapping
+
+TYPE_CHECKING = False  # not ``typing``: this module is imported by every kernel at start-up
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Mapping
 
 __all__ = [
     "NOBODY",

@@ -30,11 +30,8 @@ remaining syscalls can reach.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import socket
-from functools import lru_cache
 
 from .handoff import HANDOFF_ADDRESS
 
@@ -65,16 +62,27 @@ KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethos
                       "memfd_create")
 
 # Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
-ALLOWED_SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+ALLOWED_SOCKET_FAMILIES = (2, 10)  # not ``socket``'s names: the kernel imports this module
 
 
-@lru_cache(maxsize=2)
+_COMPILED: dict[str, bytes] = {}
+
+
 def compile_filter(profile: str = "kernel") -> bytes:
     """The BPF program (raw ``struct sock_filter`` array) for this machine's architecture.
 
     ``kernel``: everything below. ``agent`` (an episode's shell and verifier): only
-    :data:`DENIED_SYSCALLS`; processes, ptrace and unix sockets stay allowed.
+    :data:`DENIED_SYSCALLS`; processes, ptrace and unix sockets stay allowed. Compiled
+    once per process and profile (it depends on nothing else).
     """
+    if profile not in _COMPILED:
+        _COMPILED[profile] = _compile(profile)
+    return _COMPILED[profile]
+
+
+def _compile(profile: str) -> bytes:
+    import contextlib
+
     import pyseccomp as sc
 
     if profile not in ("kernel", "agent", "build"):
@@ -123,12 +131,16 @@ def compile_filter(profile: str = "kernel") -> bytes:
         raise
 
 
-@lru_cache(maxsize=None)
+_NUMBERS: dict[str, int] = {}
+
+
 def syscall_number(name: str) -> int:
     """This architecture's number of a syscall, from libseccomp's tables (host side)."""
-    import pyseccomp as sc
+    if name not in _NUMBERS:
+        import pyseccomp as sc
 
-    return int(sc.resolve_syscall(sc.system_arch(), name))
+        _NUMBERS[name] = int(sc.resolve_syscall(sc.system_arch(), name))
+    return _NUMBERS[name]
 
 
 # -- inside the kernel ---------------------------------------------------------------

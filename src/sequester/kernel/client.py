@@ -67,6 +67,7 @@ class Kernel:
         self._report: dict[str, Any] = {}
         self._deadline = 0.0
         self._next_id = 0
+        self._start_timing: dict[str, float] = {}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -108,6 +109,31 @@ class Kernel:
             self._kill()
 
     @property
+    def closed(self) -> bool:
+        return self._state is _State.CLOSED
+
+    def alive(self) -> bool:
+        """Started, not closed, and its process still running."""
+        return self._state is _State.OPEN and self._process is not None and self._process.popen.poll() is None
+
+    def begin_lifetime(self) -> None:
+        """Start ``limits.kernel_timeout`` over from now: a pooled kernel's lifetime counts
+        from when it is handed out (:class:`~.pool.KernelPool`), not from its start."""
+        self._ensure_open()
+        self._deadline = time.monotonic() + self.policy.limits.kernel_timeout
+
+    def resident_bytes(self) -> int:
+        """Bytes resident in all of the kernel's processes (bwrap, init, Python); 0 when gone."""
+        total = 0
+        for pid in self._process.host_pids() if self._process is not None else ():
+            try:
+                with open(f"/proc/{pid}/statm", "rb") as f:
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
+
+    @property
     def mode(self) -> Isolation:
         """The isolation in force: ``SANDBOX``, ``GUARD`` or ``OFF`` (``AUTO`` resolved)."""
         if self._process is None:
@@ -118,6 +144,13 @@ class Kernel:
     def report(self) -> dict[str, Any]:
         """What the kernel's bootstrap reported: uid, capabilities, seccomp, Landlock."""
         return dict(self._report)
+
+    @property
+    def start_timing(self) -> dict[str, float]:
+        """Milliseconds of each phase of the last start, in order (see :func:`_phases`): the
+        host's steps, bwrap's, and those the kernel timestamped (its clock is the host's
+        CLOCK_MONOTONIC). Diagnostics only: the kernel's timestamps are its word."""
+        return dict(self._start_timing)
 
     @property
     def process(self) -> KernelProcess | None:
@@ -137,8 +170,9 @@ class Kernel:
         process = launch_kernel(self.policy)
         self._process = process
         try:
-            write_message(process.to_kernel, process.config)
+            process.send_config()
             message, _, err = self._wait_message(process, time.monotonic() + _START_TIMEOUT, None, startup=True)
+            ready_ns = time.monotonic_ns()
             if message.get("op") != "ready":
                 reason = message.get("error", "no reason given")
                 raise SandboxError(f"the kernel failed to confine itself: {reason}\n{err.strip()}".strip())
@@ -153,6 +187,7 @@ class Kernel:
         except BaseException:
             self._kill()
             raise
+        self._start_timing = _phases(process.timing, report.pop("timing", None), ready_ns)
         self._report = report
         if process.mode is Isolation.OFF:
             log.warning("runtime.isolation = false: the kernel runs with NO isolation (debugging only)")
@@ -282,6 +317,39 @@ class Kernel:
                         sel.unregister(fd)
                         continue
                     take(names[fd], data)
+
+
+# (phase, from mark, to mark): host marks are plain names, the kernel's "k:" names.
+_PHASES = (
+    ("host: facts", "launch", "facts"),
+    ("host: plan (network, broker, mounts)", "facts", "planned"),
+    ("bwrap: spawn", "planned", "spawned"),
+    ("bwrap: namespaces (+ uid map)", "spawned", "sandbox"),
+    ("bwrap: view + exec, python start", "sandbox", "k:stage_one"),
+    ("stage 1: imports", "k:stage_one", "k:imported"),
+    ("stage 1: config", "k:imported", "k:config"),
+    ("stage 1: ctypes", "k:config", "k:ctypes"),
+    ("stage 1: namespaces, workspace", "k:ctypes", "k:namespaces"),
+    ("stage 1: limits, privileges", "k:namespaces", "k:privileges"),
+    ("stage 1: handoff prepared", "k:privileges", "k:handoff"),
+    ("seccomp + execve, python start", "k:handoff", "k:server"),
+    ("stage 2: imports", "k:server", "k:imported2"),
+    ("stage 2: bridge, audit hook", "k:imported2", "k:started"),
+    ("ready message", "k:started", "ready"),
+)
+
+
+def _phases(host: dict[str, int], kernel: Any, ready_ns: int) -> dict[str, float]:
+    marks: dict[str, int] = {**host, "ready": ready_ns}
+    if isinstance(kernel, list):
+        for item in kernel:
+            if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], int):
+                name = "k:" + item[0]
+                marks[name + "2" if name in marks else name] = item[1]
+    out = {phase: (marks[b] - marks[a]) / 1e6 for phase, a, b in _PHASES if a in marks and b in marks}
+    if "launch" in marks:
+        out["total"] = (ready_ns - marks["launch"]) / 1e6
+    return out
 
 
 def _death_reason(process: KernelProcess) -> str:

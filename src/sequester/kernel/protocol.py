@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any
+
+TYPE_CHECKING = False  # not ``typing``: every kernel imports this module at start-up
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
 
 __all__ = ["ProtocolError", "MessageReader", "encode", "write_message", "read_message", "MAX_MESSAGE",
            "TEXT_LIMIT", "frame_limit"]

@@ -1,7 +1,7 @@
 """The kernel's cell runner: the second stage, which never had ctypes.
 
 Exec'd by the first stage (:mod:`sequester.kernel.boot`) as
-``python -s -B -P -m sequester.kernel.server IN_FD OUT_FD STAGE2_JSON`` once the process is
+``python -s -B -P -m sequester.kernel.server IN_FD OUT_FD STAGE2`` once the process is
 confined (namespaces, limits, privileges, Landlock, seccomp: all inherited across that
 ``execve``). In ``off`` mode the host starts it directly with only the two fds, and the
 configuration arrives on ``IN_FD``. Standard library only, plus the in-kernel parts of
@@ -16,18 +16,23 @@ requests. A cell's stdout and stderr go to fd 1 and 2, which the host reads; the
 
 from __future__ import annotations
 
-import ast
+import time
+
+_STARTED = time.monotonic_ns()  # start-up timing (see Kernel.start_timing): this image's first line
+
+import _ast  # not ``ast``: it imports contextlib, enum, collections (milliseconds); parse is compile()
 import builtins
 import gc
 import io
-import json
 import os
 import signal
 import sys
-import time
-from typing import Any
 
 from sequester.kernel.protocol import TEXT_LIMIT, read_message, write_message
+
+TYPE_CHECKING = False  # not ``typing``: every kernel imports this module at start-up
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
 
 _VALUE_LIMIT = TEXT_LIMIT
 
@@ -195,10 +200,10 @@ class Cells:
 
     @staticmethod
     def _compile(code: str, filename: str) -> tuple[Any, Any]:
-        tree = ast.parse(code, filename, "exec")
+        tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST)  # what ast.parse does
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        if tree.body and isinstance(tree.body[-1], _ast.Expr):
+            last = compile(_ast.Expression(tree.body.pop().value), filename, "eval")
         body = compile(tree, filename, "exec") if tree.body else None
         return body, last
 
@@ -255,10 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     in_fd, out_fd = int(args[0]), int(args[1])
     try:
-        cfg = json.loads(args[2]) if len(args) > 2 else read_message(in_fd)
+        from sequester.kernel.boot import decode_stage_two, read_config
+
+        imported = time.monotonic_ns()
+        cfg = decode_stage_two(args[2]) if len(args) > 2 else read_config(in_fd)
         if cfg is None:
             return
         report = start(cfg)
+        timing = [*cfg.get("timing", ()), ("server", _STARTED), ("imported", imported), ("started", time.monotonic_ns())]
+        report["timing"] = [[name, ns] for name, ns in timing]
     except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed
         import traceback
 

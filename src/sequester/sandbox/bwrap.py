@@ -121,8 +121,9 @@ def _children(pid: int) -> list[int]:
 
 
 def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: list[int], stdout: int | None,
-                stderr: int | None, stderr_reader: int | None) -> StartedBwrap:
-    """Run bwrap for ``spec``; ``stderr_reader`` is read for bwrap's own message on failure."""
+                stderr: int | None, stderr_reader: int | None, timing: dict[str, int] | None = None) -> StartedBwrap:
+    """Run bwrap for ``spec``; ``stderr_reader`` is read for bwrap's own message on failure.
+    ``timing`` gets the ``time.monotonic_ns()`` of its steps (``spawned``, ``sandbox``)."""
     with ExitStack() as on_failure, ExitStack() as temporary:
         def temp(fd: int) -> int:
             temporary.callback(close_fd, fd)
@@ -149,6 +150,8 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
             stdout=stdout, stderr=stderr, start_new_session=True,
         )
         on_failure.callback(lambda: (popen.kill(), popen.wait()))
+        if timing is not None:
+            timing["spawned"] = time.monotonic_ns()
         close_fd(info_w_open.pop())  # so that bwrap's exit ends our read
         try:
             info = json.loads(_read_all(info_r, 30) or b"null")
@@ -174,6 +177,8 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
             os.write(block_w, b"1")
         if hold_r is not None:
             _wait_until_held(pid, pidfd, hold_r, popen, stderr_reader)
+        if timing is not None:
+            timing["sandbox"] = time.monotonic_ns()
         on_failure.pop_all()
     net_ns = info.get("net-namespace")
     return StartedBwrap(popen, pid, pidfd, hold_fd=hold_w, net_namespace=net_ns if isinstance(net_ns, int) else None)

@@ -11,8 +11,8 @@ propagates (fail closed).
 
 from __future__ import annotations
 
-import base64
 import os
+import time
 import shutil
 import signal
 import subprocess
@@ -24,6 +24,9 @@ from typing import Any
 
 from ..errors import SandboxError
 from ..guard import landlock, seccomp
+from ..guard.namespaces import plan_workspace
+from ..guard.workspace import steps_for_kernel
+from ..kernel.boot import STAGE_ONE, encode_config
 from ..guard.privileges import NOBODY
 from ..net.broker import Broker
 from ..net.plan import NetworkPlan, plan_network
@@ -65,7 +68,15 @@ class KernelProcess:
     config: dict[str, Any]
     sandbox: SandboxProcess | None = None
     workspace: Path | None = None
+    # Start-up timestamps (time.monotonic_ns) of the host's phases, by name.
+    timing: dict[str, int] = field(default_factory=dict)
     _closed: bool = field(default=False, repr=False)
+
+    def send_config(self) -> None:
+        """Hand the kernel its bootstrap configuration (:func:`~sequester.kernel.boot.encode_config`)."""
+        view = memoryview(encode_config(self.config))
+        while view:
+            view = view[os.write(self.to_kernel, view):]
 
     @property
     def broker(self) -> Broker | None:
@@ -105,15 +116,23 @@ class KernelProcess:
 def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True) -> tuple[str, ...]:
     """The kernel's command: its confining first stage (which becomes the cell runner),
     or (``off``) the cell runner straight away."""
-    module = "sequester.kernel.boot" if confined else "sequester.kernel.server"
+    if confined:
+        # -I: no PYTHON* variables, no user site, nothing prepended to sys.path; -S: no
+        # site (the first stage needs the standard library and sequester, whose root it
+        # is given); -B: no .pyc writes. Each saves milliseconds of every start.
+        return (str(facts.python_executable), "-I", "-S", "-B", "-c", STAGE_ONE, str(facts.package_root),
+                str(in_fd), str(out_fd))
     # -s: no user site; -B: no .pyc writes; -P: never put the (writable) cwd on sys.path.
-    return (str(facts.python_executable), "-s", "-B", "-P", "-m", module, str(in_fd), str(out_fd))
+    return (str(facts.python_executable), "-s", "-B", "-P", "-m", "sequester.kernel.server", str(in_fd), str(out_fd))
 
 
 def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False,
                      bridge: dict[str, Any] | None = None, landlock_spec: dict[str, Any] | None = None,
-                     audit_network: dict[str, Any] | None = None, ctypes_fd: int | None = None) -> dict[str, Any]:
-    """The first message a kernel reads: what its bootstrap must do."""
+                     audit_network: dict[str, Any] | None = None, ctypes_fd: int | None = None,
+                     keep_below_tmp: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The first message a kernel reads: what its bootstrap must do. Everything in it
+    that depends only on the policy and the host (the seccomp program, the workspace's
+    mounts) is computed here, once, so the kernel's first stage only applies it."""
     limits = policy.limits
     config: dict[str, Any] = {
         "mode": mode.value,
@@ -126,10 +145,11 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
     }
     if mode is Isolation.OFF:
         return config
-    config["seccomp"] = {"bpf": base64.b64encode(seccomp.compile_filter()).decode(), "nr": seccomp.syscall_number("seccomp")}
+    config["seccomp"] = {"bpf": seccomp.compile_filter(), "nr": seccomp.syscall_number("seccomp")}
     if mode is Isolation.SANDBOX:
         # The kernel's own noexec tmpfs for /tmp and /dev/shm together (see guard.namespaces).
-        config["workspace"] = {"size": limits.workspace_mb * 1024 * 1024, "path": str(WORKSPACE)}
+        steps = plan_workspace(limits.workspace_mb * 1024 * 1024, WORKSPACE, keep_below_tmp)
+        config["workspace"] = {"steps": steps_for_kernel(steps), "path": str(WORKSPACE)}
     if ctypes_fd is not None:
         config["ctypes_fd"] = ctypes_fd
     if root_flow:
@@ -146,8 +166,10 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
 def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelProcess:
     """Start a kernel for ``policy``. The kernel still has to be sent its configuration
     (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that."""
+    timing = {"launch": time.monotonic_ns()}
     mode = resolve_isolation(policy.isolation)
     facts = facts or gather_host_facts(scan_ffi=mode is not Isolation.OFF, extra_roots=tuple(policy.readonly))
+    timing["facts"] = time.monotonic_ns()
     with ExitStack() as on_failure, ExitStack() as child_side:
         def pipe() -> tuple[int, int]:
             r, w = os.pipe()
@@ -169,11 +191,11 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
                 ctypes_fd = os.open(ctypes_library(), os.O_RDONLY | os.O_CLOEXEC)
                 child_side.callback(close_fd, ctypes_fd)
                 sandbox = spawn_sandbox(policy, facts, command, keep_fds=[*child_ends, ctypes_fd], stdout=out_w,
-                                        stderr=err_w, stderr_reader=err_r)
+                                        stderr=err_w, stderr_reader=err_r, timing=timing)
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.started.popen, None
-                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge, ctypes_fd=ctypes_fd)
-                config["workspace"]["keep"] = [str(p) for p in sandbox.below_tmp]
+                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge, ctypes_fd=ctypes_fd,
+                                          keep_below_tmp=sandbox.below_tmp)
             else:
                 workspace = Path(tempfile.mkdtemp(prefix="sequester-workspace-"))
                 on_failure.callback(shutil.rmtree, workspace, ignore_errors=True)
@@ -189,7 +211,8 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         on_failure.pop_all()
     for fd in (to_kernel_w, from_kernel_r, out_r, err_r):
         os.set_inheritable(fd, False)
-    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace)
+    timing["launched"] = time.monotonic_ns()
+    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing)
 
 
 @dataclass
@@ -208,7 +231,8 @@ class SandboxProcess:
 
 
 def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *, keep_fds: list[int],
-                  stdout: int, stderr: int, stderr_reader: int, kernel: bool = True) -> SandboxProcess:
+                  stdout: int, stderr: int, stderr_reader: int, kernel: bool = True,
+                  timing: dict[str, int] | None = None) -> SandboxProcess:
     """Spawn bwrap running ``command`` in the view of ``policy``; fail closed.
 
     ``keep_fds`` are passed to the command; ``stderr_reader`` is read for bwrap's own
@@ -240,8 +264,10 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
             identity=Identity.NOBODY if facts.is_root else Identity.CALLER,
             caps=_caps(facts.is_root, kernel),
         )
+        if timing is not None:
+            timing["planned"] = time.monotonic_ns()
         started = start_bwrap(spec, data_files=data_files, keep_fds=pass_fds, stdout=stdout, stderr=stderr,
-                              stderr_reader=stderr_reader)
+                              stderr_reader=stderr_reader, timing=timing)
         on_failure.pop_all()
     return SandboxProcess(started, broker, bridge, _below_tmp(spec.mounts))
 

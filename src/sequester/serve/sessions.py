@@ -27,13 +27,16 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, TypeVar
 
 from ..config import Config
 from ..errors import KernelClosedError, SequesterError
 from ..episodes.verifier import VerifierError
 from ..tasks import Task, load_task
 from . import protocol as p
+
+if TYPE_CHECKING:
+    from ..kernel.pool import KernelPool
 
 __all__ = ["Session", "EpisodeSession", "KernelSession", "SessionManager", "resolve_task", "log_event"]
 
@@ -261,14 +264,18 @@ class KernelSession(Session):
     kind = "kernel"
     actions = p.KERNEL_ACTIONS
 
-    def __init__(self, session_id: str, config: Config):
+    def __init__(self, session_id: str, config: Config, pool: KernelPool | None = None):
         super().__init__(session_id)
         from ..kernel.client import Kernel
 
+        self._pool = pool
         self._kernel = Kernel(config.policy)
 
     def _start(self) -> p.ResetObservation:
-        self._kernel.start()
+        if self._pool is not None:  # a warm kernel, all this session's (it is closed with it, never reused)
+            self._kernel = self._pool.acquire()
+        else:
+            self._kernel.start()
         return p.ResetObservation(session_id=self.id, kind="kernel")
 
     def _step(self, action: Any) -> StepResult:
@@ -348,6 +355,11 @@ class SessionManager:
         self.task_count = tasks
         self.active = 0
         self.connections: set[_Closable] = set()
+        self.kernel_pool: KernelPool | None = None
+        if self.settings.kernel_pool:
+            from ..kernel.pool import KernelPool
+
+            self.kernel_pool = KernelPool(config.policy, size=self.settings.kernel_pool)
 
     def try_acquire(self) -> bool:
         """Take a session slot, or ``False`` at capacity (never waits). Runs on the event
@@ -363,7 +375,7 @@ class SessionManager:
     def new_session(self, session_id: str, request: p.EpisodeReset | p.KernelReset, where: str = "data") -> Session:
         """A session for a reset (not started); :class:`FrameError` for a task that cannot be named or loaded."""
         if isinstance(request, p.KernelReset):
-            return KernelSession(session_id, self.config)
+            return KernelSession(session_id, self.config, self.kernel_pool)
         if self.tasks_dir is None:
             raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}.task: this server serves no tasks (it was "
                                "started without --tasks-dir); only kernel sessions ({\"kind\": \"kernel\"})")
@@ -379,3 +391,5 @@ class SessionManager:
         connections = list(self.connections)
         if connections:
             await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
+        if self.kernel_pool is not None:
+            self.kernel_pool.close()

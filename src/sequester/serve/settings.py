@@ -6,6 +6,7 @@
     token = "..."                  # else $SEQUESTER_SERVE_TOKEN, else one is generated and printed
     tasks_dir = "tasks"            # the tasks episode sessions may name (relative: to this file)
     max_sessions = 16              # live sessions (episodes and kernels) at once
+    kernel_pool = 0                # kernels kept started for kernel sessions (0: each starts its own)
     idle_timeout = 600             # seconds without a frame before a connection and its session close
     max_message_bytes = 16777216   # one WebSocket message or HTTP body, at most
     progress_interval = 10         # seconds between keep-alive progress frames (clients opt in)
@@ -57,6 +58,7 @@ class ServeSettings:
     token: str | None = dataclasses.field(default=None, repr=False)  # never in a repr, so never in a log
     tasks_dir: Path | None = None
     max_sessions: int = 16
+    kernel_pool: int = 0
     idle_timeout: float = 600.0
     max_message_bytes: int = 16 * 1024 * 1024
     progress_interval: float = 10.0
@@ -76,6 +78,8 @@ class ServeSettings:
             number_ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
             if isinstance(value, bool) or not number_ok or not math.isfinite(value) or value <= 0:
                 raise PolicyError(f"serve.{name}: {value!r} is not a positive {'whole ' * (kind is int)}number")
+        if isinstance(self.kernel_pool, bool) or not isinstance(self.kernel_pool, int) or self.kernel_pool < 0:
+            raise PolicyError(f"serve.kernel_pool: {self.kernel_pool!r} is not a whole number of kernels (0: none)")
         if self.tasks_dir is not None:
             object.__setattr__(self, "tasks_dir", Path(self.tasks_dir))
 
