@@ -213,3 +213,37 @@ def test_an_agent_on_a_node_sees_no_shipped_task_nor_another_trial(cluster, tmp_
     seen = command["stdout"] + command["stderr"]
     assert "END" in seen and shipped[0].read_text().strip().splitlines()[-1] not in seen
     assert "c-word-count" not in command["stdout"] and "solve.sh" not in command["stdout"], seen
+
+
+def test_a_task_that_cannot_travel_is_its_own_error_not_the_jobs(cluster, tmp_path: Path) -> None:
+    good, bad = tmp_path / "tasks" / "a-good", tmp_path / "tasks" / "b-fifo"
+    shutil.copytree(EXAMPLES / "python-csv-stats", good)
+    shutil.copytree(EXAMPLES / "python-csv-stats", bad)
+    os.mkfifo(bad / "environment" / "pipe")
+    job = run_job([good, bad], "oracle", jobs_dir=tmp_path, job_name="j", scheduler=RayScheduler())
+    assert job.n_trials == 2 and job.mean_reward == 1.0, "the shippable task ran and scored"
+    (error,) = job.errors
+    assert error["sequester_exception_type"] == "PolicyError" and "environment/pipe" in error["exception_message"]
+
+
+def test_a_trial_whose_folder_cannot_be_written_is_its_own_error(cluster, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from sequester.cluster import scheduler as scheduler_module
+
+    real = scheduler_module.land_trial
+
+    def full_disk(returned, trial, retries):
+        if trial.task.name == "c-word-count":
+            trial.trial_dir.mkdir()
+            (trial.trial_dir / "half").write_text("x")
+            raise OSError(28, "No space left on device")
+        return real(returned, trial, retries)
+
+    monkeypatch.setattr(scheduler_module, "land_trial", full_disk)
+    job = run_job([EXAMPLES / "c-word-count", EXAMPLES / "python-csv-stats"], "oracle", jobs_dir=tmp_path,
+                  job_name="j", scheduler=RayScheduler())
+    assert job.n_trials == 2 and job.mean_reward == 1.0
+    (error,) = job.errors
+    assert "No space left on device" in error["exception_message"]
+    (lost,) = [p for p in (tmp_path / "j").iterdir() if p.name.startswith("c-word-count")]
+    assert not (lost / "half").exists() and json.loads((lost / "result.json").read_text())["node"]["node_id"]

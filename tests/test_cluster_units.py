@@ -164,6 +164,20 @@ def test_a_used_task_is_kept_and_an_unused_one_evicted(tmp_path: Path) -> None:
     assert evict_unused(cache) == [used.digest], "old: just used; used: backdated, no longer held"
 
 
+def test_eviction_leaves_no_lock_and_sweeps_a_killed_unpack(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    bundle = pack_task(EXAMPLES / "python-csv-stats")
+    unpack_task(bundle, cache)
+    stale, fresh = cache / ".unpack-old", cache / ".unpack-new"
+    stale.mkdir()
+    fresh.mkdir()
+    long_ago = time.time() - 30 * 86400
+    for path in (cache / bundle.digest, stale):
+        os.utime(path, (long_ago, long_ago))
+    assert evict_unused(cache) == [bundle.digest]
+    assert sorted(os.listdir(cache)) == [".unpack-new"], "no lock file left, the killed unpack swept"
+
+
 def test_staging_of_a_worker_that_died_is_swept(tmp_path: Path) -> None:
     import subprocess
 

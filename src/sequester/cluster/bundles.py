@@ -38,6 +38,7 @@ __all__ = ["TaskBundle", "pack_task", "unpack_task", "hold_task", "task_on_node"
 MAX_TASK_BYTES = 1 << 30  # a task's files (environment/, tests/, solution/); TB2's largest is far below
 MAX_TRIAL_BYTES = 256 << 20  # what one trial folder ships back to the driver
 EVICT_AFTER = 7 * 86400.0  # a node's shipped task not used for this long is removed
+STALE_UNPACK = 3600.0  # an unpacking folder this old was left by a killed worker
 FIRST_FILES = ("result.json", "config.json", "trial.log")  # shipped before anything else
 
 
@@ -207,9 +208,17 @@ def evict_unused(cache: Path, older_than: float = EVICT_AFTER) -> list[str]:
         return []
     for name in names:
         folder = cache / name
-        if name.startswith(".") or not folder.is_dir() or now - folder.stat().st_mtime < older_than:
+        try:
+            age = now - folder.lstat().st_mtime
+        except FileNotFoundError:
             continue
-        fd = os.open(cache / f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if name.startswith(".unpack-") and age > STALE_UNPACK:  # a worker killed while unpacking
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        if name.startswith(".") or not folder.is_dir() or age < older_than:
+            continue
+        lock = cache / f".{name}.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a trial holds it
@@ -217,6 +226,7 @@ def evict_unused(cache: Path, older_than: float = EVICT_AFTER) -> list[str]:
             continue
         try:
             shutil.rmtree(folder, ignore_errors=True)
+            os.unlink(lock)  # (a trial that opened it before this sees the folder gone and unpacks again)
             removed.append(name)
         finally:
             os.close(fd)

@@ -25,6 +25,8 @@ sandboxes with it), and the scheduler waits until Ray has ended it.
 from __future__ import annotations
 
 import logging
+import shutil
+import tarfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..environments import UnsupportedByBackend
+from ..errors import PolicyError
 from ..jobs.results import TrialResult, utc_now
 from ..jobs.schedule import JobRun, PlannedTrial
 from ..jobs.trial import TrialCancelled
@@ -116,11 +119,23 @@ class RayScheduler:
         # killed meanwhile (then the lost attempt would not say where it ran).
         ray.get(self._monitor.starts.remote(), timeout=120)
         self._nodes = [n for n in ray.nodes() if n.get("Alive")]
+        # Every task packed before the first trial starts: one that cannot travel (a fifo,
+        # a link out of it, too large, unreadable) is its trials' error, found now, not a
+        # failure hours into the job that would stop every trial in flight.
+        unshippable: dict[Path, Exception] = {}
+        for task in {t.task.path: t.task for t in trials}.values():
+            try:
+                self._bundle(task)
+            except (PolicyError, OSError) as exc:
+                unshippable[task.path] = exc
         waiting = deque(trials)
         try:
             while (waiting and not self._stopping) or self._pending:
                 while waiting and len(self._pending) < self.concurrency and not self._stopping:
                     trial = waiting.popleft()
+                    if trial.task.path in unshippable:
+                        yield land_error(trial, job, unshippable[trial.task.path], [])
+                        continue
                     why = infeasible(trial_resources(trial.task), [n["Resources"] for n in self._nodes])
                     if why is not None:
                         yield land_error(trial, job, UnsupportedByBackend(why), [])
@@ -194,7 +209,12 @@ class RayScheduler:
             error = ClusterError(f"the trial was lost with its worker or node {len(retries)} time(s), the last: "
                                  f"{type(exc).__name__}: {str(exc)[:500]}")
             return land_error(trial, job, error, retries, started_at=attempt.started_at)
-        return land_trial(returned, trial, attempt.retries)
+        try:
+            return land_trial(returned, trial, attempt.retries)
+        except (PolicyError, OSError, tarfile.TarError) as exc:  # this trial's folder, not the job's
+            log.error("trial %s: its folder could not be written: %s", trial.name, exc)
+            shutil.rmtree(trial.trial_dir, ignore_errors=True)
+            return land_error(trial, job, exc, attempt.retries, node=returned.node, started_at=attempt.started_at)
 
     def _killed(self) -> TrialCancelled:
         return TrialCancelled(f"the job was interrupted; the trial did not stop within {self.cancel_grace:g} s "
