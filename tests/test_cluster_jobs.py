@@ -23,6 +23,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_cluster  # noqa: E402 - tests/helpers, after the skip
+from procs import pids_mentioning  # noqa: E402
 
 from sequester.cluster import RayScheduler  # noqa: E402
 from sequester.jobs import run_job  # noqa: E402
@@ -40,16 +41,7 @@ def cluster():
 
 def marked(marker: str) -> list[int]:
     """Pids of processes on this machine (every node of the test cluster) whose command line has ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read().replace(b"\0", b" "):
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
+    return pids_mentioning(marker)
 
 
 def wait_for(condition, timeout: float, what: str):

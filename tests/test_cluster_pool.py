@@ -26,6 +26,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_cluster  # noqa: E402 - after the skip: it is only of use with Ray
+from procs import pids_with_cmdline, wait_until  # noqa: E402
 
 from conftest import VISIBLE_DIR  # noqa: E402
 from sequester.cluster import ClusterError, EpisodePool  # noqa: E402
@@ -54,25 +55,11 @@ def pool(cluster: ray_cluster.RayCluster) -> Iterator[EpisodePool]:
 
 def marked(marker: str) -> list[int]:
     """Pids of processes whose command line is ``sleep <marker>``."""
-    found, wanted = [], b"sleep\0" + marker.encode() + b"\0"
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read() == wanted:
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
+    return pids_with_cmdline(b"sleep\0" + marker.encode() + b"\0")
 
 
 def wait_for(condition: Any, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return bool(condition())
+    return wait_until(condition, timeout, interval=0.1)
 
 
 def new_marker() -> str:

@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from procs import pid_alive
 
 from sequester.errors import KernelClosedError, PolicyError
 from sequester.kernel.client import Kernel
@@ -23,14 +24,7 @@ def wait_ready(pool: KernelPool, n: int, timeout: float = 60) -> None:
 
 
 def gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                    return False
-        except OSError:
-            continue
-    return True
+    return not any(pid_alive(pid) for pid in pids)
 
 
 def test_a_kernel_is_handed_out_ready_and_used_once() -> None:

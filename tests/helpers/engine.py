@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from procs import pids_with_cmdline as host_pids_of  # noqa: F401 - the docker tests' name for it
 from registry import skip_unless_tools
 
 __all__ = ["Engine", "running_engine", "engine", "module_engine", "import_rootfs", "skip_unless_engine",
@@ -159,18 +160,3 @@ def import_rootfs(eng: Engine, rootfs: Path, name: str, *, exclude: Sequence[str
     if done.returncode != 0 or tar.returncode != 0:
         pytest.fail(f"podman import of {rootfs} failed: {done.stderr.decode()[-2000:]}")
     return name
-
-
-def host_pids_of(cmdline: bytes) -> list[int]:
-    """The host pids whose whole command line is ``cmdline`` (NUL-separated, as in
-    ``/proc/PID/cmdline``): a container's processes, seen from the host."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if f.read() == cmdline:
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from procs import pid_alive
+
 HELPERS = Path(__file__).resolve().parent
 RAY = Path(sys.executable).with_name("ray")
 
@@ -116,17 +118,9 @@ def stop_cluster(cluster: RayCluster) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + (5 if sig == signal.SIGTERM else 10)
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
     shutil.rmtree(cluster.root, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 def join(cluster: RayCluster):

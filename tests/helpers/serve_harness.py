@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 import websockets
+from procs import pid_alive, wait_until  # noqa: F401 - re-exported for the serve tests
 
 from sequester.config import load_config
 from sequester.serve.app import create_app, uvicorn_config
@@ -92,19 +93,6 @@ async def ask(ws: Any, frame: dict[str, Any] | str, *, timeout: float = 180, see
             return answer
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def wait_gone(pid: int, timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -113,14 +101,6 @@ def wait_gone(pid: int, timeout: float = 30) -> bool:
         time.sleep(0.05)
     return False
 
-
-def wait_until(condition: Any, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return bool(condition())
 
 
 def raw_websocket(port: int, token: str) -> socket.socket:

@@ -56,30 +56,19 @@ def read_config(fd: int) -> dict[str, Any] | None:
     """Blocking read of :func:`encode_config`'s frame; ``None`` at end of file."""
     import marshal
 
-    header = _read_exactly(fd, _HEADER)
+    from sequester.kernel.fdread import read_exactly
+
+    what = "the bootstrap configuration"
+    header = read_exactly(fd, _HEADER, what=what)
     if header is None:
         return None
-    body = _read_exactly(fd, int.from_bytes(header, "big"))
+    body = read_exactly(fd, int.from_bytes(header, "big"), what=what)
     if body is None:
         raise EOFError("end of file inside the bootstrap configuration")
     config = marshal.loads(body)
     if not isinstance(config, dict):
         raise TypeError("the bootstrap configuration is not a dict")
     return config
-
-
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    chunks: list[bytes] = []
-    remaining = size
-    while remaining:
-        chunk = os.read(fd, remaining)
-        if not chunk:
-            if remaining == size and not chunks:
-                return None
-            raise EOFError("end of file inside the bootstrap configuration")
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
 
 
 def _load_ctypes(fd: int | None) -> None:

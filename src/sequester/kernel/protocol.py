@@ -10,6 +10,8 @@ import json
 import os
 import struct
 
+from .fdread import read_exactly
+
 TYPE_CHECKING = False  # not ``typing``: every kernel imports this module at start-up
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
@@ -67,30 +69,16 @@ def _decode(body: bytes) -> dict[str, Any]:
 
 def read_message(fd: int, limit: int = MAX_MESSAGE) -> dict[str, Any] | None:
     """Blocking read of one message; ``None`` at end of file."""
-    header = _read_exactly(fd, _HEADER.size)
+    header = read_exactly(fd, _HEADER.size, ProtocolError)
     if header is None:
         return None
     (size,) = _HEADER.unpack(header)
     if size > limit:
         raise ProtocolError(f"message of {size} bytes is over the {limit}-byte limit")
-    body = _read_exactly(fd, size)
+    body = read_exactly(fd, size, ProtocolError)
     if body is None:
         raise ProtocolError("end of file inside a message")
     return _decode(body)
-
-
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    chunks: list[bytes] = []
-    remaining = size
-    while remaining:
-        chunk = os.read(fd, remaining)
-        if not chunk:
-            if remaining == size:
-                return None
-            raise ProtocolError("end of file inside a message")
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
 
 
 class MessageReader:
