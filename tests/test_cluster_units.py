@@ -247,3 +247,19 @@ def test_ray_address_without_the_ray_backend_is_bad_input(tmp_path: Path, capsys
                  "--ray-address", "127.0.0.1:1"]) == 2
     assert "--ray-address is for --backend ray" in capsys.readouterr().err
     assert not list(tmp_path.iterdir()), "nothing ran"
+
+
+def test_a_plain_local_episode_does_not_see_the_nodes_cache() -> None:
+    """Any episode on a machine that is also a Ray node, not only those the cluster starts:
+    the cache holds shipped tasks' solutions (found so by the reward-hack catalogue)."""
+    from sequester.cluster.node import cluster_cache
+    from sequester.episodes.episode import Episode
+
+    folder = unpack_task(pack_task(EXAMPLES / "c-word-count"), cluster_cache() / "tasks")
+    solution = folder / "solution" / "solve.sh"
+    assert solution.is_file(), "control: the host has it"
+    with Episode() as ep:
+        ep.reset(EXAMPLES / "python-csv-stats")
+        seen = ep.exec(f"cat {solution}; ls -a {cluster_cache()}/tasks; echo END")
+    assert "END" in seen.stdout and solution.read_text().strip().splitlines()[-1] not in seen.stdout
+    assert folder.parent.name not in seen.stdout, seen.stdout

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..episodes.settings import EpisodeSettings, default_state_dir, default_toolchain_dir
+from ..episodes.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
 from ..images.settings import default_store_dir
 from ..jobs.results import TrialResult
 from ..jobs.trial import TrialCancel, run_trial
@@ -63,10 +63,7 @@ def settings_for_node(settings: EpisodeSettings, defaulted: frozenset[str]) -> E
 
 def cluster_cache() -> Path:
     """This node's folder for shipped tasks and trial staging (0700: tests live in it)."""
-    if os.getuid() == 0:
-        root = Path("/var/cache/sequester/cluster")
-    else:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sequester" / "cluster"
+    root = cluster_cache_dir()
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(root, 0o700)
     return root

@@ -31,6 +31,7 @@ from ..images.settings import ImageSettings
 BACKENDS = ("local", "docker")
 
 __all__ = ["BACKENDS", "EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
+           "cluster_cache_dir",
            "frozen_evaluation_note"]
 
 
@@ -42,6 +43,12 @@ def default_state_dir() -> Path:
     # Root's is 0700 (a kernel, which runs as nobody, cannot enter it); a user's lives in
     # the home folder, which every sandbox hides.
     return Path("/var/tmp/sequester-episodes") if os.getuid() == 0 else _user_cache() / "episodes"
+
+
+def cluster_cache_dir() -> Path:
+    """A cluster node's folder of shipped tasks (their tests and solutions) and trial
+    staging (:mod:`sequester.cluster.node`); every episode on the machine hides it."""
+    return Path("/var/cache/sequester/cluster") if os.getuid() == 0 else _user_cache() / "cluster"
 
 
 def default_toolchain_dir() -> Path:

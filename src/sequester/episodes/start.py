@@ -25,6 +25,7 @@ from ..sandbox.host import HostFacts, gather_host_facts
 from ..sandbox.launch import ROOT_SECRETS
 from ..sandbox.mounts import SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from ..tasks import Task
+from .settings import cluster_cache_dir
 from ..verifier import ensure_runner
 from .freezer import Freezer, make_freezer
 from .layers import view_points
@@ -220,7 +221,11 @@ def hidden_for(task: Task, facts: HostFacts, settings: EpisodeSettings,
         wheels.mkdir(parents=True, exist_ok=True)
     except OSError:
         pass  # not ours to make: then nothing is fetched there either
-    deep = [*dirs, *files, task.path.resolve(), settings.state_dir, wheels, *extra_hidden]
+    # The cluster cache holds every task a node was shipped, tests and solutions: hidden
+    # from every episode on the machine, not only those the cluster starts (attack: a
+    # local `sequester run` on a machine that is also a Ray node, whose agent found a
+    # shipped copy of its own task's solve.sh below /var/cache and ran it).
+    deep = [*dirs, *files, task.path.resolve(), settings.state_dir, wheels, cluster_cache_dir(), *extra_hidden]
     if facts.is_root:
         deep += ROOT_SECRETS
     found: list[tuple[Path, bool]] = []
