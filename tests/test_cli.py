@@ -1,6 +1,8 @@
 """The ``sequester`` command, run as a real process."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +90,9 @@ def test_check_passes_here_and_reports_json():
     assert {"user namespaces available", "files hidden", "source read-only", "workspace writable",
             "network allowlist", "processes blocked", "processes invisible", "capabilities zero"} <= names
     assert report["mode"] == "sandbox" and report["passed"]
+    # Which first stage confined the probe kernel: the native one wherever a C compiler is.
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert report["first_stage"] == ("native" if compiler and os.environ.get("SEQUESTER_NATIVE_STAGE") != "0" else "python")
 
 
 def test_check_table():

@@ -37,6 +37,9 @@ class Finding:
 class CheckReport:
     mode: Isolation
     findings: tuple[Finding, ...]
+    # Which first stage confined the probe kernel: "native" (stage0.c, one interpreter
+    # start), "python" (no C compiler, or SEQUESTER_NATIVE_STAGE=0), "none" (off).
+    first_stage: str = ""
 
     @property
     def passed(self) -> bool:
@@ -136,6 +139,7 @@ def run_check(policy: Policy) -> CheckReport:
         probe_policy = policy.with_overrides(allow=[f"127.0.0.1:{allowed_port}"])
         with Kernel(probe_policy) as kernel:
             mode = kernel.mode
+            first_stage = str(kernel.report.get("first_stage", ""))
             findings += [
                 _files_hidden(kernel, policy, facts),
                 _source_readonly(kernel, policy, facts),
@@ -147,7 +151,7 @@ def run_check(policy: Policy) -> CheckReport:
                 _ctypes(kernel),
                 ctypes_unloadable(kernel, facts.ffi_libraries),  # last: it switches the audit hook off
             ]
-    return CheckReport(mode, tuple(findings))
+    return CheckReport(mode, tuple(findings), first_stage)
 
 
 def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:  # type: ignore[no-untyped-def]

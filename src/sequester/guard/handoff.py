@@ -9,7 +9,7 @@ process it can never be taken out again: its types stay reachable through
 off (it can: the hook's frame is in the traceback of any refusal) would then have ctypes
 again. So the cells run in a *fresh image* that never had ctypes: the first stage
 confines itself, loads the seccomp filter and replaces itself with
-``python -m sequester.kernel.server``, where ``_ctypes`` is not in the view at all.
+the cell runner (``sequester.kernel.server``), where ``_ctypes`` is not in the view at all.
 
 Why the filter still refuses ``execve`` to the cell runner. The filter cannot read the
 path an ``execve`` names, but it can compare the path's *address*: it allows ``execve``

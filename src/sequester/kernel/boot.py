@@ -6,7 +6,7 @@ site, no user site) and with nothing imported but what confining needs, since th
 stage is on every kernel's start-up path. It reads the bootstrap configuration from
 ``IN_FD`` (from the host, in :mod:`marshal`: no ``json``/``base64`` to import; nothing
 the kernel sends is ever read with marshal), applies it in a fixed order, and ``execve``-s
-``python -m sequester.kernel.server IN_FD OUT_FD STAGE2`` (see
+``python -c STAGE_TWO PACKAGE_ROOT IN_FD OUT_FD STAGE2`` (see
 :mod:`sequester.guard.handoff` for why a second image, and why that one ``execve`` is
 the only one the filter lets through). If anything fails it tells the host on
 ``OUT_FD`` and exits: fail closed.
@@ -35,12 +35,26 @@ TYPE_CHECKING = False  # not ``typing``: this stage imports as little as it can
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
-SERVER_MODULE = "sequester.kernel.server"
 # The host's ``-c`` program: the package root is its first argument (``-I -S``: not on
 # sys.path otherwise; appended, so it never shadows the standard library).
 STAGE_ONE = ("import sys,time;t=time.monotonic_ns();sys.path.append(sys.argv.pop(1));"
              "from sequester.kernel.boot import main;main(started=t)")
+# The cell runner's ``-c`` program (not ``-m``: runpy imports importlib.util, contextlib,
+# ... milliseconds of every start), same convention.
+STAGE_TWO = ("import sys;sys.path.append(sys.argv.pop(1));"
+             "from sequester.kernel.server import main;main()")
 _HEADER = 4
+
+
+def package_root() -> str:
+    """The sys.path entry this copy of sequester was imported from."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def server_command(executable: str, in_fd: int, out_fd: int, *extra: str) -> list[str]:
+    """The cell runner's command line. -s: no user site; -B: no .pyc writes; -P: never
+    put the (writable) cwd on sys.path."""
+    return [executable, "-s", "-B", "-P", "-c", STAGE_TWO, package_root(), str(in_fd), str(out_fd), *extra]
 
 
 def encode_config(config: dict[str, Any]) -> bytes:
@@ -172,8 +186,8 @@ def main(argv: list[str] | None = None, *, started: int | None = None) -> None:
         second = stage_two(cfg, report)
         marks.append(("handoff", time.monotonic_ns()))  # what is left: the filter and the execve
         second["timing"] = marks
-        handoff = Handoff(sys.executable, [sys.executable, "-s", "-B", "-P", "-m", SERVER_MODULE, str(in_fd), str(out_fd),
-                                           encode_stage_two(second)], dict(os.environ))
+        handoff = Handoff(sys.executable, server_command(sys.executable, in_fd, out_fd, encode_stage_two(second)),
+                          dict(os.environ))
         seccomp.load_filter(cfg["seccomp"]["bpf"], cfg["seccomp"]["nr"])
         handoff.execute()
     except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed

@@ -188,6 +188,8 @@ class Kernel:
             self._kill()
             raise
         self._start_timing = _phases(process.timing, report.pop("timing", None), ready_ns)
+        # Host-side fact, not the kernel's word: which first stage confined it.
+        report["first_stage"] = ("native" if process.native_stage else "python") if process.mode is not Isolation.OFF else "none"
         self._report = report
         if process.mode is Isolation.OFF:
             log.warning("runtime.isolation = false: the kernel runs with NO isolation (debugging only)")
@@ -325,6 +327,9 @@ _PHASES = (
     ("host: plan (network, broker, mounts)", "facts", "planned"),
     ("bwrap: spawn", "planned", "spawned"),
     ("bwrap: namespaces (+ uid map)", "spawned", "sandbox"),
+    ("bwrap: view + exec of the native stage", "sandbox", "k:stage0"),
+    ("native stage: confine", "k:stage0", "k:exec0"),
+    ("execve, python start", "k:exec0", "k:server"),
     ("bwrap: view + exec, python start", "sandbox", "k:stage_one"),
     ("stage 1: imports", "k:stage_one", "k:imported"),
     ("stage 1: config", "k:imported", "k:config"),
@@ -333,8 +338,8 @@ _PHASES = (
     ("stage 1: limits, privileges", "k:namespaces", "k:privileges"),
     ("stage 1: handoff prepared", "k:privileges", "k:handoff"),
     ("seccomp + execve, python start", "k:handoff", "k:server"),
-    ("stage 2: imports", "k:server", "k:imported2"),
-    ("stage 2: bridge, audit hook", "k:imported2", "k:started"),
+    ("stage 2: imports", "k:server", "k:server_imported"),
+    ("stage 2: bridge, audit hook", "k:server_imported", "k:started"),
     ("ready message", "k:started", "ready"),
 )
 

@@ -1,7 +1,7 @@
 """The kernel's cell runner: the second stage, which never had ctypes.
 
 Exec'd by the first stage (:mod:`sequester.kernel.boot`) as
-``python -s -B -P -m sequester.kernel.server IN_FD OUT_FD STAGE2`` once the process is
+``python -s -B -P -c STAGE_TWO PACKAGE_ROOT IN_FD OUT_FD STAGE2`` once the process is
 confined (namespaces, limits, privileges, Landlock, seccomp: all inherited across that
 ``execve``). In ``off`` mode the host starts it directly with only the two fds, and the
 configuration arrives on ``IN_FD``. Standard library only, plus the in-kernel parts of
@@ -20,13 +20,12 @@ import time
 
 _STARTED = time.monotonic_ns()  # start-up timing (see Kernel.start_timing): this image's first line
 
-import _ast  # not ``ast``: it imports contextlib, enum, collections (milliseconds); parse is compile()
 import builtins
-import gc
 import io
 import os
-import signal
 import sys
+
+import _signal  # not ``signal``: it wraps the same functions in enums (milliseconds at start)
 
 from sequester.kernel.protocol import TEXT_LIMIT, read_message, write_message
 
@@ -73,7 +72,10 @@ def start(cfg: dict[str, Any]) -> dict[str, Any]:
         del sys.modules[name]  # none should be loaded in this image; belt and braces
     for name in [m for m in sys.modules if m.startswith("sequester.guard")]:
         del sys.modules[name]
-    gc.collect()
+    # No gc.collect() here (1 ms of every start): it freed nothing that matters. The live
+    # hook is reachable from no Python object, and the guard modules stay reachable as
+    # attributes of the ``sequester`` package whether collected or not (harmless: they
+    # hold functions and constants, not the hook).
     return _finish_report(report)
 
 
@@ -154,7 +156,7 @@ class Cells:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self.output_limit = output_limit
         self._in_cell = False
-        signal.signal(signal.SIGALRM, self._on_alarm)
+        _signal.signal(_signal.SIGALRM, self._on_alarm)
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         if self._in_cell:
@@ -172,7 +174,7 @@ class Cells:
             body, last = self._compile(code, filename)
             self._in_cell = True
             if timeout:
-                signal.setitimer(signal.ITIMER_REAL, timeout)
+                _signal.setitimer(_signal.ITIMER_REAL, timeout)
             try:
                 if body is not None:
                     exec(body, self.namespace)
@@ -182,7 +184,7 @@ class Cells:
                         self.namespace["_"] = result
                         value = _safe_repr(result)
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                _signal.setitimer(_signal.ITIMER_REAL, 0)
                 self._in_cell = False
         except CellTimeout:
             error = {"type": "TimeoutError", "message": f"the cell ran over its {timeout:g} s timeout and was interrupted",
@@ -198,8 +200,17 @@ class Cells:
                     pass
         return {"value": value, "error": error, "duration": time.perf_counter() - started}
 
-    @staticmethod
-    def _compile(code: str, filename: str) -> tuple[Any, Any]:
+    _ast: Any = None
+
+    @classmethod
+    def _compile(cls, code: str, filename: str) -> tuple[Any, Any]:
+        if cls._ast is None:
+            # Not ``ast`` (it imports contextlib, enum, collections) and not at start-up:
+            # making the AST types costs ~2 ms, which the first cell pays, not the start.
+            import _ast
+
+            cls._ast = _ast
+        _ast = cls._ast
         tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST)  # what ast.parse does
         last = None
         if tree.body and isinstance(tree.body[-1], _ast.Expr):
@@ -256,6 +267,17 @@ def serve(in_fd: int, out_fd: int, output_limit: int) -> None:
             write_message(out_fd, {"op": "result", "id": request.get("id"), **result})
 
 
+def _native_marks(extra: list[str]) -> list[tuple[str, int]]:
+    """The native first stage's timestamps: its last argument, ``T<started>,<exec>``."""
+    if len(extra) != 1 or not extra[0].startswith("T"):
+        return []
+    try:
+        started, execed = (int(x) for x in extra[0][1:].split(","))
+    except ValueError:
+        return []
+    return [("stage0", started), ("exec0", execed)]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     in_fd, out_fd = int(args[0]), int(args[1])
@@ -267,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg is None:
             return
         report = start(cfg)
-        timing = [*cfg.get("timing", ()), ("server", _STARTED), ("imported", imported), ("started", time.monotonic_ns())]
+        timing = [*cfg.get("timing", ()), *_native_marks(args[3:]), ("server", _STARTED), ("server_imported", imported),
+                  ("started", time.monotonic_ns())]
         report["timing"] = [[name, ns] for name, ns in timing]
     except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed
         import traceback

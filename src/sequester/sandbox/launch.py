@@ -25,9 +25,12 @@ from typing import Any
 from ..errors import SandboxError
 from ..guard import landlock, seccomp
 from ..guard.namespaces import plan_workspace
-from ..guard.workspace import steps_for_kernel
-from ..kernel.boot import STAGE_ONE, encode_config
+from ..guard.native_plan import encode_plan, plan_stage0
 from ..guard.privileges import NOBODY
+from ..guard.workspace import steps_for_kernel
+from ..kernel.boot import STAGE_ONE, encode_config, encode_stage_two, server_command, stage_two
+from ..kernel.bytecode import ensure_kernel_bytecode
+from ..kernel.stage0 import stage0_program
 from ..net.broker import Broker
 from ..net.plan import NetworkPlan, plan_network
 from ..policy import Isolation, Policy
@@ -47,6 +50,8 @@ __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", 
 ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
                                         "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
 _HOSTS = Path("/etc/hosts").resolve()
+# Where a kernel's view shows the native first stage while it runs (then covered).
+STAGE0_IN_VIEW = Path("/tmp/.sequester-stage0")
 # Only a kernel's first stage makes namespaces (and then drops these).
 _NAMESPACE_CAPS = frozenset({"CAP_SYS_ADMIN", "CAP_NET_ADMIN"})
 _LOCALHOST_ONLY = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
@@ -70,11 +75,20 @@ class KernelProcess:
     workspace: Path | None = None
     # Start-up timestamps (time.monotonic_ns) of the host's phases, by name.
     timing: dict[str, int] = field(default_factory=dict)
+    # The native first stage's plan (:func:`~sequester.guard.native_plan.encode_plan`),
+    # sent instead of ``config`` when the kernel starts through it.
+    first_frame: bytes | None = None
     _closed: bool = field(default=False, repr=False)
 
+    @property
+    def native_stage(self) -> bool:
+        """The kernel confined itself through the native first stage (``stage0.c``)."""
+        return self.first_frame is not None
+
     def send_config(self) -> None:
-        """Hand the kernel its bootstrap configuration (:func:`~sequester.kernel.boot.encode_config`)."""
-        view = memoryview(encode_config(self.config))
+        """Hand the kernel its bootstrap configuration (:func:`~sequester.kernel.boot.encode_config`)
+        or, through the native stage, its plan."""
+        view = memoryview(self.first_frame if self.first_frame is not None else encode_config(self.config))
         while view:
             view = view[os.write(self.to_kernel, view):]
 
@@ -122,8 +136,7 @@ def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool 
         # is given); -B: no .pyc writes. Each saves milliseconds of every start.
         return (str(facts.python_executable), "-I", "-S", "-B", "-c", STAGE_ONE, str(facts.package_root),
                 str(in_fd), str(out_fd))
-    # -s: no user site; -B: no .pyc writes; -P: never put the (writable) cwd on sys.path.
-    return (str(facts.python_executable), "-s", "-B", "-P", "-m", "sequester.kernel.server", str(in_fd), str(out_fd))
+    return tuple(server_command(str(facts.python_executable), in_fd, out_fd))
 
 
 def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False,
@@ -169,6 +182,7 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     timing = {"launch": time.monotonic_ns()}
     mode = resolve_isolation(policy.isolation)
     facts = facts or gather_host_facts(scan_ffi=mode is not Isolation.OFF, extra_roots=tuple(policy.readonly))
+    ensure_kernel_bytecode(facts.package_root)
     timing["facts"] = time.monotonic_ns()
     with ExitStack() as on_failure, ExitStack() as child_side:
         def pipe() -> tuple[int, int]:
@@ -185,8 +199,23 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         for fd in child_ends:  # the kernel has them now; the host closes its copies
             child_side.callback(close_fd, fd)
         command = kernel_command(facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF)
+        stage0 = stage0_program() if mode is Isolation.SANDBOX else None
+        first_frame = None
         try:
-            if mode is Isolation.SANDBOX:
+            if stage0 is not None:
+                # bwrap execs the native stage (bound below /tmp, which the workspace then
+                # covers); it applies the host's plan and execs the cell runner directly.
+                sandbox = spawn_sandbox(policy, facts, (str(STAGE0_IN_VIEW), str(to_kernel_r), str(from_kernel_w)),
+                                        keep_fds=child_ends, stdout=out_w, stderr=err_w, stderr_reader=err_r,
+                                        timing=timing, stage0=stage0)
+                on_failure.callback(sandbox.kill)
+                popen, workspace = sandbox.started.popen, None
+                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge,
+                                          keep_below_tmp=sandbox.below_tmp)
+                runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
+                                        encode_stage_two(stage_two(config, {})))
+                first_frame = encode_plan(plan_stage0(config, runner))
+            elif mode is Isolation.SANDBOX:
                 # The view covers _ctypes; the first stage gets it as this open file.
                 ctypes_fd = os.open(ctypes_library(), os.O_RDONLY | os.O_CLOEXEC)
                 child_side.callback(close_fd, ctypes_fd)
@@ -212,7 +241,8 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     for fd in (to_kernel_w, from_kernel_r, out_r, err_r):
         os.set_inheritable(fd, False)
     timing["launched"] = time.monotonic_ns()
-    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing)
+    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing,
+                         first_frame)
 
 
 @dataclass
@@ -232,13 +262,14 @@ class SandboxProcess:
 
 def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *, keep_fds: list[int],
                   stdout: int, stderr: int, stderr_reader: int, kernel: bool = True,
-                  timing: dict[str, int] | None = None) -> SandboxProcess:
+                  timing: dict[str, int] | None = None, stage0: Path | None = None) -> SandboxProcess:
     """Spawn bwrap running ``command`` in the view of ``policy``; fail closed.
 
     ``keep_fds`` are passed to the command; ``stderr_reader`` is read for bwrap's own
     error message if it fails. ``kernel``: the command is a kernel's first stage, which
     gets the capabilities it needs to make its namespaces (and drops them); otherwise
-    (:func:`run_in_sandbox`) it gets fewer: no SYS_ADMIN, no NET_ADMIN.
+    (:func:`run_in_sandbox`) it gets fewer: no SYS_ADMIN, no NET_ADMIN. ``stage0``: the
+    native first stage's program, bound read-only at :data:`STAGE0_IN_VIEW`.
     """
     plan: NetworkPlan | None = plan_network(policy.allow) if policy.allow else None
     # Only the allowed names resolve: /etc/hosts is ours. No name server is reachable
@@ -257,8 +288,14 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
             bridge = {"control_fd": control_fd, "listeners": [
                 [l.address, l.port, l.target.host if l.target else None, l.target.port if l.target else None]
                 for l in plan.listeners]}
+        mounts = plan_mounts(policy, facts, data_files=data_files)
+        below_tmp = _below_tmp(mounts)
+        if stage0 is not None:
+            # Last, so below the view's /tmp tmpfs; not in below_tmp, so the kernel's own
+            # /tmp covers it once the native stage has run.
+            mounts += (MountOp(MountKind.READONLY, STAGE0_IN_VIEW, source=stage0),)
         spec = SandboxSpec(
-            mounts=plan_mounts(policy, facts, data_files=data_files),
+            mounts=mounts,
             command=command,
             env=kernel_environment(os.environ, passthrough=policy.env, proxy=plan.env if plan else (), tmpdir="/tmp"),
             identity=Identity.NOBODY if facts.is_root else Identity.CALLER,
@@ -269,7 +306,7 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
         started = start_bwrap(spec, data_files=data_files, keep_fds=pass_fds, stdout=stdout, stderr=stderr,
                               stderr_reader=stderr_reader, timing=timing)
         on_failure.pop_all()
-    return SandboxProcess(started, broker, bridge, _below_tmp(spec.mounts))
+    return SandboxProcess(started, broker, bridge, below_tmp)
 
 
 def _below_tmp(mounts: tuple[MountOp, ...]) -> tuple[Path, ...]:

@@ -67,14 +67,20 @@ def find_ffi_libraries(roots: Iterable[Path]) -> tuple[Path, ...]:
     every time): of the roots and their ``lib`` folders for the folder list, of each
     package folder for its listing."""
     roots = tuple(roots)
-    folders = _package_folders(roots, tuple(_mtime(r / sub) for r in roots for sub in ("", "lib", "lib64", "local/lib")))
+    folders = _package_folders(roots, tuple(_mtime(p) for p in _stamp_paths(roots)))
     found: set[Path] = set()
     for folder in folders:
-        found.update(_ffi_in(folder, _mtime(Path(folder))))
+        found.update(_ffi_in(folder, _mtime(folder)))
     return tuple(sorted(found))
 
 
-def _mtime(path: Path) -> int:
+@lru_cache(maxsize=16)
+def _stamp_paths(roots: tuple[Path, ...]) -> tuple[str, ...]:
+    """The folders whose mtimes date the folder list (strings: this runs at every launch)."""
+    return tuple(os.path.join(str(r), sub) if sub else str(r) for r in roots for sub in ("", "lib", "lib64", "local/lib"))
+
+
+def _mtime(path: str) -> int:
     try:
         return os.stat(path).st_mtime_ns
     except OSError:

@@ -1,0 +1,143 @@
+"""The plan the native first stage (``kernel/stage0.c``) executes, computed on the host.
+
+The native stage is a dumb executor of system calls; which calls, in which order, with
+which arguments is decided here, from the same bootstrap configuration the Python first
+stage (:mod:`sequester.kernel.boot`) applies, in the same order (its docstring is the
+security argument):
+
+1. the kernel's own mount and network namespaces: the workspace (one ``noexec`` tmpfs
+   at ``/tmp`` and ``/dev/shm``, ``/dev`` read-only), loopback up, every port bindable;
+   this also covers the native stage's own file, which bwrap bound below ``/tmp``;
+2. resource limits;
+3. privileges: no nested user namespaces (root flow), the bounding set emptied, nobody
+   (root flow), no capabilities, checked;
+4. ``no_new_privs`` and the seccomp filter;
+5. the one ``execve`` the filter allows, into the cell runner.
+
+Landlock (guard-only mode) is not part of it: guard-only kernels run no bwrap and keep
+the Python stage. Pure functions: unit-tested without a sandbox.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Op", "Step", "plan_stage0", "encode_plan", "NativePlanError"]
+
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+MNT_DETACH = 0x2
+RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NPROC, RLIMIT_AS = 1, 4, 6, 9
+_NULL = 0xFFFF_FFFF
+
+
+class Op(enum.IntEnum):
+    """Opcodes; the C side's enum in the same order."""
+
+    UNSHARE = 1
+    MOUNT = 2
+    UMOUNT = 3
+    MKDIR = 4
+    MKDIR_MISSING = 5
+    TOUCH = 6
+    CHDIR = 7
+    LOOPBACK_UP = 8
+    WRITE = 9
+    RLIMIT = 10
+    CHOWN = 11
+    DROP_BOUNDING = 12
+    SETIDS = 13
+    CLEAR_CAPS = 14
+    CHECK_NO_CAPS = 15
+    NO_NEW_PRIVS = 16
+    SECCOMP = 17
+    ARG = 18
+    EXEC = 19
+    MOUNTPOINT = 20
+
+
+Step = tuple[Op, tuple["str | bytes | int | None", ...]]
+
+
+class NativePlanError(ValueError):
+    """The configuration asks for something the native stage does not do."""
+
+
+def _workspace_steps(workspace: dict[str, Any]) -> list[Step]:
+    steps: list[Step] = [(Op.UNSHARE, (CLONE_NEWNS | CLONE_NEWNET,))]
+    for op, target, source, fstype, flags, data, mode, parents in workspace["steps"]:
+        if op == "mountpoint":
+            steps += [(Op.MKDIR_MISSING, (parent, 0o755)) for parent in parents]
+            steps.append((Op.MOUNTPOINT, (target, source)))
+        elif op == "mkdir":
+            steps.append((Op.MKDIR, (target, mode)))
+        elif op == "umount":
+            steps.append((Op.UMOUNT, (target, MNT_DETACH)))
+        elif op == "mount":
+            steps.append((Op.MOUNT, (source, target, fstype, flags, data)))
+        else:
+            raise NativePlanError(f"unknown workspace step {op!r}")
+    return [*steps, (Op.CHDIR, (workspace["path"],)), (Op.LOOPBACK_UP, ()),
+            (Op.WRITE, ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"))]
+
+
+def plan_stage0(config: dict[str, Any], command: Sequence[str]) -> list[Step]:
+    """The native stage's steps for ``config`` (what :func:`sequester.sandbox.launch.
+    bootstrap_config` made for a sandboxed kernel), ending in the ``execve`` of
+    ``command`` (the cell runner's, with its stage-two configuration)."""
+    if config.get("mode") != "sandbox":
+        raise NativePlanError("the native first stage confines sandboxed kernels only")
+    if config.get("landlock") or config.get("ctypes_fd") is not None:
+        raise NativePlanError("Landlock and a ctypes library are the Python first stage's")
+    if not command:
+        raise NativePlanError("no command for the cell runner")
+    limits = config["limits"]
+    steps: list[Step] = []
+    if config.get("workspace"):
+        steps += _workspace_steps(config["workspace"])
+    # The stage is one thread; the cell runner adds the bridge's (see boot.confine).
+    threads = limits["max_threads"] + bool(config.get("bridge")) + 1
+    steps += [(Op.RLIMIT, (RLIMIT_AS, limits["memory_bytes"])), (Op.RLIMIT, (RLIMIT_NPROC, threads)),
+              (Op.RLIMIT, (RLIMIT_FSIZE, limits["file_bytes"])), (Op.RLIMIT, (RLIMIT_CORE, 0))]
+    to_uid = config.get("drop_to_uid")
+    if config.get("root_flow"):
+        steps.append((Op.WRITE, ("/proc/sys/user/max_user_namespaces", "0")))
+    if to_uid is not None:
+        steps += [(Op.CHOWN, (path, to_uid, to_uid)) for path in config.get("chown", ())]
+    steps.append((Op.DROP_BOUNDING, ()))
+    if to_uid is not None:
+        steps.append((Op.SETIDS, (to_uid, to_uid)))
+    steps += [(Op.CLEAR_CAPS, ()), (Op.CHECK_NO_CAPS, ())]
+    seccomp = config["seccomp"]["bpf"]
+    if not isinstance(seccomp, bytes) or not seccomp or len(seccomp) % 8:
+        raise NativePlanError("the seccomp program is not whole 8-byte instructions")
+    steps += [(Op.NO_NEW_PRIVS, ()), (Op.SECCOMP, (seccomp,))]
+    steps += [(Op.ARG, (arg,)) for arg in command]
+    steps.append((Op.EXEC, (command[0],)))
+    return steps
+
+
+def _field(value: str | bytes | int | None) -> bytes:
+    if value is None:
+        return _NULL.to_bytes(4, "little")
+    if isinstance(value, bool):
+        raise NativePlanError("a flag is not a number")
+    if isinstance(value, int):
+        if value < 0:
+            raise NativePlanError(f"negative number {value} in the plan")
+        value = str(value)
+    data = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+    if isinstance(value, str) and "\0" in value:
+        raise NativePlanError(f"a NUL byte in {value!r}")
+    if len(data) >= _NULL:
+        raise NativePlanError("a field is too long")
+    return len(data).to_bytes(4, "little") + data
+
+
+def encode_plan(steps: Sequence[Step]) -> bytes:
+    """The frame the native stage reads: 4-byte big-endian length, then each op as u32
+    opcode, u32 argument count and the arguments (u32 length, bytes; integers in decimal)."""
+    body = b"".join(int(op).to_bytes(4, "little") + len(args).to_bytes(4, "little") + b"".join(_field(a) for a in args)
+                    for op, args in steps)
+    return len(body).to_bytes(4, "big") + body

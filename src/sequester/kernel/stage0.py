@@ -1,0 +1,161 @@
+"""The native first stage's program: built once from ``stage0.c`` with the host's C compiler.
+
+A sandboxed kernel confines itself before it runs any cell. The Python first stage
+(:mod:`.boot`) needs ctypes for that, and a process that ever loaded ctypes cannot run
+cells (see :mod:`sequester.guard.handoff`), so it must ``execve`` a second interpreter:
+two Python start-ups per kernel. ``stage0.c`` does the same system calls natively, so
+bwrap execs it and it execs the one interpreter that runs cells. The program is small,
+decides nothing (:mod:`sequester.guard.native_plan` plans every call) and is compiled
+here rather than shipped, because it must match this machine's kernel headers and libc
+and because a wheel of sequester stays pure Python.
+
+Where no C compiler exists, or ``SEQUESTER_NATIVE_STAGE=0``, kernels use the Python
+stage: the same confinement, slower to start. The build lives in the user's cache
+(root's in ``/var/cache/sequester``), in a folder that must belong to the caller and be
+writable by nobody else (whoever can replace the program runs code with the kernel's
+bootstrap capabilities, before its filter): anything else, and the Python stage is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+__all__ = ["SOURCE", "stage0_program", "build_stage0", "native_stage_enabled", "cache_folder", "runs_here"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("stage0.c")
+_FLAGS = ("-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fno-strict-aliasing")
+_BUILD_TIMEOUT = 120.0
+_lock = threading.Lock()
+
+
+def native_stage_enabled() -> bool:
+    return os.environ.get("SEQUESTER_NATIVE_STAGE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_folder() -> Path:
+    if os.getuid() == 0:
+        return Path("/var/cache/sequester/stage0")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sequester" / "stage0"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def _private_folder(path: Path) -> bool:
+    """``path`` (made if missing) and each folder above it up to the first one we did not
+    make belong to us or root and are writable by no one else."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o755)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return False
+    for parent in path.parents:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.getuid()) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
+            return False
+    return True
+
+
+def build_stage0(folder: Path, compiler: str) -> Path:
+    """Compile ``stage0.c`` into ``folder/<hash of source, compiler and flags>/stage0``
+    (atomically: a temporary name, then a rename); the existing build when there is one."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in _FLAGS), b"static-first"])).hexdigest()[:24]
+    target = folder / key / "stage0"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+        out = Path(scratch) / "stage0"
+        # Static where the C library allows it (libc.a): no dynamic loading at every
+        # kernel start (about 0.25 ms here), and nothing of the view's libraries runs first.
+        for link in (("-static",), ()):
+            result = subprocess.run([compiler, *_FLAGS, *link, "-o", str(out), str(SOURCE)], capture_output=True,
+                                    text=True, timeout=_BUILD_TIMEOUT, stdin=subprocess.DEVNULL)
+            if result.returncode == 0:
+                break
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.chmod(out, 0o755)
+        os.replace(out, target)
+    _drop_old_builds(folder, keep=target.parent)
+    return target
+
+
+def _drop_old_builds(folder: Path, keep: Path, age: float = 86400.0) -> None:
+    """Builds of earlier sources (an upgrade) a day unused: a running sequester of the
+    old version may still bind its own, so only old ones go."""
+    import time
+
+    for entry in folder.iterdir():
+        try:
+            if entry != keep and entry.is_dir() and not entry.is_symlink() and time.time() - entry.stat().st_mtime > age:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def runs_here(program: Path) -> bool:
+    """``program`` executes on this host and is the native stage (its usage line, status 2).
+    bwrap binds it into the view with its mount's flags, so a ``noexec`` cache folder
+    would fail every kernel's start: better the Python stage."""
+    try:
+        result = subprocess.run([str(program)], capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 2 and b"sequester's kernel first stage" in result.stderr
+
+
+@lru_cache(maxsize=1)
+def _cached_program() -> Path | None:
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler: kernels start through the Python first stage (two interpreter starts)")
+        return None
+    folder = cache_folder()
+    try:
+        if not _private_folder(folder):
+            log.warning("%s is not private to this user: kernels use the Python first stage", folder)
+            return None
+        program = build_stage0(folder, compiler)
+        if not runs_here(program):
+            log.warning("%s does not run here (a noexec mount?): kernels use the Python first stage", program)
+            return None
+        return program
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not build the native first stage (%s): kernels use the Python first stage", exc)
+        return None
+
+
+def stage0_program() -> Path | None:
+    """The native first stage's program, built on first use; ``None``: use the Python stage."""
+    if not native_stage_enabled():
+        return None
+    with _lock:
+        program = _cached_program()
+    if program is not None:
+        # Re-checked at every start, cheaply: the file must still be ours and not writable
+        # by others (a program swapped for another would run before the kernel's filter).
+        try:
+            st = os.lstat(program)
+        except OSError:
+            _cached_program.cache_clear()
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            log.warning("%s changed owner or mode: kernels use the Python first stage", program)
+            return None
+    return program
