@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MountStep", "plan_workspace", "enter_private_namespaces", "STAGING"]
+__all__ = ["MountStep", "plan_workspace", "enter_private_namespaces", "STAGING", "SELF_MEM", "SELF_TASKS"]
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
@@ -39,6 +39,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 # empty folder bwrap made (the view's /run), back to empty once the staging is detached.
 STAGING = Path("/run")
 _FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+SELF_MEM, SELF_TASKS = Path("/proc/self/mem"), Path("/proc/self/task")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,16 @@ def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = ()
         MountStep("mount", Path("/tmp"), source=str(tmp), flags=MS_BIND | MS_REC),
         MountStep("mount", Path("/dev/shm"), source=str(shm), flags=MS_BIND),
         MountStep("umount", STAGING),
+        # Attack (red team): a process may write its own memory through /proc/self/mem,
+        # read-only code pages included (the kernel forces the write), so a cell could
+        # patch a C function with code of its own and call it: native code with no
+        # ctypes, no library and no audit event. /proc/self resolves to this process's
+        # own entry (the same pid after the execve into the cell runner): its mem file
+        # becomes /dev/null, and its task folder (every thread's mem, /proc/thread-self)
+        # an empty read-only tmpfs.
+        MountStep("mount", SELF_MEM, source="/dev/null", flags=MS_BIND),
+        MountStep("mount", SELF_TASKS, source="tmpfs", fstype="tmpfs", flags=_FLAGS | MS_RDONLY,
+                  data="size=4096,mode=555"),
         # /dev: the device nodes are binds of their own; the tmpfs under them goes read-only.
         MountStep("mount", Path("/dev"), flags=MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV),
         MountStep("mkdir", workspace, mode=0o755),

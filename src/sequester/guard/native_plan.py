@@ -30,6 +30,7 @@ CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MNT_DETACH = 0x2
 RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NPROC, RLIMIT_AS = 1, 4, 6, 9
 _NULL = 0xFFFF_FFFF
+MAX_PLAN = 4 << 20  # stage0.c's MAX_FRAME
 
 
 class Op(enum.IntEnum):
@@ -140,4 +141,6 @@ def encode_plan(steps: Sequence[Step]) -> bytes:
     opcode, u32 argument count and the arguments (u32 length, bytes; integers in decimal)."""
     body = b"".join(int(op).to_bytes(4, "little") + len(args).to_bytes(4, "little") + b"".join(_field(a) for a in args)
                     for op, args in steps)
+    if len(body) > MAX_PLAN:
+        raise NativePlanError(f"the plan is {len(body)} bytes, over the native stage's {MAX_PLAN}")
     return len(body).to_bytes(4, "big") + body

@@ -24,16 +24,18 @@ __all__ = [
 
 NOBODY = 65534
 _PR_CAPBSET_DROP = 24
+_PR_SET_PDEATHSIG, _SIGKILL = 1, 9
 _CAP_SETS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
 
 
-def apply_rlimits(*, memory_bytes: int, max_threads: int, file_bytes: int) -> None:
+def apply_rlimits(*, memory_bytes: int, max_threads: int, file_bytes: int, threads_now: int | None = None) -> None:
     """Lower soft and hard limits: address space, tasks (threads), file size, no core dumps.
 
     ``RLIMIT_NPROC`` counts threads. In the sandbox each kernel has a user namespace of
     its own, so the count is this kernel's alone.
     """
-    threads_now = len(os.listdir("/proc/self/task"))
+    if threads_now is None:  # counted before the workspace hides /proc/self/task (see .namespaces)
+        threads_now = len(os.listdir("/proc/self/task"))
     for limit, value in (
         (resource.RLIMIT_AS, memory_bytes),
         (resource.RLIMIT_NPROC, max_threads + threads_now),
@@ -86,6 +88,11 @@ def drop_privileges(*, to_uid: int | None, chown: tuple[str, ...] = ()) -> None:
             os.setgroups([])
         os.setresgid(to_uid, to_uid, to_uid)
         os.setresuid(to_uid, to_uid, to_uid)
+        # A uid change clears the parent-death signal bwrap set (--die-with-parent), and the
+        # kernel is its namespace's pid 1: set it again, or a kernel busy in a cell would
+        # outlive its host process.
+        if libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     _capset(libc, 0)
     left = {k: v for k, v in capability_sets().items() if v}
     if left:

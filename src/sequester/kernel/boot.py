@@ -113,6 +113,7 @@ def confine(cfg: dict[str, Any], marks: list | None = None) -> dict[str, Any]:
     _load_ctypes(cfg.get("ctypes_fd"))
     mark(("ctypes", time.monotonic_ns()))
     limits = cfg["limits"]
+    threads_now = len(os.listdir("/proc/self/task"))  # before the workspace's mounts hide the folder
     workspace = cfg.get("workspace")
     if workspace:
         from sequester.guard.workspace import apply_workspace
@@ -121,7 +122,7 @@ def confine(cfg: dict[str, Any], marks: list | None = None) -> dict[str, Any]:
         mark(("namespaces", time.monotonic_ns()))
     # The bridge's thread runs in the second stage and counts against the thread cap.
     privileges.apply_rlimits(memory_bytes=limits["memory_bytes"], max_threads=limits["max_threads"] + bool(cfg.get("bridge")),
-                             file_bytes=limits["file_bytes"])
+                             file_bytes=limits["file_bytes"], threads_now=threads_now)
     if cfg.get("root_flow"):
         privileges.disable_nested_userns()
     if cfg["mode"] == "sandbox" or os.geteuid() == 0:

@@ -170,7 +170,10 @@ class Kernel:
         process = launch_kernel(self.policy)
         self._process = process
         try:
-            process.send_config()
+            try:
+                process.send_config()
+            except BrokenPipeError:
+                pass  # the first stage is gone: its own words (or its death) come next
             message, _, err = self._wait_message(process, time.monotonic() + _START_TIMEOUT, None, startup=True)
             ready_ns = time.monotonic_ns()
             if message.get("op") != "ready":
@@ -179,7 +182,7 @@ class Kernel:
             report = message.get("report")
             if not isinstance(report, dict):
                 raise SandboxError("the kernel's ready message has no report")
-            _verify(process.mode, report)
+            _verify(process.mode, report, expect_uid=process.config.get("drop_to_uid"))
         except _CellFailure as failure:
             self._kill()
             said = failure.stderr.strip()
@@ -376,11 +379,14 @@ def _cell_error(raw: Any) -> CellError | None:
     return CellError(str(raw.get("type", "Error")), str(raw.get("message", "")), str(raw.get("traceback", "")))
 
 
-def _verify(mode: Isolation, report: dict[str, Any]) -> None:
-    """Fail closed unless the kernel's own report shows the confinement in place."""
+def _verify(mode: Isolation, report: dict[str, Any], expect_uid: int | None = None) -> None:
+    """Fail closed unless the kernel's own report shows the confinement in place.
+    ``expect_uid``: the uid and gid a root caller's kernel must have dropped to."""
     if mode is Isolation.OFF:
         return
     problems = []
+    if expect_uid is not None and (report.get("uid"), report.get("gid")) != (expect_uid, expect_uid):
+        problems.append(f"uid/gid are {report.get('uid')}/{report.get('gid')}, not {expect_uid}")
     if report.get("seccomp") != "2":
         problems.append(f"seccomp mode is {report.get('seccomp')!r}, not 2 (filter)")
     if report.get("no_new_privs") != "1":

@@ -84,6 +84,10 @@ def loads(text: str) -> Any:
         value, end = _scan_json(text, 0)
     except StopIteration as stop:
         raise ValueError(f"expecting a JSON value at character {stop.value}") from None
+    except SystemError:
+        # The C scanner reports a malformed string through json.decoder's error class; in
+        # a process that never imported json it fails that way instead (red team).
+        raise ValueError("malformed JSON") from None
     if end != len(text):
         raise ValueError(f"extra data at character {end}")
     return value

@@ -30,6 +30,7 @@
 #include <linux/seccomp.h>
 #include <net/if.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -322,6 +323,10 @@ int main(int argc, char **argv) {
             if (getgroups(0, NULL) > 0) check(setgroups(0, NULL), "setgroups", NULL);
             check(setresgid(gid, gid, gid), "setresgid", NULL);
             check(setresuid(uid, uid, uid), "setresuid", NULL);
+            /* A uid change clears bwrap's parent-death signal, and the kernel is its
+             * namespace's pid 1: without it again, a kernel busy in a cell would outlive
+             * its host process. */
+            check(prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)", NULL);
             break;
         }
         case OP_CLEAR_CAPS:

