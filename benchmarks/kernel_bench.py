@@ -13,7 +13,7 @@ Every row is measured in this one run, so ratios hold on a noisy machine:
 * a warm pool (:class:`~sequester.kernel.pool.KernelPool`): acquire at most 1 ms
   median, and the memory each ready kernel holds;
 * a cell round trip (``x + 1``): at most 0.5 ms median;
-* an idle kernel: at most 25 MB resident (all of its processes: bwrap, init, Python);
+* an idle kernel: at most 25 MB resident (all of its processes: bwrap's monitor, the kernel);
 * CPU-bound Python inside the kernel: at most 3 % slower than outside.
 """
 
