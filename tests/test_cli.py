@@ -88,7 +88,8 @@ def test_check_passes_here_and_reports_json():
     assert r.returncode == 0, r.stdout
     names = {f["name"] for f in report["findings"]}
     assert {"user namespaces available", "files hidden", "source read-only", "workspace writable",
-            "network allowlist", "processes blocked", "processes invisible", "capabilities zero"} <= names
+            "network allowlist", "processes blocked", "processes invisible", "capabilities zero",
+            "own memory unwritable"} <= names
     assert report["mode"] == "sandbox" and report["passed"]
     # Which first stage confined the probe kernel: the native one wherever a C compiler is.
     compiler = shutil.which("cc") or shutil.which("gcc")

@@ -44,6 +44,8 @@ with Kernel(Policy(isolation="auto", allow=(f"127.0.0.1:{port}",))) as k:
     out["other"] = run(f"import socket\nsocket.create_connection(('127.0.0.1', {other}), timeout=3).recv(1)")
     out["ctypes"] = run("import ctypes")
     out["signal_host"] = run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGTERM)")
+    from sequester.check import _own_memory
+    out["own_memory"] = _own_memory(k).evidence
 print(json.dumps(out))
 '''
 
@@ -116,3 +118,10 @@ def test_guard_keeps_ctypes_out_and_cannot_signal_the_host(guard_run):
     out, _ = guard_run
     assert out["ctypes"].startswith("ImportError")
     assert out["signal_host"].startswith("PermissionError")  # Landlock signal scoping (ABI 6+)
+
+
+def test_guard_refuses_the_kernels_own_memory(guard_run):
+    """/proc/self/mem would let a cell write its own code pages; in guard mode Landlock
+    grants no write beneath /proc, so opening it for writing is refused."""
+    out, _ = guard_run
+    assert out["own_memory"].count("refused: Permission denied") == 2, out["own_memory"]

@@ -400,3 +400,22 @@ def test_a_cell_cannot_lift_its_limits_or_sysctls(stage, monkeypatch):
     use_stage(monkeypatch, stage)
     seen = checked(run_here(SYSTEM_WRITES), stage)
     assert set(seen.values()) == {"refused"}, seen
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sequester_check_sees_a_writable_own_memory(stage, monkeypatch):
+    """``sequester check``'s probe of the kernel's own memory can fail: with the two mounts
+    that cover /proc/self/mem and /proc/self/task left out of the plan, it reports the
+    memory writable; with them, refused or /dev/null."""
+    from sequester import check
+    from sequester.guard import namespaces
+
+    use_stage(monkeypatch, stage)
+    with Kernel(Policy()) as k:
+        assert check._own_memory(k).passed
+    real = namespaces.plan_workspace
+    monkeypatch.setattr("sequester.sandbox.launch.plan_workspace", lambda *a, **kw: tuple(
+        step for step in real(*a, **kw) if step.target not in (namespaces.SELF_MEM, namespaces.SELF_TASKS)))
+    with Kernel(Policy()) as k:
+        finding = check._own_memory(k)
+    assert not finding.passed and "writable" in finding.evidence, finding

@@ -148,6 +148,7 @@ def run_check(policy: Policy) -> CheckReport:
                 _processes_blocked(kernel),
                 _processes_invisible(kernel),
                 _capabilities(kernel),
+                _own_memory(kernel),
                 _ctypes(kernel),
                 ctypes_unloadable(kernel, facts.ffi_libraries),  # last: it switches the audit hook off
             ]
@@ -267,9 +268,41 @@ def _processes_invisible(kernel: Kernel) -> Finding:
                           "if p.isdigit()), 'me': os.getpid()}))")
     if "error" in seen:
         return Finding("processes invisible", False, seen["error"])
-    others = [p for p in seen["pids"] if p not in (1, seen["me"])]
+    # The kernel is its namespace's only process (pid 1): an init of bwrap's beside it
+    # would be a process of its uid without its filter.
+    others = [p for p in seen["pids"] if p != seen["me"]]
     return Finding("processes invisible", not others,
                    f"/proc lists {seen['pids'][:8]}{'...' if len(seen['pids']) > 8 else ''} (the kernel is pid {seen['me']})")
+
+
+_OWN_MEMORY = r'''
+import json, os
+code = next(int(l.split("-")[0], 16) for l in open("/proc/self/maps") if l.split()[1] == "r-xp")
+out = {}
+for path in ("/proc/self/mem", "/proc/thread-self/mem"):
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        out[path] = "refused: " + exc.strerror
+        continue
+    try:
+        out[path] = "writable" if len(os.pread(fd, 16, code)) == 16 else "reads as /dev/null"
+    except OSError as exc:
+        out[path] = "refused: " + exc.strerror
+    finally:
+        os.close(fd)
+print(json.dumps(out))
+'''
+
+
+def _own_memory(kernel: Kernel) -> Finding:
+    """A process may write its own code pages through /proc/self/mem: native code with no
+    library. The kernel's own mount namespace covers it (Landlock refuses it in guard mode)."""
+    seen = _probe(kernel, _OWN_MEMORY)
+    if "error" in seen:
+        return Finding("own memory unwritable", False, seen["error"])
+    open_ = {path: how for path, how in seen.items() if how == "writable"}
+    return Finding("own memory unwritable", not open_, "; ".join(f"{p}: {how}" for p, how in seen.items()))
 
 
 def _capabilities(kernel: Kernel) -> Finding:
