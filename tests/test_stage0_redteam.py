@@ -165,9 +165,14 @@ HANDOFF_EXEC_CODE = bytes.fromhex(
     "48bf0000000000300000be00100000ba0300000041ba3200000049c7c0ffffffff4531c9b8090000000f05488d3544000000"
     "48bf0000000000300000b909000000f3a431d252488d053200000050488d0521000000504889e648bf0000000000300000b8"
     "3b0000000f05bf62000000b83c0000000f052f62696e2f636174002f70726f632f73656c662f73746174757300")
-HANDOFF_EXEC = f'''
+
+
+def handoff_exec(mem_path: str = '"/proc/self/mem"') -> str:
+    """A cell that writes HANDOFF_EXEC_CODE over os.getloadavg's C function through the
+    mem file ``mem_path`` names (a Python expression), then calls it."""
+    return f'''
 import os
-mem = open("/proc/self/mem", "r+b", buffering=0)
+mem = open({mem_path}, "r+b", buffering=0)
 def read(address, n):
     mem.seek(address)
     return mem.read(n)
@@ -178,6 +183,9 @@ mem.write({HANDOFF_EXEC_CODE!r})
 mem.close()
 os.getloadavg()
 '''
+
+
+HANDOFF_EXEC = handoff_exec()
 
 
 @needs_x86_64
@@ -373,7 +381,11 @@ def attempt():
     out = {}
     for path in ("/proc/sys/user/max_user_namespaces", "/proc/sys/net/ipv4/ip_unprivileged_port_start",
                  "/proc/sys/kernel/core_pattern", "/proc/sys/net/ipv4/ip_forward", "/proc/self/oom_score_adj",
-                 "/proc/self/uid_map", "/proc/self/setgroups", "/proc/self/attr/current"):
+                 "/proc/self/uid_map", "/proc/self/setgroups", "/proc/self/attr/current",
+                 # round 3: these opened for writing (loginuid took 0: host root in the audit log);
+                 # the write lock refuses every file outside the workspace and the devices
+                 "/proc/self/loginuid", "/proc/self/clear_refs", "/proc/self/coredump_filter",
+                 "/proc/self/timerslack_ns", "/proc/self/comm", "/proc/self/autogroup"):
         try:
             with open(path, "w") as f:
                 f.write("1000" if "oom" not in path else "-1000")
@@ -396,7 +408,8 @@ attempt()
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_cell_cannot_lift_its_limits_or_sysctls(stage, monkeypatch):
     """Held: the native stage's limits are hard limits and its sysctl writes stick: a
-    cell can neither raise an rlimit nor write the sysctls the stage set (nor others)."""
+    cell can neither raise an rlimit nor write the sysctls the stage set (nor others, nor
+    any file of its own below /proc: the write lock)."""
     use_stage(monkeypatch, stage)
     seen = checked(run_here(SYSTEM_WRITES), stage)
     assert set(seen.values()) == {"refused"}, seen
@@ -405,8 +418,8 @@ def test_a_cell_cannot_lift_its_limits_or_sysctls(stage, monkeypatch):
 @pytest.mark.parametrize("stage", STAGES)
 def test_sequester_check_sees_a_writable_own_memory(stage, monkeypatch):
     """``sequester check``'s probe of the kernel's own memory can fail: with the two mounts
-    that cover /proc/self/mem and /proc/self/task left out of the plan, it reports the
-    memory writable; with them, refused or /dev/null."""
+    that cover /proc/self/mem and /proc/self/task left out of the plan and no write lock,
+    it reports the memory writable; with either, refused or /dev/null."""
     from sequester import check
     from sequester.guard import namespaces
 
@@ -414,6 +427,11 @@ def test_sequester_check_sees_a_writable_own_memory(stage, monkeypatch):
     with Kernel(Policy()) as k:
         assert check._own_memory(k).passed
     real = namespaces.plan_workspace
+    monkeypatch.setattr("sequester.sandbox.launch._landlock_abi", lambda: 0)
+    with Kernel(Policy()) as k:
+        finding = check._own_memory(k)
+    # The mounts alone: /proc/self/mem is /dev/null, but a thread's /proc/<tid>/mem is not covered.
+    assert not finding.passed and "/proc/self/mem: reads as /dev/null" in finding.evidence, finding
     monkeypatch.setattr("sequester.sandbox.launch.plan_workspace", lambda *a, **kw: tuple(
         step for step in real(*a, **kw) if step.target not in (namespaces.SELF_MEM, namespaces.SELF_TASKS)))
     with Kernel(Policy()) as k:

@@ -276,10 +276,17 @@ def _processes_invisible(kernel: Kernel) -> Finding:
 
 
 _OWN_MEMORY = r'''
-import json, os
+import json, os, threading
 code = next(int(l.split("-")[0], 16) for l in open("/proc/self/maps") if l.split()[1] == "r-xp")
 out = {}
-for path in ("/proc/self/mem", "/proc/thread-self/mem"):
+tids = []
+done = threading.Event()
+thread = threading.Thread(target=lambda: (tids.append(threading.get_native_id()), done.wait(10)))
+thread.start()
+while not tids:
+    pass
+paths = ["/proc/self/mem", "/proc/thread-self/mem", "/proc/%d/mem" % tids[0]]
+for path in paths:
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as exc:
@@ -291,13 +298,16 @@ for path in ("/proc/self/mem", "/proc/thread-self/mem"):
         out[path] = "refused: " + exc.strerror
     finally:
         os.close(fd)
+done.set()
+thread.join()
 print(json.dumps(out))
 '''
 
 
 def _own_memory(kernel: Kernel) -> Finding:
-    """A process may write its own code pages through /proc/self/mem: native code with no
-    library. The kernel's own mount namespace covers it (Landlock refuses it in guard mode)."""
+    """A process may write its own code pages through its mem file (/proc/self/mem, and
+    any thread's /proc/<tid>/mem): native code with no library. In a sandbox the mounts
+    cover the first and the write lock (Landlock) refuses them all; in guard mode Landlock."""
     seen = _probe(kernel, _OWN_MEMORY)
     if "error" in seen:
         return Finding("own memory unwritable", False, seen["error"])

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["abi_version", "carve_files", "readable_roots", "restrict_self"]
+__all__ = ["abi_version", "carve_files", "readable_roots", "restrict_self", "write_rights"]
 
 _SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # same on every architecture
 _CREATE_RULESET_VERSION = 1
@@ -124,13 +124,20 @@ def carve_files(
     return tuple(dict.fromkeys(read)), tuple(dict.fromkeys(listable))
 
 
+def write_rights(abi: int) -> int:
+    """Every right that changes the filesystem, at ``abi`` (a sandboxed kernel's write lock)."""
+    return _fs_rights(abi) & ~(EXECUTE | READ_FILE | READ_DIR | IOCTL_DEV)
+
+
 def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: Iterable[int] | None,
-                  list_only: Iterable[str] = ()) -> int:
+                  list_only: Iterable[str] = (), handled_fs: int | None = None, scoped: bool = True) -> int:
     """Apply a ruleset to this process (and its future threads). Irreversible.
 
     Returns the ABI used. ``connect_ports=None`` leaves TCP unrestricted. ``list_only``
     folders may be listed, and nothing more (see :func:`carve_files`). Needs
-    ``no_new_privs`` (set by the seccomp loader) or CAP_SYS_ADMIN.
+    ``no_new_privs`` (set by the seccomp loader) or CAP_SYS_ADMIN. ``handled_fs``: the
+    rights the ruleset restricts (default: all of this ABI's); ``scoped``: signals and
+    abstract unix sockets kept to the domain (ABI 6+).
     """
     import ctypes
 
@@ -149,10 +156,10 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
     if abi < 1:
         raise OSError("Landlock is not available on this kernel")
     libc = _libc()
-    fs = _fs_rights(abi)
+    fs = _fs_rights(abi) if handled_fs is None else handled_fs & _fs_rights(abi)
     net = (_NET_BIND | _NET_CONNECT) if abi >= 4 and connect_ports is not None else 0
-    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
-    attr = RulesetAttr(fs, net, scoped)
+    scopes = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 and scoped else 0
+    attr = RulesetAttr(fs, net, scopes)
     size = ctypes.sizeof(RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
     ruleset = libc.syscall(ctypes.c_long(_SYS_CREATE), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if ruleset < 0:

@@ -11,7 +11,8 @@ security argument):
 2. resource limits;
 3. privileges: no nested user namespaces (root flow), the bounding set emptied, nobody
    (root flow), no capabilities, checked;
-4. ``no_new_privs`` and the seccomp filter;
+4. ``no_new_privs``, the write lock (Landlock: nothing writable but the workspace and the
+   device nodes, so no ``/proc/<tid>/mem`` of its own threads either) and the seccomp filter;
 5. the one ``execve`` the filter allows, into the cell runner.
 
 Landlock (guard-only mode) is not part of it: guard-only kernels run no bwrap and keep
@@ -56,6 +57,7 @@ class Op(enum.IntEnum):
     ARG = 18
     EXEC = 19
     MOUNTPOINT = 20
+    LANDLOCK = 21
 
 
 Step = tuple[Op, tuple["str | bytes | int | None", ...]]
@@ -113,7 +115,11 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str]) -> list[Step]:
     seccomp = config["seccomp"]["bpf"]
     if not isinstance(seccomp, bytes) or not seccomp or len(seccomp) % 8:
         raise NativePlanError("the seccomp program is not whole 8-byte instructions")
-    steps += [(Op.NO_NEW_PRIVS, ()), (Op.SECCOMP, (seccomp,))]
+    steps.append((Op.NO_NEW_PRIVS, ()))
+    lock = config.get("write_lock")
+    if lock:
+        steps.append((Op.LANDLOCK, (lock["handled"], *lock["paths"])))
+    steps.append((Op.SECCOMP, (seccomp,)))
     steps += [(Op.ARG, (arg,)) for arg in command]
     steps.append((Op.EXEC, (command[0],)))
     return steps

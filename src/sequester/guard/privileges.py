@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "NOBODY",
+    "KERNEL_HOST_ID",
     "CAPABILITIES",
     "keep_capabilities",
     "apply_rlimits",
@@ -23,6 +24,9 @@ __all__ = [
 ]
 
 NOBODY = 65534
+# The host uid and gid a root caller's kernel (nobody inside) runs as: an id no host
+# process or file has (beyond the subordinate ranges rootless containers use).
+KERNEL_HOST_ID = 0x7FFF_0000
 _PR_CAPBSET_DROP = 24
 _PR_SET_PDEATHSIG, _SIGKILL = 1, 9
 _CAP_SETS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")

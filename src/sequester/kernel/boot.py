@@ -21,7 +21,9 @@ The order is the security argument:
    :mod:`sequester.guard.workspace`);
 3. resource limits;
 4. privileges: no nested user namespaces, then nobody (root flow) or no capabilities;
-5. (guard only) Landlock: the filesystem boundary, and ``_ctypes`` unreadable;
+5. Landlock: (sandbox) the write lock, nothing writable but the workspace and the device
+   nodes (a thread's ``/proc/<tid>/mem`` would otherwise let a cell write its own code);
+   (guard only) the filesystem boundary, and ``_ctypes`` unreadable;
 6. seccomp (no process creation, no ``execve`` but the handoff), then the handoff.
 """
 
@@ -127,6 +129,13 @@ def confine(cfg: dict[str, Any], marks: list | None = None) -> dict[str, Any]:
         privileges.disable_nested_userns()
     if cfg["mode"] == "sandbox" or os.geteuid() == 0:
         privileges.drop_privileges(to_uid=cfg.get("drop_to_uid"), chown=tuple(cfg.get("chown", ())))
+    if cfg.get("write_lock"):
+        from sequester.guard import landlock
+
+        lock = cfg["write_lock"]
+        _no_new_privs()
+        report["landlock_abi"] = landlock.restrict_self(read=(), write=lock["paths"], connect_ports=None,
+                                                        handled_fs=lock["handled"], scoped=False)
     if cfg.get("landlock"):
         from sequester.guard import landlock
 

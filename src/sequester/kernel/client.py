@@ -193,6 +193,8 @@ class Kernel:
         self._start_timing = _phases(process.timing, report.pop("timing", None), ready_ns)
         # Host-side fact, not the kernel's word: which first stage confined it.
         report["first_stage"] = ("native" if process.native_stage else "python") if process.mode is not Isolation.OFF else "none"
+        if process.native_stage and process.config.get("write_lock"):
+            report.setdefault("landlock_abi", process.config["write_lock"]["abi"])
         self._report = report
         if process.mode is Isolation.OFF:
             log.warning("runtime.isolation = false: the kernel runs with NO isolation (debugging only)")

@@ -24,13 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SandboxError
-from ..guard.privileges import NOBODY
+from ..guard.privileges import KERNEL_HOST_ID, NOBODY
 from .argv import Identity, LaunchFds, SandboxSpec, build_argv
 from .probe import bwrap_path
 
 __all__ = ["StartedBwrap", "start_bwrap", "close_fd", "descendants", "read_pending"]
 
-_ID_MAP = f"0 0 1\n{NOBODY} {NOBODY} 1\n"
+# Inside, a root caller's kernel drops to nobody; on the host that id is KERNEL_HOST_ID,
+# which no host process has. Attack (red team): mapped to the host's own nobody, every
+# root caller's kernel could be signalled (stopped, killed) by any host process running
+# as nobody (daemons, NFS-squashed users, other sandboxes).
+_ID_MAP = f"0 0 1\n{NOBODY} {KERNEL_HOST_ID} 1\n"
 _SYS_READ = {"x86_64": 0, "aarch64": 63}  # read(2)'s number, as /proc/PID/syscall shows it
 
 

@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,12 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
         # The kernel's own noexec tmpfs for /tmp and /dev/shm together (see guard.namespaces).
         steps = plan_workspace(limits.workspace_mb * 1024 * 1024, WORKSPACE, keep_below_tmp)
         config["workspace"] = {"steps": steps_for_kernel(steps), "path": str(WORKSPACE)}
+        # Attack (red team): /proc/self/mem is covered, but a thread's /proc/<tid>/mem is
+        # not listed and still opens: a cell wrote its own code through it. With Landlock,
+        # nothing is writable but the workspace and the device nodes (reads are the view's).
+        abi = _landlock_abi()
+        if abi:
+            config["write_lock"] = {"handled": landlock.write_rights(abi), "paths": ["/tmp", "/dev/shm", "/dev"], "abi": abi}
     if ctypes_fd is not None:
         config["ctypes_fd"] = ctypes_fd
     if root_flow:
@@ -174,6 +181,11 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
     if audit_network:
         config["audit_network"] = audit_network
     return config
+
+
+@lru_cache(maxsize=1)
+def _landlock_abi() -> int:
+    return landlock.abi_version()
 
 
 def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelProcess:
