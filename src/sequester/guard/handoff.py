@@ -1,8 +1,9 @@
 """The one ``execve`` a kernel may make: from its confining first stage into the cell runner.
 
 Why two stages. Confining a process needs system calls Python's standard library does
-not offer (``prctl``, ``capset``, ``seccomp``, ``mount``, Landlock), so the first stage
-(:mod:`sequester.kernel.boot`) uses ctypes. But once ``_ctypes`` is loaded into a
+not offer (``prctl``, ``capset``, ``seccomp``, ``mount``, Landlock). In a sandbox the
+first stage is native (``kernel/stage0.c``: no interpreter at all, and the handoff below
+is its last step); otherwise it is Python (:mod:`sequester.kernel.boot`), using ctypes. But once ``_ctypes`` is loaded into a
 process it can never be taken out again: its types stay reachable through
 ``object.__subclasses__()`` and CPython's extension cache hands the module back to
 ``_imp.create_dynamic`` without reading the file. A cell that switches the audit hook
@@ -18,7 +19,10 @@ page at that fixed address, writes the interpreter's path there and calls ``exec
 The new image starts with nothing mapped there, and Python code cannot choose where
 memory is mapped (``mmap.mmap`` takes no address), while ``RLIMIT_AS`` keeps the heap
 and the top-down mappings terabytes away from it. Every other ``execve`` (and every
-``execveat``) is refused, as before.
+``execveat``) is refused, as before. What this does not stop: native code in the cell
+runner (CPython does not check bytecode, see the README's residual risks) can map that
+page itself and replay the handoff, into another program under the same filter,
+namespaces, limits and write lock.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The kernel's cell runner: the second stage, which never had ctypes.
 
-Exec'd by the first stage (:mod:`sequester.kernel.boot`) as
+Exec'd by the first stage (the native ``kernel/stage0.c`` in a sandbox, else
+:mod:`sequester.kernel.boot`) as
 ``python -s -B -P -c STAGE_TWO PACKAGE_ROOT IN_FD OUT_FD STAGE2`` once the process is
 confined (namespaces, limits, privileges, Landlock, seccomp: all inherited across that
 ``execve``). In ``off`` mode the host starts it directly with only the two fds, and the
