@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..caches import cache_root, user_cache
 from ..errors import PolicyError
 from ..policy import config_table
 from ..images.settings import ImageSettings
@@ -35,24 +36,20 @@ __all__ = ["BACKENDS", "EpisodeSettings", "settings_from_mapping", "default_stat
            "frozen_evaluation_note"]
 
 
-def _user_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sequester"
-
-
 def default_state_dir() -> Path:
     # Root's is 0700 (a kernel, which runs as nobody, cannot enter it); a user's lives in
     # the home folder, which every sandbox hides.
-    return Path("/var/tmp/sequester-episodes") if os.getuid() == 0 else _user_cache() / "episodes"
+    return Path("/var/tmp/sequester-episodes") if os.getuid() == 0 else user_cache() / "episodes"
 
 
 def cluster_cache_dir() -> Path:
     """A cluster node's folder of shipped tasks (their tests and solutions) and trial
     staging (:mod:`sequester.cluster.node`); every episode on the machine hides it."""
-    return Path("/var/cache/sequester/cluster") if os.getuid() == 0 else _user_cache() / "cluster"
+    return cache_root() / "cluster"
 
 
 def default_toolchain_dir() -> Path:
-    return Path("/var/cache/sequester/verifier") if os.getuid() == 0 else _user_cache() / "verifier"
+    return cache_root() / "verifier"
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,11 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from functools import lru_cache
 from pathlib import Path
+
+from ..caches import cache_root
 
 __all__ = ["SOURCE", "stage0_program", "build_stage0", "native_stage_enabled", "cache_folder", "runs_here"]
 
@@ -44,9 +47,7 @@ def native_stage_enabled() -> bool:
 
 
 def cache_folder() -> Path:
-    if os.getuid() == 0:
-        return Path("/var/cache/sequester/stage0")
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sequester" / "stage0"
+    return cache_root() / "stage0"
 
 
 def _compiler() -> str | None:
@@ -104,8 +105,6 @@ def build_stage0(folder: Path, compiler: str) -> Path:
 def _drop_old_builds(folder: Path, keep: Path, age: float = 86400.0) -> None:
     """Builds of earlier sources (an upgrade) a day unused: a running sequester of the
     old version may still bind its own, so only old ones go."""
-    import time
-
     for entry in folder.iterdir():
         try:
             if entry != keep and entry.is_dir() and not entry.is_symlink() and time.time() - entry.stat().st_mtime > age:
