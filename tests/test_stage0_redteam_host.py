@@ -23,6 +23,7 @@ from sequester import Kernel, Policy, SandboxError
 from sequester.guard.native_plan import Op
 from sequester.sandbox.probe import namespace_support
 
+from procs import pid_alive  # tests/helpers
 from stages import native_available, use_stage  # tests/helpers
 
 ROOT = os.geteuid() == 0
@@ -54,19 +55,12 @@ def launched(monkeypatch):
     return seen
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def assert_all_gone(launched) -> None:
     """No process of the kernels launched, and no new child of this process, is running."""
     from sequester.sandbox.bwrap import descendants
 
-    left = [p for p in launched["pids"] if alive(p)]
-    left += [p for p in set(descendants(os.getpid())) - launched["before"] if alive(p)]
+    left = [p for p in launched["pids"] if pid_alive(p)]
+    left += [p for p in set(descendants(os.getpid())) - launched["before"] if pid_alive(p)]
     assert not left, left
 
 

@@ -35,15 +35,14 @@ MAX_PLAN = 4 << 20  # stage0.c's MAX_FRAME
 
 
 class Op(enum.IntEnum):
-    """Opcodes; the C side's enum in the same order."""
+    """Opcodes; the C side's enum has the same numbers."""
 
     UNSHARE = 1
     MOUNT = 2
     UMOUNT = 3
     MKDIR = 4
     MKDIR_MISSING = 5
-    TOUCH = 6
-    CHDIR = 7
+    CHDIR = 7  # (6 is unused)
     LOOPBACK_UP = 8
     WRITE = 9
     RLIMIT = 10

@@ -32,14 +32,13 @@ _PR_SET_PDEATHSIG, _SIGKILL = 1, 9
 _CAP_SETS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
 
 
-def apply_rlimits(*, memory_bytes: int, max_threads: int, file_bytes: int, threads_now: int | None = None) -> None:
+def apply_rlimits(*, memory_bytes: int, max_threads: int, file_bytes: int, threads_now: int) -> None:
     """Lower soft and hard limits: address space, tasks (threads), file size, no core dumps.
 
-    ``RLIMIT_NPROC`` counts threads. In the sandbox each kernel has a user namespace of
-    its own, so the count is this kernel's alone.
+    ``RLIMIT_NPROC`` counts threads: ``max_threads`` beyond the ``threads_now`` the caller
+    counted (before the workspace hides /proc/self/task, see :mod:`.namespaces`). In the
+    sandbox each kernel has a user namespace of its own, so the count is this kernel's alone.
     """
-    if threads_now is None:  # counted before the workspace hides /proc/self/task (see .namespaces)
-        threads_now = len(os.listdir("/proc/self/task"))
     for limit, value in (
         (resource.RLIMIT_AS, memory_bytes),
         (resource.RLIMIT_NPROC, max_threads + threads_now),

@@ -58,11 +58,12 @@ extern char **environ;
 #define MAP_FIXED_NOREPLACE 0x100000
 #endif
 
+/* native_plan.Op's numbers (6 is unused). */
 enum {
-    OP_UNSHARE = 1, OP_MOUNT, OP_UMOUNT, OP_MKDIR, OP_MKDIR_MISSING, OP_TOUCH, OP_CHDIR,
-    OP_LOOPBACK_UP, OP_WRITE, OP_RLIMIT, OP_CHOWN, OP_DROP_BOUNDING, OP_SETIDS,
-    OP_CLEAR_CAPS, OP_CHECK_NO_CAPS, OP_NO_NEW_PRIVS, OP_SECCOMP, OP_ARG, OP_EXEC, OP_MOUNTPOINT,
-    OP_LANDLOCK,
+    OP_UNSHARE = 1, OP_MOUNT = 2, OP_UMOUNT = 3, OP_MKDIR = 4, OP_MKDIR_MISSING = 5, OP_CHDIR = 7,
+    OP_LOOPBACK_UP = 8, OP_WRITE = 9, OP_RLIMIT = 10, OP_CHOWN = 11, OP_DROP_BOUNDING = 12, OP_SETIDS = 13,
+    OP_CLEAR_CAPS = 14, OP_CHECK_NO_CAPS = 15, OP_NO_NEW_PRIVS = 16, OP_SECCOMP = 17, OP_ARG = 18, OP_EXEC = 19,
+    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21,
 };
 
 /* Landlock's ABI (linux/landlock.h, not needed at build time): the three system calls
@@ -180,6 +181,12 @@ static unsigned long long int_arg(const struct op *op, uint32_t i) {
 
 static void check(int result, const char *what, const char *detail) {
     if (result != 0) fail(what, detail, errno);
+}
+
+/* mkdir, then chmod: the mode is not narrowed by the umask. */
+static void make_dir(const char *path, mode_t mode) {
+    check(mkdir(path, mode), "mkdir", path);
+    check(chmod(path, mode), "chmod", path);
 }
 
 static void loopback_up(void) {
@@ -319,21 +326,12 @@ int main(int argc, char **argv) {
         case OP_UMOUNT:
             check(umount2(text_arg(&op, 0), (int)int_arg(&op, 1)), "umount", text_arg(&op, 0));
             break;
-        case OP_MKDIR: /* then chmod: not narrowed by the umask */
-            check(mkdir(text_arg(&op, 0), (mode_t)int_arg(&op, 1)), "mkdir", text_arg(&op, 0));
-            check(chmod(text_arg(&op, 0), (mode_t)int_arg(&op, 1)), "chmod", text_arg(&op, 0));
+        case OP_MKDIR:
+            make_dir(text_arg(&op, 0), (mode_t)int_arg(&op, 1));
             break;
         case OP_MKDIR_MISSING: {
             struct stat st;
-            if (lstat(text_arg(&op, 0), &st) == 0) break;
-            check(mkdir(text_arg(&op, 0), (mode_t)int_arg(&op, 1)), "mkdir", text_arg(&op, 0));
-            check(chmod(text_arg(&op, 0), (mode_t)int_arg(&op, 1)), "chmod", text_arg(&op, 0));
-            break;
-        }
-        case OP_TOUCH: {
-            int fd = open(text_arg(&op, 0), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
-            if (fd < 0) fail("create", text_arg(&op, 0), errno);
-            close(fd);
+            if (lstat(text_arg(&op, 0), &st) != 0) make_dir(text_arg(&op, 0), (mode_t)int_arg(&op, 1));
             break;
         }
         case OP_CHDIR:

@@ -128,9 +128,13 @@ class KernelProcess:
             shutil.rmtree(self.workspace, ignore_errors=True)
 
 
-def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True) -> tuple[str, ...]:
-    """The kernel's command: its confining first stage (which becomes the cell runner),
-    or (``off``) the cell runner straight away."""
+def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True,
+                   native: bool = False) -> tuple[str, ...]:
+    """The kernel's command: its confining first stage (which becomes the cell runner):
+    the native one (``native``, bound at :data:`STAGE0_IN_VIEW`) or Python's; or (``off``)
+    the cell runner straight away."""
+    if native:
+        return (str(STAGE0_IN_VIEW), str(in_fd), str(out_fd))
     if confined:
         # -I: no PYTHON* variables, no user site, nothing prepended to sys.path; -S: no
         # site (the first stage needs the standard library and sequester, whose root it
@@ -210,16 +214,16 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         child_ends = [to_kernel_r, from_kernel_w, out_w, err_w]
         for fd in child_ends:  # the kernel has them now; the host closes its copies
             child_side.callback(close_fd, fd)
-        command = kernel_command(facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF)
         stage0 = stage0_program() if mode is Isolation.SANDBOX else None
+        command = kernel_command(facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF,
+                                 native=stage0 is not None)
         first_frame = None
         try:
             if stage0 is not None:
                 # bwrap execs the native stage (bound below /tmp, which the workspace then
                 # covers); it applies the host's plan and execs the cell runner directly.
-                sandbox = spawn_sandbox(policy, facts, (str(STAGE0_IN_VIEW), str(to_kernel_r), str(from_kernel_w)),
-                                        keep_fds=child_ends, stdout=out_w, stderr=err_w, stderr_reader=err_r,
-                                        timing=timing, stage0=stage0)
+                sandbox = spawn_sandbox(policy, facts, command, keep_fds=child_ends, stdout=out_w, stderr=err_w,
+                                        stderr_reader=err_r, timing=timing, stage0=stage0)
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.started.popen, None
                 config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge,
