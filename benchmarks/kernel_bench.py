@@ -4,12 +4,15 @@
 
 Every row is measured in this one run, so ratios hold on a noisy machine:
 
-* sandboxed ``true`` with the full policy, against bare bwrap (user+pid+net, ro-bind /,
-  tmpfs /tmp, proc, dev): within 1 ms;
+* sandboxed ``true`` with the full policy, under a kernel's whole confinement from the
+  policy's view template (:func:`~sequester.sandbox.launch.run_confined`), against bare
+  bwrap (user+pid+net, ro-bind /, tmpfs /tmp, proc, dev): within 1 ms; and in bwrap's
+  view alone, bwrap per command (``run_in_sandbox``), for reference;
 * kernel cold start (ready for its first cell): at most 25 ms median, and at most 8 ms
   over bare bwrap running ``python -S -c pass`` (one interpreter start in a sandbox);
   each phase of the start (median, from ``Kernel.start_timing``), and the start to the
-  first cell's result;
+  first cell's result; the first kernel of a view (its template started too), a kernel
+  with bwrap of its own (no template), and the template's memory;
 * a warm pool (:class:`~sequester.kernel.pool.KernelPool`): acquire at most 1 ms
   median, and the memory each ready kernel holds;
 * a cell round trip (``x + 1``): at most 0.5 ms median;
@@ -33,7 +36,8 @@ from pathlib import Path
 from _report import report, rss_kb
 from sequester import Kernel, Limits, Policy
 from sequester.kernel.pool import KernelPool
-from sequester.sandbox.launch import run_in_sandbox
+from sequester.sandbox.launch import run_confined, run_in_sandbox
+from sequester.sandbox.template import close_templates
 from sequester.sandbox.probe import bwrap_path
 
 CPU_WORK = "def work():\n    t = 0\n    for i in range(3_000_000):\n        t += i * i % 7\n    return t\n"
@@ -97,21 +101,25 @@ def main() -> int:
         tmp.chmod(0o755)
         policy = full_policy(tmp)
 
-        # 1. sandboxed true, interleaved with bare bwrap so both see the same noise.
-        ours_t, bare_t = [], []
-        for _ in range(3):
-            run_in_sandbox(policy, ["/bin/true"])
-            subprocess.run(bare, check=True)
-        for _ in range(runs):
-            s = time.perf_counter()
-            run_in_sandbox(policy, ["/bin/true"])
-            ours_t.append(time.perf_counter() - s)
-            s = time.perf_counter()
-            subprocess.run(bare, check=True)
-            bare_t.append(time.perf_counter() - s)
-        ours, ref = statistics.median(ours_t) * 1000, statistics.median(bare_t) * 1000
-        rows.append(("sandboxed `true`, full policy", f"{ours:.2f} ms", f"bare bwrap {ref:.2f} ms",
-                     "≤ bare + 1 ms", ours <= ref + 1))
+        # 1. sandboxed true, interleaved with bare bwrap so both see the same noise: under a
+        #    kernel's whole confinement from the policy's view template (the target), and
+        #    in bwrap's view alone, bwrap per command (run_in_sandbox, for reference).
+        confined_t, view_t, bare_t = [], [], []
+        for i in range(runs + 3):
+            for name, fn in (("confined", lambda: run_confined(policy, ["/bin/true"])),
+                             ("view", lambda: run_in_sandbox(policy, ["/bin/true"])),
+                             ("bare", lambda: subprocess.run(bare, check=True))):
+                s = time.perf_counter()
+                result = fn()
+                took = time.perf_counter() - s
+                assert result.returncode == 0, result
+                if i >= 3:
+                    {"confined": confined_t, "view": view_t, "bare": bare_t}[name].append(took)
+        ours, ref = statistics.median(confined_t) * 1000, statistics.median(bare_t) * 1000
+        rows.append(("sandboxed `true`, full policy (a kernel's confinement, view template)", f"{ours:.2f} ms",
+                     f"bare bwrap {ref:.2f} ms", "≤ bare + 1 ms", ours <= ref + 1))
+        rows.append(("  `true` in the view, bwrap per command (run_in_sandbox)", f"{statistics.median(view_t) * 1000:.2f} ms",
+                     f"bare bwrap {ref:.2f} ms", "—", True))
 
         # 2. cold start, interleaved with its references: bare bwrap + `python -S -c pass`
         #    (the issue's), and with site (`-s`: a kernel needs site-packages, so site runs).
@@ -127,20 +135,23 @@ def main() -> int:
             samples.setdefault(name, []).append(took)
             return took
 
-        def cold(kernel_policy: Policy, native: bool, name: str) -> None:
+        def cold(kernel_policy: Policy, native: bool, name: str, template: bool = True, fresh_view: bool = False) -> None:
             os.environ["SEQUESTER_NATIVE_STAGE"] = "1" if native else "0"
+            os.environ["SEQUESTER_VIEW_TEMPLATE"] = "1" if template else "0"
+            if fresh_view:
+                close_templates()  # the first kernel of a view: the template is started too
             s = time.perf_counter()
             k = Kernel(kernel_policy).start()
             samples.setdefault(name, []).append(time.perf_counter() - s)
             if name == "full":
                 k.run("x = 1\nx + 1")
                 samples.setdefault("first", []).append(time.perf_counter() - s)
-                assert k.report["first_stage"] == "native", k.report
+                assert k.report["first_stage"] == "native" and k.report["view"] == "template", k.report
                 for phase, ms in k.start_timing.items():
                     phases.setdefault(phase, []).append(ms)
             k.close()
 
-        saved_stage = os.environ.get("SEQUESTER_NATIVE_STAGE")
+        saved = {n: os.environ.get(n) for n in ("SEQUESTER_NATIVE_STAGE", "SEQUESTER_VIEW_TEMPLATE")}
         try:
             for i in range(max(runs // 2, 10) + 3):
                 if i == 3:
@@ -151,11 +162,16 @@ def main() -> int:
                 cold(Policy(), True, "plain")
                 timed("ref_site", lambda: subprocess.run(bare_site, check=True))
                 cold(policy, False, "python_stage")
+                cold(policy, True, "bwrap_view", template=False)
+            # Apart: it ends every view, so each other start would be a view's first.
+            for _ in range(max(runs // 2, 10)):
+                cold(policy, True, "first_of_view", fresh_view=True)
         finally:
-            if saved_stage is None:
-                os.environ.pop("SEQUESTER_NATIVE_STAGE", None)
-            else:
-                os.environ["SEQUESTER_NATIVE_STAGE"] = saved_stage
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         med = {name: statistics.median(v) * 1000 for name, v in samples.items()}
         start, py_ref = med["full"], med["ref"]
         rows.append(("bwrap + `python -S -c pass` (reference)", f"{py_ref:.1f} ms",
@@ -170,8 +186,16 @@ def main() -> int:
                 rows.append((f"  phase: {name}", f"{statistics.median(values):.2f} ms", "", "—", True))
         rows.append(("cold start to first result `x + 1`", f"{med['first']:.1f} ms",
                      f"bwrap + python -S {py_ref:.1f} ms", "—", True))
+        rows.append(("cold start, the first kernel of a view (its template started too)", f"{med['first_of_view']:.1f} ms",
+                     f"later kernels {start:.1f} ms", "—", True))
+        rows.append(("cold start, bwrap per kernel (SEQUESTER_VIEW_TEMPLATE=0)", f"{med['bwrap_view']:.1f} ms",
+                     f"view template {start:.1f} ms", "—", True))
         rows.append(("cold start, Python first stage (no C compiler)", f"{med['python_stage']:.1f} ms",
                      f"native stage {start:.1f} ms", "—", True))
+        with Kernel(policy) as k:
+            keeper = k.process.sandbox.kernel.template.host_pids()
+            rows.append(("view template: resident (bwrap's monitor and the keeper)",
+                         f"{sum(rss_kb(p) for p in keeper) / 1024:.1f} MB", "once per policy", "—", True))
 
         # 3. a warm pool: acquire (a kernel is ready and handed over), and what each ready kernel holds.
         size = 4

@@ -299,13 +299,14 @@ def test_a_native_plan_the_sandbox_refuses_is_a_sandbox_error_and_leaves_nothing
 
     real = namespaces.plan_workspace
 
-    def broken(size, workspace, keep=()):
-        steps = list(real(size, workspace, keep))
-        steps[1] = namespaces.MountStep("mount", steps[1].target, source="tmpfs", fstype="tmpfs", flags=steps[1].flags,
-                                        data="size=nonsense")
+    def broken(size, workspace, keep=(), own_proc=None):
+        steps = list(real(size, workspace, keep, own_proc))
+        at = next(i for i, step in enumerate(steps) if step.target == namespaces.STAGING)
+        steps[at] = namespaces.MountStep("mount", steps[at].target, source="tmpfs", fstype="tmpfs",
+                                         flags=steps[at].flags, data="size=nonsense")
         return tuple(steps)
 
-    monkeypatch.setattr("sequester.sandbox.launch.plan_workspace", broken)
+    monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", broken)
     k = Kernel(Policy())
     with pytest.raises(SandboxError, match="stage 0: mount /run"):
         k.start()

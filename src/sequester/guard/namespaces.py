@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MountStep", "plan_workspace", "enter_private_namespaces", "STAGING", "SELF_MEM", "SELF_TASKS"]
+__all__ = ["MountStep", "plan_workspace", "plan_own_proc", "enter_private_namespaces", "STAGING", "SELF_MEM", "SELF_TASKS"]
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
@@ -55,17 +55,36 @@ class MountStep:
     mode: int = 0o755
 
 
-def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = ()) -> tuple[MountStep, ...]:
+def plan_own_proc(covers: tuple[Path, ...]) -> tuple[MountStep, ...]:
+    """What bwrap mounts for each sandbox, for a kernel that enters a view template
+    instead (:mod:`sequester.sandbox.template`): a ``/proc`` of its own PID namespace with
+    bwrap's read-only ``covers`` (``/proc/irq``, ``/proc/bus``), and a ``/dev/pts`` of its
+    own. Attack: the template's ``/proc`` lists the keeper and every kernel of the view,
+    and its ``/dev/pts`` would let one kernel open another's terminals."""
+    steps = [MountStep("mount", Path("/proc"), source="proc", fstype="proc", flags=_FLAGS)]
+    for cover in covers:
+        steps += [MountStep("mount", cover, source=str(cover), flags=MS_BIND | MS_REC),
+                  MountStep("mount", cover, flags=MS_REMOUNT | MS_BIND | MS_RDONLY | _FLAGS)]
+    steps.append(MountStep("mount", Path("/dev/pts"), source="devpts", fstype="devpts", flags=MS_NOSUID | MS_NOEXEC,
+                           data="newinstance,ptmxmode=0666,mode=620"))
+    return tuple(steps)
+
+
+def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = (),
+                   own_proc: tuple[Path, ...] | None = None) -> tuple[MountStep, ...]:
     """The mounts that give ``/tmp`` and ``/dev/shm`` one ``noexec`` tmpfs of ``size_bytes``.
 
     ``keep``: what bwrap bound below ``/tmp`` (a ``readonly`` path there, say); carried
     into the new ``/tmp`` (recursive binds keep what is mounted on them, e.g. a covered
     ``_ctypes``) so the view is the same, only the tmpfs beneath is replaced.
+    ``own_proc``: the kernel enters a view template, so it mounts its own ``/proc`` (with
+    these covers) and ``/dev/pts`` first (:func:`plan_own_proc`).
     """
     tmp, shm = STAGING / "tmp", STAGING / "shm"
     steps = [
         # Nothing we mount may propagate back to bwrap's namespace (or the host's).
         MountStep("mount", Path("/"), flags=MS_REC | MS_PRIVATE),
+        *(plan_own_proc(own_proc) if own_proc is not None else ()),
         MountStep("mount", STAGING, source="tmpfs", fstype="tmpfs", flags=_FLAGS,
                   data=f"size={size_bytes},mode=755"),
         MountStep("mkdir", tmp, mode=0o1777),

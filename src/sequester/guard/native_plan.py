@@ -57,6 +57,7 @@ class Op(enum.IntEnum):
     EXEC = 19
     MOUNTPOINT = 20
     LANDLOCK = 21
+    USERNS = 22  # a user namespace of its own, its ids shown as these (template kernels)
 
 
 Step = tuple[Op, tuple["str | bytes | int | None", ...]]
@@ -66,8 +67,9 @@ class NativePlanError(ValueError):
     """The configuration asks for something the native stage does not do."""
 
 
-def _workspace_steps(workspace: dict[str, Any]) -> list[Step]:
-    steps: list[Step] = [(Op.UNSHARE, (CLONE_NEWNS | CLONE_NEWNET,))]
+def _workspace_steps(workspace: dict[str, Any], template: bool) -> list[Step]:
+    # A template's kernel is born in its own mount and network namespaces (the keeper's clone).
+    steps: list[Step] = [] if template else [(Op.UNSHARE, (CLONE_NEWNS | CLONE_NEWNET,))]
     for op, target, source, fstype, flags, data, mode, parents in workspace["steps"]:
         if op == "mountpoint":
             steps += [(Op.MKDIR_MISSING, (parent, 0o755)) for parent in parents]
@@ -84,10 +86,11 @@ def _workspace_steps(workspace: dict[str, Any]) -> list[Step]:
             (Op.WRITE, ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"))]
 
 
-def plan_stage0(config: dict[str, Any], command: Sequence[str]) -> list[Step]:
-    """The native stage's steps for ``config`` (what :func:`sequester.sandbox.launch.
+def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool = True) -> list[Step]:
+    """The native stage's steps for ``config`` (what :func:`sequester.sandbox.bootstrap.
     bootstrap_config` made for a sandboxed kernel), ending in the ``execve`` of
-    ``command`` (the cell runner's, with its stage-two configuration)."""
+    ``command`` (the cell runner's, with its stage-two configuration; ``timing``: the
+    stage's timestamps appended as its last argument, which a plain command must not get)."""
     if config.get("mode") != "sandbox":
         raise NativePlanError("the native first stage confines sandboxed kernels only")
     if config.get("landlock") or config.get("ctypes_fd") is not None:
@@ -95,17 +98,28 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str]) -> list[Step]:
     if not command:
         raise NativePlanError("no command for the cell runner")
     limits = config["limits"]
+    template = bool(config.get("template"))
     steps: list[Step] = []
     if config.get("workspace"):
-        steps += _workspace_steps(config["workspace"])
+        steps += _workspace_steps(config["workspace"], template)
+    to_uid = config.get("drop_to_uid")
+    if template:
+        # Every mount is made: the kernel's own user namespace now, as the uid it ends as
+        # (so that is what it maps), and its processes count against its own limit below,
+        # not against every kernel of the view. Its mount and network namespaces stay the
+        # template's: it holds no capability over them from here on.
+        if to_uid is not None:
+            steps += [(Op.CHOWN, (path, to_uid, to_uid)) for path in config.get("chown", ())]
+            steps.append((Op.SETIDS, (to_uid, to_uid)))
+        uid, gid = config["template_ids"]
+        steps.append((Op.USERNS, (uid, gid)))
     # The stage is one thread; the cell runner adds the bridge's (see boot.confine).
     threads = limits["max_threads"] + bool(config.get("bridge")) + 1
     steps += [(Op.RLIMIT, (RLIMIT_AS, limits["memory_bytes"])), (Op.RLIMIT, (RLIMIT_NPROC, threads)),
               (Op.RLIMIT, (RLIMIT_FSIZE, limits["file_bytes"])), (Op.RLIMIT, (RLIMIT_CORE, 0))]
-    to_uid = config.get("drop_to_uid")
-    if config.get("root_flow"):
+    if config.get("root_flow") or template:
         steps.append((Op.WRITE, ("/proc/sys/user/max_user_namespaces", "0")))
-    if to_uid is not None:
+    if to_uid is not None and not template:
         steps += [(Op.CHOWN, (path, to_uid, to_uid)) for path in config.get("chown", ())]
     steps.append((Op.DROP_BOUNDING, ()))
     if to_uid is not None:
@@ -120,7 +134,7 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str]) -> list[Step]:
         steps.append((Op.LANDLOCK, (lock["handled"], *lock["paths"])))
     steps.append((Op.SECCOMP, (seccomp,)))
     steps += [(Op.ARG, (arg,)) for arg in command]
-    steps.append((Op.EXEC, (command[0],)))
+    steps.append((Op.EXEC, (command[0],) if timing else (command[0], 0)))
     return steps
 
 

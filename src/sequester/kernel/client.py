@@ -193,6 +193,8 @@ class Kernel:
         self._start_timing = _phases(process.timing, report.pop("timing", None), ready_ns)
         # Host-side fact, not the kernel's word: which first stage confined it.
         report["first_stage"] = ("native" if process.native_stage else "python") if process.mode is not Isolation.OFF else "none"
+        # ... and whether the view was a template's (kept per policy) or bwrap's own.
+        report["view"] = ("template" if process.from_template else "bwrap") if process.mode is Isolation.SANDBOX else "none"
         if process.native_stage and process.config.get("write_lock"):
             report.setdefault("landlock_abi", process.config["write_lock"]["abi"])
         self._report = report
@@ -330,6 +332,9 @@ class Kernel:
 _PHASES = (
     ("host: facts", "launch", "facts"),
     ("host: plan (network, broker, mounts)", "facts", "planned"),
+    ("template: the view (kept after a policy's first kernel)", "facts", "t:view"),
+    ("template: network and plan", "t:view", "t:planned"),
+    ("template: the keeper's clone", "t:planned", "k:stage0"),
     ("bwrap: spawn", "planned", "spawned"),
     ("bwrap: namespaces (+ uid map)", "spawned", "sandbox"),
     ("bwrap: view + exec of the native stage", "sandbox", "k:stage0"),

@@ -20,14 +20,15 @@
  *
  * The execve into the cell runner names its path at HANDOFF_ADDRESS, the one address
  * the seccomp filter lets execve through (see sequester/guard/handoff.py).
+ *
+ * Usage: stage0 --template CONTROL_FD keeps a view for many kernels instead (see
+ * stage0_template.c): each one is a child that runs its plan with run_plan below.
+ * The privilege steps are in stage0_privileges.c.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
-#include <linux/capability.h>
-#include <linux/filter.h>
-#include <linux/seccomp.h>
 #include <net/if.h>
 #include <sched.h>
 #include <signal.h>
@@ -47,11 +48,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "stage0.h"
+
 extern char **environ;
 
 #define HANDOFF_ADDRESS 0x300000000000UL
 #define PAGE 4096
-#define MAX_FRAME (4u << 20)
 #define MAX_ARGS 64
 #define MAX_EXEC 4096
 #ifndef MAP_FIXED_NOREPLACE
@@ -63,31 +65,19 @@ enum {
     OP_UNSHARE = 1, OP_MOUNT = 2, OP_UMOUNT = 3, OP_MKDIR = 4, OP_MKDIR_MISSING = 5, OP_CHDIR = 7,
     OP_LOOPBACK_UP = 8, OP_WRITE = 9, OP_RLIMIT = 10, OP_CHOWN = 11, OP_DROP_BOUNDING = 12, OP_SETIDS = 13,
     OP_CLEAR_CAPS = 14, OP_CHECK_NO_CAPS = 15, OP_NO_NEW_PRIVS = 16, OP_SECCOMP = 17, OP_ARG = 18, OP_EXEC = 19,
-    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21,
+    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21, OP_USERNS = 22,
 };
 
-/* Landlock's ABI (linux/landlock.h, not needed at build time): the three system calls
- * have the same numbers on every architecture. */
-#define SYS_LANDLOCK_CREATE_RULESET 444
-#define SYS_LANDLOCK_ADD_RULE 445
-#define SYS_LANDLOCK_RESTRICT_SELF 446
-#define LANDLOCK_RULE_PATH_BENEATH 1
-#define LANDLOCK_WRITE_FILE (1ULL << 1)
-#define LANDLOCK_MAKE_CHAR (1ULL << 6)
-#define LANDLOCK_MAKE_BLOCK (1ULL << 11)
-#define LANDLOCK_TRUNCATE (1ULL << 14)
-struct landlock_path_beneath { uint64_t allowed_access; int32_t parent_fd; } __attribute__((packed));
+int out_fd = -1;
+uint64_t started_ns;
 
-static int out_fd = -1;
-static uint64_t started_ns;
-
-static uint64_t now_ns(void) {
+uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static void write_all(int fd, const char *buf, size_t len) {
+void write_all(int fd, const char *buf, size_t len) {
     while (len > 0) {
         ssize_t n = write(fd, buf, len);
         if (n < 0 && errno == EINTR) continue;
@@ -99,7 +89,7 @@ static void write_all(int fd, const char *buf, size_t len) {
 
 /* The kernel protocol's {"op": "failed", "error": ...}; the text is JSON-escaped, and
  * bytes outside printable ASCII become '?' (the host parses this as untrusted). */
-static void __attribute__((noreturn)) fail(const char *what, const char *detail, int err) {
+void fail(const char *what, const char *detail, int err) {
     char text[1024], body[2400];
     snprintf(text, sizeof text, "stage 0: %s%s%s%s%s", what, detail ? " " : "", detail ? detail : "",
              err ? ": " : "", err ? strerror(err) : "");
@@ -179,7 +169,7 @@ static unsigned long long int_arg(const struct op *op, uint32_t i) {
     return v;
 }
 
-static void check(int result, const char *what, const char *detail) {
+void check(int result, const char *what, const char *detail) {
     if (result != 0) fail(what, detail, errno);
 }
 
@@ -216,98 +206,30 @@ static void lower_rlimit(int resource, unsigned long long value) {
     check(setrlimit(resource, &next), "setrlimit", NULL);
 }
 
-static void drop_bounding_set(void) {
-    char buf[32] = {0};
-    int fd = open("/proc/sys/kernel/cap_last_cap", O_RDONLY | O_CLOEXEC);
-    if (fd < 0 || read(fd, buf, sizeof buf - 1) <= 0) fail("reading cap_last_cap", NULL, errno);
-    close(fd);
-    int last = atoi(buf);
-    for (int cap = 0; cap <= last; cap++) {
-        int in_set = prctl(PR_CAPBSET_READ, cap, 0, 0, 0);
-        if (in_set == 1 && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) {
-            char name[16];
-            snprintf(name, sizeof name, "%d", cap);
-            fail("dropping from the bounding set capability", name, errno);
-        }
-    }
+/* USERNS inside_uid inside_gid: a user namespace of this process's own (a kernel started
+ * from a view template, sequester/sandbox/template.py), so its processes count against its
+ * own RLIMIT_NPROC, not against every kernel of the view. The ids it has now (the only
+ * ones it may map without privileges over the template's namespace) appear inside as the
+ * given ones: no id changes, and the capabilities it gets are its own namespace's. It is
+ * dumpable for the writes (a root caller's kernel lost that with its uid), then as it was.
+ * Every mount is made before: the mount and network namespaces stay the template's user
+ * namespace's, over which the process then holds no capability. */
+static void own_user_namespace(unsigned long long inside_uid, unsigned long long inside_gid) {
+    uid_t uid = geteuid();
+    gid_t gid = getegid();
+    int dumpable = prctl(PR_GET_DUMPABLE, 0, 0, 0, 0);
+    check(prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
+    check(unshare(CLONE_NEWUSER), "unshare(user)", NULL);
+    char map[64];
+    int n = snprintf(map, sizeof map, "%llu %u 1\n", inside_uid, (unsigned)uid);
+    write_file("/proc/self/uid_map", map, (size_t)n);
+    write_file("/proc/self/setgroups", "deny", 4);
+    n = snprintf(map, sizeof map, "%llu %u 1\n", inside_gid, (unsigned)gid);
+    write_file("/proc/self/gid_map", map, (size_t)n);
+    if (dumpable != 1) check(prctl(PR_SET_DUMPABLE, dumpable < 0 ? 0 : dumpable, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
 }
 
-static void clear_capabilities(void) {
-    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
-    struct __user_cap_data_struct data[2];
-    memset(data, 0, sizeof data);
-    check((int)syscall(SYS_capset, &header, data), "capset", NULL);
-    check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clearing ambient capabilities", NULL);
-}
-
-/* Every capability set of /proc/self/status must read zero. */
-static void check_no_capabilities(void) {
-    char buf[8192];
-    int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("open /proc/self/status", NULL, errno);
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) fail("read /proc/self/status", NULL, errno);
-    buf[n] = '\0';
-    static const char *const sets[] = {"CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:"};
-    for (size_t i = 0; i < sizeof sets / sizeof *sets; i++) {
-        char *line = strstr(buf, sets[i]);
-        if (!line) fail("no capability line", sets[i], 0);
-        line += strlen(sets[i]);
-        while (*line == '\t' || *line == ' ') line++;
-        for (; *line && *line != '\n'; line++)
-            if (*line != '0') fail("capabilities remain after the drop:", sets[i], 0);
-    }
-}
-
-/* handled: the rights the ruleset restricts (the host's planner: every write right of
- * this machine's ABI); paths: where they stay allowed. Needs no_new_privs. */
-static void landlock_writes(const struct op *op) {
-    uint64_t handled = int_arg(op, 0);
-    long ruleset = syscall(SYS_LANDLOCK_CREATE_RULESET, &handled, sizeof handled, 0);
-    if (ruleset < 0) fail("landlock_create_ruleset", NULL, errno);
-    for (uint32_t i = 1; i < op->argc; i++) {
-        const char *path = text_arg(op, i);
-        int fd = open(path, O_PATH | O_CLOEXEC);
-        if (fd < 0) fail("open for Landlock", path, errno);
-        struct stat st;
-        if (fstat(fd, &st) != 0) fail("fstat for Landlock", path, errno);
-        struct landlock_path_beneath rule = {
-            S_ISDIR(st.st_mode) ? handled & ~(LANDLOCK_MAKE_CHAR | LANDLOCK_MAKE_BLOCK)
-                                : handled & (LANDLOCK_WRITE_FILE | LANDLOCK_TRUNCATE),
-            fd};
-        if (syscall(SYS_LANDLOCK_ADD_RULE, (int)ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0) != 0)
-            fail("landlock_add_rule", path, errno);
-        close(fd);
-    }
-    if (syscall(SYS_LANDLOCK_RESTRICT_SELF, (int)ruleset, 0) != 0) fail("landlock_restrict_self", NULL, errno);
-    close((int)ruleset);
-}
-
-static void load_seccomp(const char *program, size_t len) {
-    if (len == 0 || len % sizeof(struct sock_filter) || len / sizeof(struct sock_filter) > 0xffff)
-        fail("the seccomp program is not a whole number of instructions", NULL, 0);
-    struct sock_fprog prog = {(unsigned short)(len / sizeof(struct sock_filter)), (struct sock_filter *)program};
-    long r = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog);
-    if (r != 0) fail("seccomp(SET_MODE_FILTER)", NULL, r > 0 ? EAGAIN : errno);
-}
-
-int main(int argc, char **argv) {
-    started_ns = now_ns();
-    if (argc != 3) {
-        static const char usage[] = "usage: stage0 IN_FD OUT_FD (sequester's kernel first stage)\n";
-        write_all(2, usage, sizeof usage - 1);
-        return 2;
-    }
-    int in_fd = atoi(argv[1]);
-    out_fd = atoi(argv[2]);
-    unsigned char header[4];
-    read_exactly(in_fd, header, 4);
-    uint32_t size = (uint32_t)header[0] << 24 | (uint32_t)header[1] << 16 | (uint32_t)header[2] << 8 | header[3];
-    if (size > MAX_FRAME) fail("the plan is over its size limit", NULL, 0);
-    unsigned char *frame = malloc(size ? size : 1);
-    if (!frame) fail("out of memory", NULL, ENOMEM);
-    read_exactly(in_fd, frame, size);
+void run_plan(const unsigned char *frame, uint32_t size) {
     struct cursor c = {frame, frame + size};
 
     char *exec_argv[MAX_EXEC + 2];
@@ -377,7 +299,10 @@ int main(int argc, char **argv) {
             load_seccomp(text_arg(&op, 0), op.len[0]);
             break;
         case OP_LANDLOCK:
-            landlock_writes(&op);
+            landlock_writes(int_arg(&op, 0), op.argv + 1, op.argc ? op.argc - 1 : 0);
+            break;
+        case OP_USERNS:
+            own_user_namespace(int_arg(&op, 0), int_arg(&op, 1));
             break;
         case OP_ARG:
             if (n_argv >= MAX_EXEC) fail("too many arguments for the cell runner", NULL, 0);
@@ -400,9 +325,11 @@ int main(int argc, char **argv) {
             const char *path = text_arg(&op, 0);
             size_t len = strlen(path) + 1;
             if (len > PAGE) fail("the cell runner's path is longer than a page", NULL, 0);
+            /* A kernel's runner gets the stage's timing as its last argument; a command
+             * (EXEC path 0) gets exactly its own arguments. */
             char timing[64];
             snprintf(timing, sizeof timing, "T%llu,%llu", (unsigned long long)started_ns, (unsigned long long)now_ns());
-            exec_argv[n_argv++] = timing;
+            if (op.argc < 2 || int_arg(&op, 1)) exec_argv[n_argv++] = timing;
             exec_argv[n_argv] = NULL;
             void *page = mmap((void *)HANDOFF_ADDRESS, PAGE, PROT_READ | PROT_WRITE,
                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
@@ -419,4 +346,24 @@ int main(int argc, char **argv) {
         }
     }
     fail("the plan ended without an exec", NULL, 0);
+}
+
+int main(int argc, char **argv) {
+    started_ns = now_ns();
+    if (argc == 3 && strcmp(argv[1], "--template") == 0) return template_main(atoi(argv[2]));
+    if (argc != 3) {
+        static const char usage[] = "usage: stage0 IN_FD OUT_FD | stage0 --template CONTROL_FD (sequester's kernel first stage)\n";
+        write_all(2, usage, sizeof usage - 1);
+        return 2;
+    }
+    int in_fd = atoi(argv[1]);
+    out_fd = atoi(argv[2]);
+    unsigned char header[4];
+    read_exactly(in_fd, header, 4);
+    uint32_t size = (uint32_t)header[0] << 24 | (uint32_t)header[1] << 16 | (uint32_t)header[2] << 8 | header[3];
+    if (size > MAX_FRAME) fail("the plan is over its size limit", NULL, 0);
+    unsigned char *frame = malloc(size ? size : 1);
+    if (!frame) fail("out of memory", NULL, ENOMEM);
+    read_exactly(in_fd, frame, size);
+    run_plan(frame, size);
 }

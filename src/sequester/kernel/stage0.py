@@ -32,11 +32,15 @@ from pathlib import Path
 
 from ..caches import cache_root
 
-__all__ = ["SOURCE", "stage0_program", "build_stage0", "native_stage_enabled", "cache_folder", "runs_here"]
+__all__ = ["SOURCE", "SOURCES", "stage0_program", "build_stage0", "native_stage_enabled", "cache_folder", "runs_here"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("stage0.c")
+# Everything the program is built from: the plan executor, its privilege steps, the view
+# template's keeper, and their shared header (hashed with the rest).
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("stage0.c", "stage0_privileges.c", "stage0_template.c"))
+HEADER = Path(__file__).with_name("stage0.h")
 _FLAGS = ("-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fno-strict-aliasing")
 _BUILD_TIMEOUT = 120.0
 _lock = threading.Lock()
@@ -79,8 +83,8 @@ def _private_folder(path: Path) -> bool:
 def build_stage0(folder: Path, compiler: str) -> Path:
     """Compile ``stage0.c`` into ``folder/<hash of source, compiler and flags>/stage0``
     (atomically: a temporary name, then a rename); the existing build when there is one."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in _FLAGS), b"static-first"])).hexdigest()[:24]
+    sources = [p.read_bytes() for p in (*SOURCES, HEADER)]
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), *(f.encode() for f in _FLAGS), b"static-first"])).hexdigest()[:24]
     target = folder / key / "stage0"
     if target.is_file():
         return target
@@ -90,7 +94,7 @@ def build_stage0(folder: Path, compiler: str) -> Path:
         # Static where the C library allows it (libc.a): no dynamic loading at every
         # kernel start (about 0.25 ms here), and nothing of the view's libraries runs first.
         for link in (("-static",), ()):
-            result = subprocess.run([compiler, *_FLAGS, *link, "-o", str(out), str(SOURCE)], capture_output=True,
+            result = subprocess.run([compiler, *_FLAGS, *link, "-o", str(out), *(str(p) for p in SOURCES)], capture_output=True,
                                     text=True, timeout=_BUILD_TIMEOUT, stdin=subprocess.DEVNULL)
             if result.returncode == 0:
                 break

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .mounts import WORKSPACE, MountKind, MountOp
 
-__all__ = ["BOOTSTRAP_CAPS", "CONTAINER_CAPS", "ROOT_BOOTSTRAP_CAPS", "Identity", "SandboxSpec", "LaunchFds", "build_argv"]
+__all__ = ["TEMPLATE_CAPS", "BOOTSTRAP_CAPS", "CONTAINER_CAPS", "ROOT_BOOTSTRAP_CAPS", "Identity", "SandboxSpec", "LaunchFds", "build_argv"]
 
 # Kept until the kernel's first stage drops them, before any model code runs: it makes
 # its own mount and network namespaces with a noexec workspace (SYS_ADMIN), brings up
@@ -37,6 +37,9 @@ BOOTSTRAP_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
 # The root flow also disables nested user namespaces (SYS_RESOURCE), gives the workspace
 # to nobody (CHOWN) and switches to nobody (SETGID, SETUID), which clears the rest.
 ROOT_BOOTSTRAP_CAPS = (*BOOTSTRAP_CAPS, "CAP_SYS_RESOURCE", "CAP_CHOWN", "CAP_SETGID", "CAP_SETUID")
+# An ordinary caller's view template: its kernels map the keeper's uid 0 (the caller) into
+# user namespaces of their own, which the kernel allows only to a creator holding SETFCAP.
+TEMPLATE_CAPS = (*BOOTSTRAP_CAPS, "CAP_SETFCAP")
 # An agent's root: what a container gets by default (Docker's set). Notably not
 # SYS_ADMIN (mounts), SYS_PTRACE, NET_ADMIN or SYS_MODULE.
 CONTAINER_CAPS = (
@@ -77,6 +80,9 @@ class SandboxSpec:
     # Hold the command until the launcher releases it (bwrap's --block-fd): a build's RUN
     # waits while the host opens its proxy listener inside the sandbox's network namespace.
     hold: bool = False
+    # The command may make user namespaces (no --disable-userns): a view template's keeper,
+    # whose kernels each make their own and forbid any below it (see sandbox.template).
+    allow_userns: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,8 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
             raise ValueError("the root flow needs an info fd and a userns block fd")
         argv += ["--userns-block-fd", str(fds.userns_block)]
     else:
-        argv += ["--disable-userns"]
+        if not spec.allow_userns:
+            argv += ["--disable-userns"]
         if spec.identity is Identity.ROOT:
             argv += ["--uid", str(spec.uid), "--gid", str(spec.gid)]
     argv += ["--cap-drop", "ALL"]

@@ -19,50 +19,43 @@ import subprocess
 import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from ..errors import SandboxError
-from ..guard import landlock, seccomp
-from ..guard.namespaces import plan_workspace
+from ..guard import landlock
 from ..guard.native_plan import NativePlanError, encode_plan, plan_stage0
-from ..guard.privileges import NOBODY
-from ..guard.workspace import steps_for_kernel
 from ..kernel.boot import STAGE_ONE, encode_config, encode_stage_two, server_command, stage_two
 from ..kernel.bytecode import ensure_kernel_bytecode
 from ..kernel.stage0 import stage0_program
 from ..net.broker import Broker
-from ..net.plan import NetworkPlan, plan_network
 from ..policy import Isolation, Policy
-from .argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, Identity, SandboxSpec
 from .environment import kernel_environment
 from .host import HostFacts, gather_host_facts
-from .mounts import WORKSPACE, MountKind, MountOp, hidden_paths, mount_backs, plan_mounts
+from .mounts import hidden_paths, mount_backs
 from .native import ctypes_library
-from .bwrap import StartedBwrap, close_fd, descendants, start_bwrap
+from .bwrap import close_fd
 from .probe import resolve_isolation
+from .spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
+from .bootstrap import bootstrap_config
+from .from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
+from .template import TemplateSandbox, templates_enabled
 
-__all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "kernel_command",
-           "bootstrap_config"]
+__all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "run_confined",
+           "kernel_command", "bootstrap_config"]
 
 # Root-only files a guard-only kernel running as uid 0 must not read (Landlock grants
 # everything else of /etc).
 ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
                                         "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
-_HOSTS = Path("/etc/hosts").resolve()
-# Where a kernel's view shows the native first stage while it runs (then covered).
-STAGE0_IN_VIEW = Path("/tmp/.sequester-stage0")
-# Only a kernel's first stage makes namespaces (and then drops these).
-_NAMESPACE_CAPS = frozenset({"CAP_SYS_ADMIN", "CAP_NET_ADMIN"})
-_LOCALHOST_ONLY = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
 
 
 @dataclass
 class KernelProcess:
     """A started kernel: its process, the host's ends of its pipes, and what to clean up.
 
-    ``popen`` is bwrap (sandbox mode) or the kernel itself (guard and off modes).
+    ``popen`` is bwrap (sandbox mode), the kernel of a view template (sandbox mode, a
+    :class:`~.template.TemplateKernel`) or the kernel itself (guard and off modes).
     """
 
     mode: Isolation
@@ -72,7 +65,7 @@ class KernelProcess:
     stdout: int
     stderr: int
     config: dict[str, Any]
-    sandbox: SandboxProcess | None = None
+    sandbox: SandboxProcess | TemplateSandbox | None = None
     workspace: Path | None = None
     # Start-up timestamps (time.monotonic_ns) of the host's phases, by name.
     timing: dict[str, int] = field(default_factory=dict)
@@ -80,6 +73,11 @@ class KernelProcess:
     # sent instead of ``config`` when the kernel starts through it.
     first_frame: bytes | None = None
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def from_template(self) -> bool:
+        """The kernel is a view template's child (:mod:`.template`), not bwrap's."""
+        return isinstance(self.sandbox, TemplateSandbox)
 
     @property
     def native_stage(self) -> bool:
@@ -98,11 +96,8 @@ class KernelProcess:
         return self.sandbox.broker if self.sandbox else None
 
     def host_pids(self) -> list[int]:
-        """Host pids of the bwrap monitor, the sandbox's init and the processes under it."""
-        pids = [self.popen.pid]
-        if self.sandbox is not None:
-            pids += [self.sandbox.started.pid, *descendants(self.sandbox.started.pid)]
-        return pids
+        """Host pids of the kernel's processes (with bwrap's monitor when it has one of its own)."""
+        return self.sandbox.host_pids() if self.sandbox is not None else [self.popen.pid]
 
     def terminate(self) -> None:
         """Kill everything of this kernel and release its resources. Idempotent.
@@ -144,54 +139,6 @@ def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool 
     return tuple(server_command(str(facts.python_executable), in_fd, out_fd))
 
 
-def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False,
-                     bridge: dict[str, Any] | None = None, landlock_spec: dict[str, Any] | None = None,
-                     audit_network: dict[str, Any] | None = None, ctypes_fd: int | None = None,
-                     keep_below_tmp: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The first message a kernel reads: what its bootstrap must do. Everything in it
-    that depends only on the policy and the host (the seccomp program, the workspace's
-    mounts) is computed here, once, so the kernel's first stage only applies it."""
-    limits = policy.limits
-    config: dict[str, Any] = {
-        "mode": mode.value,
-        "limits": {
-            "memory_bytes": limits.memory_mb * 1024 * 1024,
-            "max_threads": limits.max_threads,
-            "file_bytes": limits.workspace_mb * 1024 * 1024,
-            "output_bytes": limits.output_bytes,
-        },
-    }
-    if mode is Isolation.OFF:
-        return config
-    config["seccomp"] = {"bpf": seccomp.compile_filter(), "nr": seccomp.syscall_number("seccomp")}
-    if mode is Isolation.SANDBOX:
-        # The kernel's own noexec tmpfs for /tmp and /dev/shm together (see guard.namespaces).
-        steps = plan_workspace(limits.workspace_mb * 1024 * 1024, WORKSPACE, keep_below_tmp)
-        config["workspace"] = {"steps": steps_for_kernel(steps), "path": str(WORKSPACE)}
-        # Attack (red team): /proc/self/mem is covered, but a thread's /proc/<tid>/mem is
-        # not listed and still opens: a cell wrote its own code through it. With Landlock,
-        # nothing is writable but the workspace and the device nodes (reads are the view's).
-        abi = _landlock_abi()
-        if abi:
-            config["write_lock"] = {"handled": landlock.write_rights(abi), "paths": ["/tmp", "/dev/shm", "/dev"], "abi": abi}
-    if ctypes_fd is not None:
-        config["ctypes_fd"] = ctypes_fd
-    if root_flow:
-        config.update(root_flow=True, drop_to_uid=NOBODY, chown=[str(WORKSPACE)])
-    if bridge:
-        config["bridge"] = bridge
-    if landlock_spec:
-        config["landlock"] = landlock_spec
-    if audit_network:
-        config["audit_network"] = audit_network
-    return config
-
-
-@lru_cache(maxsize=1)
-def _landlock_abi() -> int:
-    return landlock.abi_version()
-
-
 def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelProcess:
     """Start a kernel for ``policy``. The kernel still has to be sent its configuration
     (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that."""
@@ -219,7 +166,19 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
                                  native=stage0 is not None)
         first_frame = None
         try:
-            if stage0 is not None:
+            if stage0 is not None and templates_enabled():
+                # The view is assembled once per policy; this kernel is a child of its keeper.
+                def kernel_config(ids: tuple[int, int], bridge: dict[str, Any] | None,
+                                  below_tmp: tuple[Path, ...]) -> dict[str, Any]:
+                    return bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=bridge,
+                                            keep_below_tmp=below_tmp, template_ids=ids)
+
+                sandbox, config = kernel_from_template(policy, facts, stage0, kernel_config, to_kernel_r,
+                                                       from_kernel_w, out_w, err_w, timing)
+                first_frame = b""  # the plan went with the spawn
+                on_failure.callback(sandbox.kill)
+                popen, workspace = sandbox.kernel, None
+            elif stage0 is not None:
                 # bwrap execs the native stage (bound below /tmp, which the workspace then
                 # covers); it applies the host's plan and execs the cell runner directly.
                 sandbox = spawn_sandbox(policy, facts, command, keep_fds=child_ends, stdout=out_w, stderr=err_w,
@@ -262,87 +221,6 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     timing["launched"] = time.monotonic_ns()
     return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing,
                          first_frame)
-
-
-@dataclass
-class SandboxProcess:
-    """bwrap running a command in a kernel's view, and the broker serving its network."""
-
-    started: StartedBwrap
-    broker: Broker | None
-    bridge: dict[str, Any] | None  # what the kernel's bridge must listen on
-    below_tmp: tuple[Path, ...] = ()  # top-most binds below /tmp: the kernel's new /tmp keeps them
-
-    def kill(self) -> None:
-        self.started.kill()
-        if self.broker is not None:
-            self.broker.close()
-
-
-def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *, keep_fds: list[int],
-                  stdout: int, stderr: int, stderr_reader: int, kernel: bool = True,
-                  timing: dict[str, int] | None = None, stage0: Path | None = None) -> SandboxProcess:
-    """Spawn bwrap running ``command`` in the view of ``policy``; fail closed.
-
-    ``keep_fds`` are passed to the command; ``stderr_reader`` is read for bwrap's own
-    error message if it fails. ``kernel``: the command is a kernel's first stage, which
-    gets the capabilities it needs to make its namespaces (and drops them); otherwise
-    (:func:`run_in_sandbox`) it gets fewer: no SYS_ADMIN, no NET_ADMIN. ``stage0``: the
-    native first stage's program, bound read-only at :data:`STAGE0_IN_VIEW`.
-    """
-    plan: NetworkPlan | None = plan_network(policy.allow) if policy.allow else None
-    # Only the allowed names resolve: /etc/hosts is ours. No name server is reachable
-    # from the empty network namespace, whatever /etc/resolv.conf says.
-    data_files = {_HOSTS: plan.hosts_file if plan else _LOCALHOST_ONLY}
-    with ExitStack() as on_failure, ExitStack() as temporary:
-        pass_fds = list(keep_fds)
-        broker: Broker | None = None
-        bridge: dict[str, Any] | None = None
-        if plan is not None:
-            broker = Broker(policy.allow)
-            on_failure.callback(broker.close)
-            control_fd = broker.start().detach()
-            temporary.callback(close_fd, control_fd)
-            pass_fds.append(control_fd)
-            bridge = {"control_fd": control_fd, "listeners": [
-                [l.address, l.port, l.target.host if l.target else None, l.target.port if l.target else None]
-                for l in plan.listeners]}
-        mounts = plan_mounts(policy, facts, data_files=data_files)
-        below_tmp = _below_tmp(mounts)
-        if stage0 is not None:
-            # Last, so below the view's /tmp tmpfs; not in below_tmp, so the kernel's own
-            # /tmp covers it once the native stage has run.
-            mounts += (MountOp(MountKind.READONLY, STAGE0_IN_VIEW, source=stage0),)
-        spec = SandboxSpec(
-            mounts=mounts,
-            command=command,
-            env=kernel_environment(os.environ, passthrough=policy.env, proxy=plan.env if plan else (), tmpdir="/tmp"),
-            identity=Identity.NOBODY if facts.is_root else Identity.CALLER,
-            caps=_caps(facts.is_root, kernel),
-            # The command is the namespace's only process. Attack (red team): with bwrap's
-            # own init as pid 1 (same uid, no seccomp filter, in bwrap's mount namespace
-            # with its writable, exec-capable /tmp), an ordinary caller's cell could write
-            # /proc/1/mem and run code outside the filter, or load a library from
-            # /proc/1/root/tmp.
-            as_pid_1=True,
-        )
-        if timing is not None:
-            timing["planned"] = time.monotonic_ns()
-        started = start_bwrap(spec, data_files=data_files, keep_fds=pass_fds, stdout=stdout, stderr=stderr,
-                              stderr_reader=stderr_reader, timing=timing)
-        on_failure.pop_all()
-    return SandboxProcess(started, broker, bridge, below_tmp)
-
-
-def _below_tmp(mounts: tuple[MountOp, ...]) -> tuple[Path, ...]:
-    tmp = Path("/tmp")
-    binds = [op.dest for op in mounts if op.kind is MountKind.READONLY and op.dest.is_relative_to(tmp) and op.dest != tmp]
-    return tuple(b for b in binds if not any(b != o and b.is_relative_to(o) for o in binds))
-
-
-def _caps(root: bool, kernel: bool) -> tuple[str, ...]:
-    caps = ROOT_BOOTSTRAP_CAPS if root else BOOTSTRAP_CAPS
-    return caps if kernel else tuple(c for c in caps if c not in _NAMESPACE_CAPS)
 
 
 def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: Path) -> dict[str, Any]:

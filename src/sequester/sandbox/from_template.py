@@ -1,0 +1,162 @@
+"""A kernel, or one command, started from its policy's view template (:mod:`.template`).
+
+Both go the same way: the policy's view (bwrap's spec, which is the template's key), the
+template (started if this is the view's first use), a plan from the bootstrap
+configuration (:func:`~sequester.guard.native_plan.plan_stage0`: the kernel's own
+``/proc``, workspace, user namespace, limits, privilege drop, write lock and filter), and
+the keeper's child running it. A kernel's plan ends in the cell runner; a command's in
+the command, under exactly the confinement a kernel's cells get.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import SandboxError
+from ..guard.native_plan import NativePlanError, encode_plan, plan_stage0
+from ..guard.privileges import NOBODY
+from ..kernel.boot import encode_stage_two, server_command, stage_two
+from ..kernel.protocol import loads
+from ..kernel.stage0 import stage0_program
+from ..net.plan import plan_network
+from ..policy import Isolation, Policy
+from .bootstrap import bootstrap_config
+from .bwrap import close_fd
+from .host import HostFacts, gather_host_facts
+from .spawn import KernelNetwork, KernelView, kernel_network, kernel_view
+from .template import TemplateKernel, TemplateSandbox, ViewTemplate, template_for, templates_enabled
+
+__all__ = ["kernel_from_template", "run_confined"]
+
+ConfigFor = Callable[[tuple[int, int], "dict[str, Any] | None", "tuple[Path, ...]"], "dict[str, Any]"]
+
+
+def _template(policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork) -> tuple[ViewTemplate, KernelView]:
+    view = kernel_view(policy, facts, (), network, stage0=stage0, allow_userns=True)
+    # The template is the view: whatever would change bwrap's argv or files changes the key.
+    key = repr((view.spec, sorted(view.data_files.items()), str(stage0)))
+    return template_for(key, lambda: ViewTemplate.start(view)), view
+
+
+def _ids(facts: HostFacts) -> tuple[int, int]:
+    # A root caller's kernel is nobody (KERNEL_HOST_ID on the host); an ordinary caller's
+    # is the caller, as in a sandbox bwrap made for it alone.
+    return (NOBODY, NOBODY) if facts.is_root else (facts.uid, facts.gid)
+
+
+def _plan(config: dict[str, Any], command: list[str], *, timing: bool = True) -> bytes:
+    try:
+        return encode_plan(plan_stage0(config, command, timing=timing))[4:]  # the keeper takes the length apart
+    except NativePlanError as exc:
+        raise SandboxError(f"cannot plan the kernel's native first stage: {exc}") from None
+
+
+def kernel_from_template(policy: Policy, facts: HostFacts, stage0: Path, config_for: ConfigFor, to_kernel_r: int,
+                         from_kernel_w: int, out_w: int, err_w: int,
+                         timing: dict[str, int]) -> tuple[TemplateSandbox, dict[str, Any]]:
+    """A kernel of ``policy`` as a child of its view's keeper, running the plan of
+    ``config_for(ids, bridge, below_tmp)``; the kernel's pipes are placed at the numbers
+    its cell runner's command names (stdout and stderr at 1 and 2)."""
+    network = kernel_network(policy)
+    try:
+        template, view = _template(policy, facts, stage0, network)
+        timing["t:view"] = time.monotonic_ns()
+        config = config_for(_ids(facts), network.bridge, view.below_tmp)
+        runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
+                                encode_stage_two(stage_two(config, {})))
+        plan = _plan(config, runner)
+        timing["t:planned"] = time.monotonic_ns()
+        fds = [(to_kernel_r, to_kernel_r), (from_kernel_w, from_kernel_w), (out_w, 1), (err_w, 2)]
+        if network.control_fd is not None:
+            fds.append((network.control_fd, network.control_fd))
+        kernel = template.spawn(plan, fds, from_kernel_w)
+    except BaseException:
+        network.close()
+        raise
+    finally:
+        if network.control_fd is not None:
+            close_fd(network.control_fd)
+    return TemplateSandbox(kernel, network, view.below_tmp), config
+
+
+def run_confined(policy: Policy, command: list[str], *, timeout: float | None = None,
+                 facts: HostFacts | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (its program an absolute path in the view) under a kernel's whole
+    confinement in the view of ``policy``: what a kernel's cells get, from the policy's
+    view template (no network: the allowed services need the kernel's bridge). Its
+    status, stdout and stderr (each up to 16 MiB) come back; a start that fails is a
+    :class:`SandboxError` naming the step. The filter forbids starting processes, so
+    ``command`` is one program (``true``, a compiled test binary), not a shell pipeline."""
+    if not command or not os.path.isabs(command[0]):
+        raise SandboxError(f"the command's program must be an absolute path, not {command[:1]!r}")
+    stage0 = stage0_program()
+    if stage0 is None or not templates_enabled():
+        raise SandboxError("run_confined needs the native first stage and view templates")
+    facts = facts or gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly))
+    network = KernelNetwork(plan_network(policy.allow) if policy.allow else None, None, None, None)
+    template, view = _template(policy, facts, stage0, network)
+    config = bootstrap_config(policy, Isolation.SANDBOX, root_flow=facts.is_root, keep_below_tmp=view.below_tmp,
+                              template_ids=_ids(facts))
+    plan = _plan(config, list(command), timing=False)
+    pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]  # stdout, stderr, the stage's report
+    try:
+        kernel = template.spawn(plan, [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])],
+                                pipes[2][1], close_report_on_exec=True)
+    except BaseException:
+        for r, w in pipes:
+            close_fd(r)
+            close_fd(w)
+        raise
+    for _, w in pipes:
+        close_fd(w)
+    return _collect(kernel, command, [r for r, _ in pipes], timeout)
+
+
+_OUTPUT_LIMIT = 16 << 20
+
+
+def _collect(kernel: TemplateKernel, command: list[str], readers: list[int],
+             timeout: float | None) -> subprocess.CompletedProcess[str]:
+    import select
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    chunks: list[list[bytes]] = [[], [], []]
+    sizes = [0, 0, 0]
+    open_fds = list(readers)
+    try:
+        while open_fds:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = select.select(open_fds, [], [], left)[0]
+            if not ready:
+                kernel.kill()
+                kernel.wait()
+                raise subprocess.TimeoutExpired(command, timeout or 0.0)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                i = readers.index(fd)
+                if not data:
+                    open_fds.remove(fd)
+                elif sizes[i] < _OUTPUT_LIMIT:  # beyond the limit it is read and dropped
+                    chunks[i].append(data[:_OUTPUT_LIMIT - sizes[i]])
+                    sizes[i] += len(chunks[i][-1])
+        code = kernel.wait()
+    finally:
+        for fd in readers:
+            close_fd(fd)
+        if kernel.returncode is None:
+            kernel.kill()
+            kernel.wait()
+    report = b"".join(chunks[2])
+    if report:  # the stage failed before the exec: its protocol message
+        try:
+            reason = loads(report[4:]).get("error")
+        except Exception:  # noqa: BLE001 - the host's own stage; still fail closed
+            reason = None
+        raise SandboxError(f"the command's sandbox failed: {reason or 'no reason given'}")
+    out, err = (b"".join(c).decode(errors="replace") for c in chunks[:2])
+    return subprocess.CompletedProcess(command, code, out, err)
