@@ -89,11 +89,14 @@ def test_check_passes_here_and_reports_json():
     names = {f["name"] for f in report["findings"]}
     assert {"user namespaces available", "files hidden", "source read-only", "workspace writable",
             "network allowlist", "processes blocked", "processes invisible", "capabilities zero",
-            "own memory unwritable"} <= names
+            "own memory unwritable", "kernels apart"} <= names
     assert report["mode"] == "sandbox" and report["passed"]
     # Which first stage confined the probe kernel: the native one wherever a C compiler is.
     compiler = shutil.which("cc") or shutil.which("gcc")
-    assert report["first_stage"] == ("native" if compiler and os.environ.get("SEQUESTER_NATIVE_STAGE") != "0" else "python")
+    native = compiler and os.environ.get("SEQUESTER_NATIVE_STAGE") != "0"
+    assert report["first_stage"] == ("native" if native else "python")
+    # ... and, through it, the view its policy's template keeps.
+    assert report["view"] == ("template" if native and os.environ.get("SEQUESTER_VIEW_TEMPLATE") != "0" else "bwrap")
 
 
 def test_check_table():

@@ -382,3 +382,28 @@ def test_one_structured_log_line_per_session_event(server, caplog):
     assert evaluate["reward"] == 1.0 and evaluate["task"] == TASK and evaluate["duration_ms"] > 0
     assert len({e["session"] for e in events}) == 1
     assert TOKEN not in caplog.text
+
+
+def test_a_kernel_session_closed_mid_cell_kills_its_kernel_at_once(server):
+    """The close interrupts the running step: the kernel (a view template's child, or
+    bwrap's) is killed from the event loop without its pipes being closed under the worker
+    reading them, and is gone well before the step's own timeout."""
+    from sequester.sandbox import template
+
+    async def busy():
+        async with connect(server) as ws:
+            await ask(ws, {"type": "reset", "data": {"kind": "kernel"}})
+            await ws.send(json.dumps({"type": "step", "data": {"type": "cell", "code": "while True: pass",
+                                                               "timeout": 120}}))
+            await asyncio.sleep(0.5)  # the cell runs
+
+    keepers = lambda: [t for t in template._templates.values() if t.alive]  # noqa: E731
+    before = time.monotonic()
+    run(busy())
+    from sequester.sandbox.bwrap import descendants
+
+    def kernels_left() -> list[int]:
+        return [pid for t in keepers() for pid in descendants(t.host_pids()[-1])]
+
+    assert wait_until(lambda: not kernels_left(), timeout=10), kernels_left()
+    assert time.monotonic() - before < 20

@@ -414,7 +414,7 @@ def test_sequester_check_sees_a_writable_own_memory(stage, monkeypatch):
     with Kernel(Policy()) as k:
         assert check._own_memory(k).passed
     real = namespaces.plan_workspace
-    monkeypatch.setattr("sequester.sandbox.launch._landlock_abi", lambda: 0)
+    monkeypatch.setattr("sequester.sandbox.bootstrap._landlock_abi", lambda: 0)
     with Kernel(Policy()) as k:
         finding = check._own_memory(k)
     # The mounts alone: /proc/self/mem is /dev/null, but a thread's /proc/<tid>/mem is not covered.

@@ -325,3 +325,22 @@ def test_the_keeper_holds_nothing_but_its_control_socket(templates):
         # stderr (bwrap's messages), SIGCHLD, the control socket, and this kernel's status pipe
         assert held() == ["/memfd", "anon_inode", "pipe", "socket"]
     assert held() == ["/memfd", "anon_inode", "socket"]
+
+
+@needs_templates
+def test_sequester_checks_kernels_apart_and_sees_kernels_that_share(templates):
+    """The check's "kernels apart" finding passes for two kernels of one template, and
+    fails where two kernels do share their /tmp, /dev/shm and processes (no isolation)."""
+    from sequester import check
+
+    with Kernel(Policy()) as k:
+        finding = check._kernels_apart(k, Policy())
+        assert finding.passed and "template view" in finding.evidence, finding
+    unconfined = Policy(isolation=False)
+    try:
+        with Kernel(unconfined) as k:
+            finding = check._kernels_apart(k, unconfined)
+        assert not finding.passed and "/tmp" in finding.evidence, finding
+    finally:
+        for folder in ("/tmp", "/dev/shm"):
+            Path(folder, "sequester-check-mark").unlink(missing_ok=True)

@@ -40,6 +40,8 @@ class CheckReport:
     # Which first stage confined the probe kernel: "native" (stage0.c, one interpreter
     # start), "python" (no C compiler, or SEQUESTER_NATIVE_STAGE=0), "none" (off).
     first_stage: str = ""
+    # Where its view came from: "template" (kept per policy, sandbox.template), "bwrap" (its own), "none".
+    view: str = ""
 
     @property
     def passed(self) -> bool:
@@ -140,6 +142,7 @@ def run_check(policy: Policy) -> CheckReport:
         with Kernel(probe_policy) as kernel:
             mode = kernel.mode
             first_stage = str(kernel.report.get("first_stage", ""))
+            view = str(kernel.report.get("view", ""))
             findings += [
                 _files_hidden(kernel, policy, facts),
                 _source_readonly(kernel, policy, facts),
@@ -149,10 +152,11 @@ def run_check(policy: Policy) -> CheckReport:
                 _processes_invisible(kernel),
                 _capabilities(kernel),
                 _own_memory(kernel),
+                _kernels_apart(kernel, probe_policy),
                 _ctypes(kernel),
                 ctypes_unloadable(kernel, facts.ffi_libraries),  # last: it switches the audit hook off
             ]
-    return CheckReport(mode, tuple(findings), first_stage)
+    return CheckReport(mode, tuple(findings), first_stage, view)
 
 
 def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:  # type: ignore[no-untyped-def]
@@ -273,6 +277,28 @@ def _processes_invisible(kernel: Kernel) -> Finding:
     others = [p for p in seen["pids"] if p != seen["me"]]
     return Finding("processes invisible", not others,
                    f"/proc lists {seen['pids'][:8]}{'...' if len(seen['pids']) > 8 else ''} (the kernel is pid {seen['me']})")
+
+
+_MARK = "import os\nfor d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, 'sequester-check-mark'), 'w').close()\n"
+_LOOK = ("import json, os\nprint(json.dumps({'files': [d for d in ('/tmp', '/dev/shm') "
+         "if os.path.exists(os.path.join(d, 'sequester-check-mark'))], "
+         "'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}))")
+
+
+def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
+    """A second kernel of the same policy (of one view template, where kernels share one)
+    sees nothing of the first: not its workspace files, not its process."""
+    marked = kernel.run(_MARK)
+    if marked.error is not None:
+        return Finding("kernels apart", False, f"the first kernel could not write its mark: {marked.error}")
+    with Kernel(policy) as other:
+        seen = _probe(other, _LOOK)
+        view = other.report.get("view", "")
+    if "error" in seen:
+        return Finding("kernels apart", False, seen["error"])
+    ok = not seen["files"] and seen["pids"] == [1]
+    return Finding("kernels apart", ok, f"a second kernel ({view} view) saw the first's marks in {seen['files'] or 'none'} "
+                                        f"of /tmp, /dev/shm; its /proc lists {seen['pids'][:8]}")
 
 
 _OWN_MEMORY = r'''

@@ -15,6 +15,13 @@ security argument):
    device nodes, so no ``/proc/<tid>/mem`` of its own threads either) and the seccomp filter;
 5. the one ``execve`` the filter allows, into the cell runner.
 
+A kernel started from a view template (``config["template"]``, see
+:mod:`sequester.sandbox.template`) is born in its own mount and network namespaces (the
+keeper's clone), so step 1 makes no namespaces but mounts the ``/proc`` and ``/dev/pts``
+bwrap would have; and after it, the kernel takes a user namespace of its own (``USERNS``:
+a root caller's as nobody, so nobody is what it maps), so its processes count against its
+own limit and it holds no capability over the template's namespaces.
+
 Landlock (guard-only mode) is not part of it: guard-only kernels run no bwrap and keep
 the Python stage. Pure functions: unit-tested without a sandbox.
 """

@@ -23,6 +23,7 @@ from ..errors import KernelClosedError, KernelError, SandboxError
 from ..policy import Isolation, Policy
 from ..sandbox.bwrap import read_pending
 from ..sandbox.launch import KernelProcess, launch_kernel
+from .start_timing import phases as _phases
 from .protocol import MessageReader, ProtocolError, frame_limit, write_message
 from .results import CellError, CellResult
 
@@ -68,6 +69,7 @@ class Kernel:
         self._deadline = 0.0
         self._next_id = 0
         self._start_timing: dict[str, float] = {}
+        self._owner = os.getpid()  # the process whose kernel this is (see _kill)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class Kernel:
 
     @property
     def start_timing(self) -> dict[str, float]:
-        """Milliseconds of each phase of the last start, in order (see :func:`_phases`): the
+        """Milliseconds of each phase of the last start, in order (see :func:`.start_timing.phases`): the
         host's steps, bwrap's, and those the kernel timestamped (its clock is the host's
         CLOCK_MONOTONIC). Diagnostics only: the kernel's timestamps are its word."""
         return dict(self._start_timing)
@@ -163,11 +165,18 @@ class Kernel:
 
     def _kill(self) -> None:
         if self._process is not None:
-            self._process.terminate()
+            if os.getpid() == self._owner:
+                self._process.terminate()
+            else:
+                # Attack (red team): a forked child that finalizes (or closes) its copy of
+                # this Kernel killed its parent's kernel through the inherited handles. In
+                # another process only that process's copies of the pipes are closed.
+                self._process.forget()
             self._process = None
 
     def _spawn(self) -> None:
         process = launch_kernel(self.policy)
+        self._owner = os.getpid()
         self._process = process
         try:
             try:
@@ -329,44 +338,6 @@ class Kernel:
 
 
 # (phase, from mark, to mark): host marks are plain names, the kernel's "k:" names.
-_PHASES = (
-    ("host: facts", "launch", "facts"),
-    ("host: plan (network, broker, mounts)", "facts", "planned"),
-    ("template: the view (kept after a policy's first kernel)", "facts", "t:view"),
-    ("template: network and plan", "t:view", "t:planned"),
-    ("template: the keeper's clone", "t:planned", "k:stage0"),
-    ("bwrap: spawn", "planned", "spawned"),
-    ("bwrap: namespaces (+ uid map)", "spawned", "sandbox"),
-    ("bwrap: view + exec of the native stage", "sandbox", "k:stage0"),
-    ("native stage: confine", "k:stage0", "k:exec0"),
-    ("execve, python start", "k:exec0", "k:server"),
-    ("bwrap: view + exec, python start", "sandbox", "k:stage_one"),
-    ("stage 1: imports", "k:stage_one", "k:imported"),
-    ("stage 1: config", "k:imported", "k:config"),
-    ("stage 1: ctypes", "k:config", "k:ctypes"),
-    ("stage 1: namespaces, workspace", "k:ctypes", "k:namespaces"),
-    ("stage 1: limits, privileges", "k:namespaces", "k:privileges"),
-    ("stage 1: handoff prepared", "k:privileges", "k:handoff"),
-    ("seccomp + execve, python start", "k:handoff", "k:server"),
-    ("stage 2: imports", "k:server", "k:server_imported"),
-    ("stage 2: bridge, audit hook", "k:server_imported", "k:started"),
-    ("ready message", "k:started", "ready"),
-)
-
-
-def _phases(host: dict[str, int], kernel: Any, ready_ns: int) -> dict[str, float]:
-    marks: dict[str, int] = {**host, "ready": ready_ns}
-    if isinstance(kernel, list):
-        for item in kernel:
-            if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], int):
-                name = "k:" + item[0]
-                marks[name + "2" if name in marks else name] = item[1]
-    out = {phase: (marks[b] - marks[a]) / 1e6 for phase, a, b in _PHASES if a in marks and b in marks}
-    if "launch" in marks:
-        out["total"] = (ready_ns - marks["launch"]) / 1e6
-    return out
-
-
 def _death_reason(process: KernelProcess) -> str:
     try:
         code = process.popen.wait(timeout=2)

@@ -112,7 +112,7 @@ static void unescape(char *s) {
     *out = '\0';
 }
 
-struct mount_line { char *point; int writable; unsigned long flags; };
+struct mount_line { char *point; int writable; unsigned long flags; unsigned long id; };
 
 /* /proc/self/mountinfo as (mount point, writable, per-mount flags), in mount order. */
 static size_t read_mounts(char *buf, struct mount_line *out, size_t max) {
@@ -149,16 +149,20 @@ static size_t read_mounts(char *buf, struct mount_line *out, size_t max) {
             else if (!strcmp(o, "nodiratime")) flags |= MS_NODIRATIME;
             else if (!strcmp(o, "relatime")) flags |= MS_RELATIME;
         }
-        out[count++] = (struct mount_line){field[4], writable, flags};
+        out[count++] = (struct mount_line){field[4], writable, flags, strtoul(field[0], NULL, 10)};
     }
     return count;
 }
 
+static struct mount_line lines[4096];
+static unsigned long view_ids[4096]; /* the checked view's mounts, in order */
+static size_t n_view_ids;
+static char *mountinfo_buf;
+
 /* Every mount read-only, then checked: no mount a kernel can reach (the top-most at
  * its mount point) is writable. */
 static void make_view_readonly(void) {
-    static struct mount_line lines[4096];
-    char *buf = malloc(MAX_MOUNTINFO);
+    char *buf = mountinfo_buf = malloc(MAX_MOUNTINFO);
     if (!buf) fail("out of memory", NULL, ENOMEM);
     size_t n = read_mounts(buf, lines, 4096);
     for (size_t i = 0; i < n; i++)
@@ -170,8 +174,21 @@ static void make_view_readonly(void) {
         int covered = 0;
         for (size_t j = i + 1; j < n && !covered; j++) covered = strcmp(lines[i].point, lines[j].point) == 0;
         if (lines[i].writable && !covered) fail("a mount of the view stayed writable:", lines[i].point, 0);
+        view_ids[i] = lines[i].id;
     }
-    free(buf);
+    n_view_ids = n;
+}
+
+/* The view is still the one checked. Attack (red team): a file the view covers (a
+ * hidden file, an FFI library) replaced on the host by a rename takes its cover with it
+ * in every namespace, so later kernels of the view would see the new file; bwrap would
+ * have covered it again for the next kernel, and so does a new template. */
+static int view_unchanged(void) {
+    size_t n = read_mounts(mountinfo_buf, lines, 4096);
+    if (n != n_view_ids) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (lines[i].id != view_ids[i]) return 0;
+    return 1;
 }
 
 static void __attribute__((noreturn)) start_child(int *fds, const uint32_t *targets, uint32_t nfds,
@@ -213,6 +230,11 @@ static void __attribute__((noreturn)) start_child(int *fds, const uint32_t *targ
     out_fd = (int)(out_target & ~REPORT_CLOSE_ON_EXEC);
     /* A command's report descriptor ends at its exec: the command never holds it. */
     if ((out_target & REPORT_CLOSE_ON_EXEC) && fcntl(out_fd, F_SETFD, FD_CLOEXEC) != 0) fail("fcntl", NULL, errno);
+    /* A session (and process group) of its own. Attack (red team): the keeper's clones
+     * shared its process group, and a signal from outside a PID namespace reaches its
+     * pid 1 like an ancestor's, so kill(0, SIGKILL) or SIGSTOP in one kernel killed or
+     * froze every kernel of the view, and setpriority(PRIO_PGRP) reniced them all. */
+    if (setsid() < 0) fail("setsid", NULL, errno);
     started_ns = now_ns();
     run_plan(plan, len);
 }
@@ -241,6 +263,12 @@ static void serve_request(void) {
     unsigned char *plan = malloc(head[3] ? head[3] : 1);
     if (!plan) _exit(71);
     read_all(control, plan, head[3]);
+    if (!view_unchanged()) { /* nothing is started from it any more: the host makes a new view */
+        free(plan);
+        for (size_t i = 0; i < nfds; i++) close(fds[i]);
+        reply(ESTALE, 0, -1, "the view changed on the host (a file it covers was replaced)");
+        return;
+    }
     size_t slot = 0;
     while (slot < MAX_CHILDREN && children[slot].pid != 0) slot++;
     int pidfd = -1;

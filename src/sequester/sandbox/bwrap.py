@@ -28,7 +28,7 @@ from ..guard.privileges import KERNEL_HOST_ID, NOBODY
 from .argv import Identity, LaunchFds, SandboxSpec, build_argv
 from .probe import bwrap_path
 
-__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "descendants", "read_pending"]
+__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "readable", "descendants", "read_pending"]
 
 # Inside, a root caller's kernel drops to nobody; on the host that id is KERNEL_HOST_ID,
 # which no host process has. Attack (red team): mapped to the host's own nobody, every
@@ -75,7 +75,7 @@ class StartedBwrap:
         except ProcessLookupError:
             bwrap_fd = None
         if bwrap_fd is not None:
-            exited = select.select([bwrap_fd], [], [], 5.0)[0]  # a timed wait() would poll
+            exited = readable(bwrap_fd, 5.0)  # a timed wait() would poll
             close_fd(bwrap_fd)
             if not exited:
                 self.popen.kill()
@@ -84,6 +84,15 @@ class StartedBwrap:
             if not self._reaped:
                 self._reaped = True
                 close_fd(self.pidfd)
+
+
+def readable(fd: int, timeout: float | None) -> bool:
+    """``fd`` is readable (or at its end, or a pidfd's process exited) within ``timeout``
+    seconds (None: wait). poll, not select: a host process with more than 1024
+    descriptors open (a server) must still reach its sandboxes."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
 
 def close_fd(fd: int) -> None:
@@ -215,7 +224,7 @@ def _wait_until_held(pid: int, pidfd: int, hold_fd: int, popen: subprocess.Popen
             fields = []  # the child is gone: found below
         if len(fields) >= 4 and fields[0] == str(number) and int(fields[1], 16) == hold_fd and int(fields[3], 16) == 1:
             return
-        if select.select([pidfd], [], [], 0)[0]:  # the child died building the view
+        if readable(pidfd, 0):  # the child died building the view
             popen.wait()
             said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
             raise SandboxError(f"bwrap failed to set up the sandbox: {said or 'no message'}")
@@ -239,7 +248,7 @@ def _read_all(fd: int, timeout: float) -> bytes:
         left = deadline - time.monotonic()
         if left <= 0:
             raise SandboxError("bwrap did not report its sandbox in time")
-        ready, _, _ = select.select([fd], [], [], left)
+        ready = readable(fd, left)
         if not ready:
             continue
         chunk = os.read(fd, 65536)

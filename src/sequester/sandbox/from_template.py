@@ -29,7 +29,8 @@ from .bootstrap import bootstrap_config
 from .bwrap import close_fd
 from .host import HostFacts, gather_host_facts
 from .spawn import KernelNetwork, KernelView, kernel_network, kernel_view
-from .template import TemplateKernel, TemplateSandbox, ViewTemplate, template_for, templates_enabled
+from .template import (StaleView, TemplateKernel, TemplateSandbox, ViewTemplate, forget, template_for,
+                       templates_enabled)
 
 __all__ = ["kernel_from_template", "run_confined"]
 
@@ -64,17 +65,24 @@ def kernel_from_template(policy: Policy, facts: HostFacts, stage0: Path, config_
     its cell runner's command names (stdout and stderr at 1 and 2)."""
     network = kernel_network(policy)
     try:
-        template, view = _template(policy, facts, stage0, network)
-        timing["t:view"] = time.monotonic_ns()
-        config = config_for(_ids(facts), network.bridge, view.below_tmp)
-        runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
-                                encode_stage_two(stage_two(config, {})))
-        plan = _plan(config, runner)
-        timing["t:planned"] = time.monotonic_ns()
         fds = [(to_kernel_r, to_kernel_r), (from_kernel_w, from_kernel_w), (out_w, 1), (err_w, 2)]
         if network.control_fd is not None:
             fds.append((network.control_fd, network.control_fd))
-        kernel = template.spawn(plan, fds, from_kernel_w)
+        for attempt in (1, 2):
+            template, view = _template(policy, facts, stage0, network)
+            timing["t:view"] = time.monotonic_ns()
+            config = config_for(_ids(facts), network.bridge, view.below_tmp)
+            runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
+                                    encode_stage_two(stage_two(config, {})))
+            plan = _plan(config, runner)
+            timing["t:planned"] = time.monotonic_ns()
+            try:
+                kernel = template.spawn(plan, fds, from_kernel_w)
+                break
+            except StaleView:
+                forget(template)  # a file the view covers was replaced: a new view covers it again
+                if attempt == 2:
+                    raise
     except BaseException:
         network.close()
         raise
@@ -99,14 +107,21 @@ def run_confined(policy: Policy, command: list[str], *, timeout: float | None = 
         raise SandboxError("run_confined needs the native first stage and view templates")
     facts = facts or gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly))
     network = KernelNetwork(plan_network(policy.allow) if policy.allow else None, None, None, None)
-    template, view = _template(policy, facts, stage0, network)
-    config = bootstrap_config(policy, Isolation.SANDBOX, root_flow=facts.is_root, keep_below_tmp=view.below_tmp,
-                              template_ids=_ids(facts))
-    plan = _plan(config, list(command), timing=False)
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]  # stdout, stderr, the stage's report
     try:
-        kernel = template.spawn(plan, [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])],
-                                pipes[2][1], close_report_on_exec=True)
+        for attempt in (1, 2):
+            template, view = _template(policy, facts, stage0, network)
+            config = bootstrap_config(policy, Isolation.SANDBOX, root_flow=facts.is_root,
+                                      keep_below_tmp=view.below_tmp, template_ids=_ids(facts))
+            plan = _plan(config, list(command), timing=False)
+            try:
+                kernel = template.spawn(plan, [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])],
+                                        pipes[2][1], close_report_on_exec=True)
+                break
+            except StaleView:
+                forget(template)
+                if attempt == 2:
+                    raise
     except BaseException:
         for r, w in pipes:
             close_fd(r)
@@ -125,26 +140,42 @@ def _collect(kernel: TemplateKernel, command: list[str], readers: list[int],
     import select
 
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def expired() -> subprocess.TimeoutExpired:
+        kernel.kill()
+        kernel.wait()
+        return subprocess.TimeoutExpired(command, timeout or 0.0)
+
     chunks: list[list[bytes]] = [[], [], []]
     sizes = [0, 0, 0]
-    open_fds = list(readers)
+    poller = select.poll()  # not select: a host with over 1024 descriptors open
+    for fd in readers:
+        poller.register(fd, select.POLLIN)
+    open_fds = set(readers)
     try:
         while open_fds:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = select.select(open_fds, [], [], left)[0]
+            wait = left()
+            ready = poller.poll(None if wait is None else int(wait * 1000))
             if not ready:
-                kernel.kill()
-                kernel.wait()
-                raise subprocess.TimeoutExpired(command, timeout or 0.0)
-            for fd in ready:
+                raise expired()
+            for fd, _ in ready:
                 data = os.read(fd, 65536)
                 i = readers.index(fd)
                 if not data:
-                    open_fds.remove(fd)
+                    open_fds.discard(fd)
+                    poller.unregister(fd)
                 elif sizes[i] < _OUTPUT_LIMIT:  # beyond the limit it is read and dropped
                     chunks[i].append(data[:_OUTPUT_LIMIT - sizes[i]])
                     sizes[i] += len(chunks[i][-1])
-        code = kernel.wait()
+        # Its output closed is not its end (red team: a command that closes 1 and 2 and
+        # sleeps): the deadline holds until it exits.
+        try:
+            code = kernel.wait(timeout=left())
+        except subprocess.TimeoutExpired:
+            raise expired() from None
     finally:
         for fd in readers:
             close_fd(fd)

@@ -122,6 +122,13 @@ class KernelProcess:
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
 
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the pipes, kill nothing."""
+        if not self._closed:
+            self._closed = True
+            for fd in (self.to_kernel, self.from_kernel, self.stdout, self.stderr):
+                close_fd(fd)
+
 
 def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True,
                    native: bool = False) -> tuple[str, ...]:

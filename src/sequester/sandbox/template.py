@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import select
 import signal
 import socket
 import struct
@@ -40,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import SandboxError
-from .bwrap import StartedBwrap, close_fd, descendants, start_bwrap
+from .bwrap import StartedBwrap, close_fd, descendants, readable, start_bwrap
 from .spawn import STAGE0_IN_VIEW, KernelNetwork, KernelView
 
-__all__ = ["ViewTemplate", "TemplateKernel", "TemplateSandbox", "template_for", "close_templates",
+__all__ = ["ViewTemplate", "TemplateKernel", "TemplateSandbox", "StaleView", "template_for", "forget", "close_templates",
            "templates_enabled", "MAX_TEMPLATES"]
 
 _MAGIC = 0x31545153  # "SQT1", stage0_template.c's MAGIC
@@ -58,6 +57,10 @@ MAX_TEMPLATES = 8
 def templates_enabled() -> bool:
     """``SEQUESTER_VIEW_TEMPLATE=0`` starts every kernel with bwrap of its own."""
     return os.environ.get("SEQUESTER_VIEW_TEMPLATE", "1") != "0"
+
+
+class StaleView(SandboxError):
+    """The view changed on the host since the template checked it: start from a new one."""
 
 
 @dataclass
@@ -98,7 +101,7 @@ class TemplateKernel:
         with self._lock:
             if self.returncode is not None:
                 return self.returncode
-            if not select.select([self.status_fd], [], [], timeout)[0]:
+            if not readable(self.status_fd, timeout):
                 return None
             raw = os.read(self.status_fd, 4)
             # No status: the keeper died, and its namespace's kernels with it.
@@ -234,10 +237,19 @@ class ViewTemplate:
                 except OSError as exc:
                     self._broken()
                     raise SandboxError(f"the view template's keeper is gone: {exc}") from None
+                except BaseException:
+                    # Attack (red team): interrupted between request and reply (a signal
+                    # handler's exception, KeyboardInterrupt), the stream kept the reply
+                    # unread, and the next spawn took it: another user's kernel's pidfd.
+                    self._broken()
+                    raise
                 magic, error, _, _ = reply[0]
                 if magic != _MAGIC:
                     self._broken()
                     raise SandboxError("the view template's keeper broke its protocol")
+                if error == errno.ESTALE:
+                    self._retired = True  # no new kernels; the caller starts from a new view
+                    raise StaleView(reply[1])
                 if error:
                     raise SandboxError(f"the view template could not start a kernel: {reply[1]}: {os.strerror(error)}")
                 if len(pidfds) != 1:
@@ -353,6 +365,15 @@ def _start_once(key: str, start: Callable[[], ViewTemplate]) -> ViewTemplate:
     for old in retired:
         old.retire()
     return made
+
+
+def forget(template: ViewTemplate) -> None:
+    """Take ``template`` out of the cache and retire it (a stale view)."""
+    with _lock:
+        for key, found in list(_templates.items()):
+            if found is template:
+                del _templates[key]
+    template.retire()
 
 
 def close_templates() -> None:

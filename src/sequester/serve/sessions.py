@@ -298,7 +298,7 @@ class KernelSession(Session):
         if process is None:
             return
         if process.sandbox is not None:
-            process.sandbox.started.signal_init()
+            process.sandbox.signal_kernel()
         else:
             try:
                 os.killpg(process.popen.pid, signal.SIGKILL)
