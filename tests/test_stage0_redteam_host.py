@@ -100,7 +100,7 @@ def test_a_failure_after_the_filter_is_a_sandbox_error_and_leaves_nothing(monkey
 
     patch_plan(monkeypatch, retarget)
     k = Kernel(Policy())
-    with pytest.raises(SandboxError, match=f"stage 0: execve of the cell runner {missing}: No such file"):
+    with pytest.raises(SandboxError, match=f"stage 0: execve of {missing}: No such file"):
         k.start()
     assert k.process is None
     assert_all_gone(launched)

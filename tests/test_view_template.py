@@ -21,6 +21,7 @@ from sequester.sandbox.launch import bootstrap_config
 from sequester.sandbox.probe import namespace_support
 
 from nobody_site import SYSTEM_PYTHON, nobody_site  # tests/helpers
+from procs import wait_until  # tests/helpers
 from stages import native_available, use_stage  # tests/helpers
 
 ROOT = os.geteuid() == 0
@@ -324,7 +325,8 @@ def test_the_keeper_holds_nothing_but_its_control_socket(templates):
         keeper = _template_of(k)._started.pid
         # stderr (bwrap's messages), SIGCHLD, the control socket, and this kernel's status pipe
         assert held() == ["/memfd", "anon_inode", "pipe", "socket"]
-    assert held() == ["/memfd", "anon_inode", "socket"]
+    # The keeper writes the status, then closes its end: wait for the close.
+    assert wait_until(lambda: held() == ["/memfd", "anon_inode", "socket"], timeout=5), held()
 
 
 @needs_templates

@@ -16,7 +16,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -316,7 +315,7 @@ def test_an_interrupted_spawn_does_not_hand_later_kernels_anothers_pidfd(templat
     BaseException: self._broken(); raise`` around the exchange (or read the reply before
     re-raising)."""
     with Kernel(Policy()) as first:
-        template = _template_of(first)
+        _template_of(first)  # the view exists
         real = template_module._recv_reply
         calls = []
 

@@ -279,26 +279,46 @@ def _processes_invisible(kernel: Kernel) -> Finding:
                    f"/proc lists {seen['pids'][:8]}{'...' if len(seen['pids']) > 8 else ''} (the kernel is pid {seen['me']})")
 
 
-_MARK = "import os\nfor d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, 'sequester-check-mark'), 'w').close()\n"
-_LOOK = ("import json, os\nprint(json.dumps({'files': [d for d in ('/tmp', '/dev/shm') "
-         "if os.path.exists(os.path.join(d, 'sequester-check-mark'))], "
-         "'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}))")
+# The first kernel marks its workspace and /dev/shm and listens on loopback; the second
+# looks for the marks, dials the port, and lists its processes.
+_MARK = ("import os, socket\nfor d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, 'sequester-check-mark'), 'w').close()\n"
+         "_check_listener = socket.create_server(('127.0.0.1', 0))\n_check_listener.getsockname()[1]")
+_LOOK = """import json, os, socket
+files = [d for d in ('/tmp', '/dev/shm') if os.path.exists(os.path.join(d, 'sequester-check-mark'))]
+try:
+    socket.create_connection(('127.0.0.1', @PORT@), timeout=2).close()
+    reached = True
+except OSError:
+    reached = False
+print(json.dumps({'files': files, 'reached': reached, 'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}))
+"""
+
+
+def _view_of(kernel: Kernel) -> object:
+    """The template a kernel came from (None: a bwrap of its own)."""
+    sandbox = kernel.process.sandbox if kernel.process is not None else None
+    return getattr(getattr(sandbox, "kernel", None), "template", None)
 
 
 def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
-    """A second kernel of the same policy (of one view template, where kernels share one)
-    sees nothing of the first: not its workspace files, not its process."""
+    """A second kernel of the same policy (of the same view template, where kernels share
+    one) sees nothing of the first: not its workspace files, not its loopback listener
+    (its network namespace), not its process."""
     marked = kernel.run(_MARK)
-    if marked.error is not None:
-        return Finding("kernels apart", False, f"the first kernel could not write its mark: {marked.error}")
+    if marked.error is not None or not (marked.value or "").isdigit():
+        return Finding("kernels apart", False, f"the first kernel could not mark itself: {marked.error}")
     with Kernel(policy) as other:
-        seen = _probe(other, _LOOK)
+        if _view_of(other) is not _view_of(kernel):
+            return Finding("kernels apart", False, "the second kernel came from another view: nothing was compared")
+        seen = _probe(other, _LOOK.replace("@PORT@", marked.value))
         view = other.report.get("view", "")
     if "error" in seen:
         return Finding("kernels apart", False, seen["error"])
-    ok = not seen["files"] and seen["pids"] == [1]
-    return Finding("kernels apart", ok, f"a second kernel ({view} view) saw the first's marks in {seen['files'] or 'none'} "
-                                        f"of /tmp, /dev/shm; its /proc lists {seen['pids'][:8]}")
+    ok = not seen["files"] and not seen["reached"] and seen["pids"] == [1]
+    return Finding("kernels apart", ok, f"a second kernel of the same {view} view saw the first's marks in "
+                                        f"{seen['files'] or 'none'} of /tmp, /dev/shm, "
+                                        f"{'reached' if seen['reached'] else 'could not reach'} its loopback listener; "
+                                        f"its /proc lists {seen['pids'][:8]}")
 
 
 _OWN_MEMORY = r'''

@@ -336,7 +336,7 @@ void run_plan(const unsigned char *frame, uint32_t size) {
             if (page != (void *)HANDOFF_ADDRESS) fail("mapping the handoff page", NULL, errno);
             memcpy(page, path, len);
             execve((const char *)HANDOFF_ADDRESS, exec_argv, environ); /* bwrap's environment, as Python's stage passes on */
-            fail("execve of the cell runner", path, errno);
+            fail("execve of", path, errno); /* the cell runner, or run_confined's program */
         }
         default: {
             char code[16];

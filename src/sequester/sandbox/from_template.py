@@ -99,7 +99,10 @@ def run_confined(policy: Policy, command: list[str], *, timeout: float | None = 
     view template (no network: the allowed services need the kernel's bridge). Its
     status, stdout and stderr (each up to 16 MiB) come back; a start that fails is a
     :class:`SandboxError` naming the step. The filter forbids starting processes, so
-    ``command`` is one program (``true``, a compiled test binary), not a shell pipeline."""
+    ``command`` is one program (``true``, a compiled test binary), not a shell pipeline.
+    Like a kernel, it is its PID namespace's init: a signal it sends itself with no
+    handler (``raise(SIGTERM)``) is ignored, and ``abort()`` ends it with SIGSEGV, not
+    SIGABRT; read a status accordingly."""
     if not command or not os.path.isabs(command[0]):
         raise SandboxError(f"the command's program must be an absolute path, not {command[:1]!r}")
     stage0 = stage0_program()
@@ -185,7 +188,7 @@ def _collect(kernel: TemplateKernel, command: list[str], readers: list[int],
     report = b"".join(chunks[2])
     if report:  # the stage failed before the exec: its protocol message
         try:
-            reason = loads(report[4:]).get("error")
+            reason = loads(report[4:].decode("utf-8", "replace")).get("error")
         except Exception:  # noqa: BLE001 - the host's own stage; still fail closed
             reason = None
         raise SandboxError(f"the command's sandbox failed: {reason or 'no reason given'}")

@@ -98,11 +98,20 @@ class TemplateKernel:
     terminate = kill  # a kernel is killed, never asked
 
     def _collect(self, timeout: float | None) -> int | None:
+        # The wait is on a copy of the status pipe, outside the lock: a kill from another
+        # thread never waits behind it (red team: kill() blocked behind a wait()).
         with self._lock:
             if self.returncode is not None:
                 return self.returncode
-            if not readable(self.status_fd, timeout):
+            watch = os.dup(self.status_fd)
+        try:
+            if not readable(watch, timeout):
                 return None
+        finally:
+            close_fd(watch)
+        with self._lock:
+            if self.returncode is not None:  # another thread collected it meanwhile
+                return self.returncode
             raw = os.read(self.status_fd, 4)
             # No status: the keeper died, and its namespace's kernels with it.
             self.returncode = os.waitstatus_to_exitcode(int.from_bytes(raw, "little", signed=True)) \
@@ -226,7 +235,9 @@ class ViewTemplate:
         try:
             with self._lock:
                 if self._closed:
-                    raise SandboxError("the view template is closed")
+                    # Red team: retired (and so closed) by another view's first kernel
+                    # between this kernel's lookup and its spawn: the caller starts again.
+                    raise StaleView("the view template was closed")
                 head = struct.pack("<4I", _MAGIC, len(fds) + 1, out_target | (_CLOSE_ON_EXEC if close_report_on_exec else 0),
                                    len(plan_body))
                 targets = struct.pack(f"<{len(fds) + 1}I", 0, *(t for _, t in fds))
