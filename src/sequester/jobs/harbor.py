@@ -48,6 +48,7 @@ _HARBOR_NAMES: dict[str, str] = {
     # the episode's sandbox could not be made, staged, frozen or torn down
     "SandboxError": "SandboxBuildFailedError",
     "SandboxUnavailableError": "SandboxBuildFailedError",
+    "StaleView": "SandboxBuildFailedError",  # a view template outdated twice in one start
     "FreezeError": "SandboxBuildFailedError",
     # the task's image could not be had or unpacked: its environment could not be built
     "ImageError": "SandboxBuildFailedError",
