@@ -1,7 +1,9 @@
 """Start a kernel process under a policy: the one place that orders the steps.
 
 ``sandbox``: plan the network (broker on the host, bridge listeners inside), plan the
-mounts, build bwrap's argv, spawn it, write the uid map (root flow), then hand the
+mounts; then, with the native first stage, start the kernel as a child of the view
+template's keeper (:mod:`.from_template`, :mod:`.template`: bwrap ran once for the
+view), else build bwrap's argv, spawn it, write the uid map (root flow) and hand the
 kernel its bootstrap configuration. ``guard``: a plain child process that confines
 itself (Landlock + seccomp + audit hook) in a fresh workspace. ``off``: a plain child.
 
