@@ -339,8 +339,9 @@ def test_a_cell_sees_the_same_process_under_either_stage(monkeypatch):
     only in the stage-two configuration (the Python stage's carries its timing) and the
     native stage's timing argument; nothing is mapped at HANDOFF_ADDRESS. A view
     template's kernel is the same but tighter: it holds only the descriptors the host
-    sent it (bwrap passes each pipe twice), and every mount it did not make itself is
-    read-only (it shows the template's, covered, beneath its own /proc, /tmp, /dev/pts)."""
+    sent it (bwrap passes each pipe twice), every mount it did not make itself is
+    read-only (it shows the template's, covered, beneath its own /proc, /tmp, /dev/pts),
+    and its own namespace forbids nested user namespaces in either flow."""
     if not native_available():
         pytest.skip("the native stage cannot be built here")
     seen = {}
@@ -354,12 +355,18 @@ def test_a_cell_sees_the_same_process_under_either_stage(monkeypatch):
         state["argv"] = state["argv"][:-1]  # the stage-two configuration (its timing differs)
     for key in native:
         assert native[key] == python[key], key
-    for key in set(native) - {"fds", "mounts"}:
+    for key in set(native) - {"fds", "mounts", "sysctl"}:
         assert template[key] == native[key], key
+    # No user namespace below its own (an ordinary caller's bwrap forbids them from the
+    # namespace above, which reads as the default here), and every port bindable.
+    assert template["sysctl"] == ["0", "0"]
     assert template["fds"] == ["/dev/null", "pipe", "pipe", "pipe", "pipe"]  # stdin, in, out, stdout, stderr
     own = {"/proc", "/tmp", "/dev/shm", "/dev/pts"}
     assert {p for p, flags in template["mounts"] if flags.startswith("rw")} == own
-    assert {p for p, _ in template["mounts"]} == {p for p, _ in native["mounts"]}
+    # The same places; its own /proc always gets bwrap's read-only covers (which an
+    # ordinary caller's bwrap leaves out).
+    points, native_points = {p for p, _ in template["mounts"]}, {p for p, _ in native["mounts"]}
+    assert native_points <= points <= native_points | {"/proc/irq", "/proc/bus"}
 
 
 SYSTEM_WRITES = r'''
