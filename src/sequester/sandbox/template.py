@@ -27,20 +27,19 @@ and dies with the host (bwrap's ``--die-with-parent``), taking every kernel with
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import os
-import signal
 import socket
 import struct
-import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import SandboxError
-from .bwrap import StartedBwrap, close_fd, descendants, readable, start_bwrap
-from .spawn import STAGE0_IN_VIEW, KernelNetwork, KernelView
+from .bwrap import StartedBwrap, close_fd, start_bwrap
+from .spawn import STAGE0_IN_VIEW, KernelView
+from .template_kernel import StaleView, TemplateKernel, TemplateSandbox
 
 __all__ = ["ViewTemplate", "TemplateKernel", "TemplateSandbox", "StaleView", "template_for", "forget", "close_templates",
            "templates_enabled", "MAX_TEMPLATES"]
@@ -59,104 +58,9 @@ def templates_enabled() -> bool:
     return os.environ.get("SEQUESTER_VIEW_TEMPLATE", "1") != "0"
 
 
-class StaleView(SandboxError):
-    """The view changed on the host since the template checked it: start from a new one."""
-
-
-@dataclass
-class TemplateKernel:
-    """One kernel of a template, with the part of :class:`subprocess.Popen` the kernel
-    client uses. ``pid`` is the host's; the exit status comes from the keeper, its parent."""
-
-    pid: int
-    pidfd: int
-    status_fd: int
-    template: ViewTemplate
-    returncode: int | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def poll(self) -> int | None:
-        return self._collect(0.0)
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = self._collect(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(["kernel"], timeout or 0.0)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    signal.pidfd_send_signal(self.pidfd, sig)
-                except ProcessLookupError:
-                    pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    terminate = kill  # a kernel is killed, never asked
-
-    def _collect(self, timeout: float | None) -> int | None:
-        # The wait is on a copy of the status pipe, outside the lock: a kill from another
-        # thread never waits behind it (red team: kill() blocked behind a wait()).
-        with self._lock:
-            if self.returncode is not None:
-                return self.returncode
-            watch = os.dup(self.status_fd)
-        try:
-            if not readable(watch, timeout):
-                return None
-        finally:
-            close_fd(watch)
-        with self._lock:
-            if self.returncode is not None:  # another thread collected it meanwhile
-                return self.returncode
-            raw = os.read(self.status_fd, 4)
-            # No status: the keeper died, and its namespace's kernels with it.
-            self.returncode = os.waitstatus_to_exitcode(int.from_bytes(raw, "little", signed=True)) \
-                if len(raw) == 4 else -signal.SIGKILL
-            close_fd(self.status_fd)
-            close_fd(self.pidfd)
-        self.template.release()
-        return self.returncode
-
-
-@dataclass
-class TemplateSandbox:
-    """The sandbox of a kernel started from a template: what ``KernelProcess.sandbox`` is
-    for a bwrap-started kernel."""
-
-    kernel: TemplateKernel
-    network: KernelNetwork
-    below_tmp: tuple[Any, ...] = ()
-
-    @property
-    def broker(self):  # type: ignore[no-untyped-def]
-        return self.network.broker
-
-    @property
-    def bridge(self) -> dict[str, Any] | None:
-        return self.network.bridge
-
-    def kill(self) -> None:
-        self.kernel.kill()
-        try:
-            self.kernel.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # the keeper is stuck: end the view, and so the kernel
-            self.kernel.template.close()
-            self.kernel.wait(timeout=5.0)
-        self.network.close()
-
-    def signal_kernel(self) -> None:
-        self.kernel.kill()
-
-    def host_pids(self) -> list[int]:
-        return [self.kernel.pid, *descendants(self.kernel.pid)]
-
-
 class ViewTemplate:
-    """A keeper serving kernels of one view. Thread-safe; spawn after close is an error."""
+    """A keeper serving kernels of one view. Thread-safe; a spawn after close raises
+    :class:`StaleView` (the caller starts from a new view)."""
 
     def __init__(self, started: StartedBwrap, control: socket.socket):
         self._started = started
@@ -172,19 +76,20 @@ class ViewTemplate:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         err = os.memfd_create("sequester-template-stderr", os.MFD_CLOEXEC)
         try:
-            spec = view.spec.__class__(**{**view.spec.__dict__, "command": (stage0_in_view, "--template",
-                                                                             str(theirs.fileno()))})
+            spec = dataclasses.replace(view.spec, command=(stage0_in_view, "--template", str(theirs.fileno())))
             null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
             try:
                 started = start_bwrap(spec, data_files=view.data_files, keep_fds=[theirs.fileno()], stdout=null,
                                       stderr=err, stderr_reader=None)
             finally:
                 close_fd(null)
-        except SandboxError as exc:
+        except BaseException as exc:
             ours.close()
             said = _said(err)
             close_fd(err)
-            raise SandboxError(f"{exc} {said}".strip()) from None
+            if isinstance(exc, SandboxError):
+                raise SandboxError(f"{exc} {said}".strip()) from None
+            raise
         finally:
             theirs.close()
         template = cls(started, ours)
@@ -199,15 +104,15 @@ class ViewTemplate:
 
     def _wait_ready(self, err: int) -> None:
         self._control.settimeout(_READY_TIMEOUT)
+        header = body = b""
         try:
             header = _recv_exactly(self._control, 4)
-            body = _recv_exactly(self._control, int.from_bytes(header, "big")) if len(header) == 4 else b""
+            size = int.from_bytes(header, "big") if len(header) == 4 else 0
+            body = _recv_exactly(self._control, size) if size <= 4096 else b""  # the stage's frames are small
         except OSError:
             body = b""
         finally:
             self._control.settimeout(None)
-        if len(header) != 4 or len(body) > 4096:
-            body = b""
         if b'"op":"ready"' not in body:
             import json
 
