@@ -45,6 +45,19 @@ if not os.environ.get("RAY_AUTH_TOKEN_PATH"):
 
 
 @pytest.fixture
+def templates(monkeypatch):
+    """Kernels of this test start from view templates (sequester.sandbox.template), and
+    none is kept before or after it: the module, for its cache and its knobs."""
+    from sequester.sandbox import template
+    from stages import use_stage
+
+    use_stage(monkeypatch, "template")
+    template.close_templates()
+    yield template
+    template.close_templates()
+
+
+@pytest.fixture
 def tagged_service() -> Iterator:
     """Factory: a loopback TCP service that greets each client with a tag, then echoes."""
     with ExitStack() as stack:

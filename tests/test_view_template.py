@@ -16,13 +16,12 @@ from sequester import Kernel, Limits, Policy, SandboxError
 from sequester.guard.namespaces import SELF_MEM, STAGING, plan_own_proc, plan_workspace
 from sequester.guard.native_plan import Op, plan_stage0
 from sequester.policy import Isolation
-from sequester.sandbox import template as template_module
 from sequester.sandbox.launch import bootstrap_config
 from sequester.sandbox.probe import namespace_support
 
 from nobody_site import SYSTEM_PYTHON, nobody_site  # tests/helpers
 from procs import wait_until  # tests/helpers
-from stages import native_available, use_stage  # tests/helpers
+from stages import native_available  # tests/helpers
 
 ROOT = os.geteuid() == 0
 needs_templates = pytest.mark.skipif(not namespace_support().available or not native_available(),
@@ -119,7 +118,7 @@ out = {}
 for name, (code_a, code_b) in probes.items():
     policy = Policy(limits=Limits(max_threads=8))
     with Kernel(policy) as a, Kernel(policy) as b:
-        same = a.process.sandbox.kernel.template is b.process.sandbox.kernel.template
+        same = a.process.view_template is b.process.view_template
         ra, rb = a.run(code_a, timeout=30), b.run(code_b, timeout=30)
         out[name] = {"views": [a.report["view"], b.report["view"]], "same_template": same, "uid": [a.report["uid"], b.report["uid"]],
                      "a": ra.value, "b": rb.value, "errors": [None if r.error is None else r.error.message for r in (ra, rb)]}
@@ -176,27 +175,15 @@ def test_two_kernels_of_one_template_share_nothing(two_kernels, probe):
 # -- the template's life ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def templates(monkeypatch):
-    use_stage(monkeypatch, "template")
-    template_module.close_templates()
-    yield template_module
-    template_module.close_templates()
-
-
-def _template_of(kernel: Kernel):
-    return kernel.process.sandbox.kernel.template
-
-
 @needs_templates
 def test_kernels_of_one_policy_share_a_template_and_another_policy_gets_its_own(templates, monkeypatch):
     monkeypatch.setenv("SEQ_TEMPLATE_TEST", "1")
     with Kernel(Policy()) as a, Kernel(Policy()) as b, Kernel(Policy(limits=Limits(max_threads=9))) as c:
-        assert _template_of(a) is _template_of(b)
+        assert a.process.view_template is b.process.view_template
         # Limits are per kernel (its plan), not the view: the same template.
-        assert _template_of(c) is _template_of(a)
+        assert c.process.view_template is a.process.view_template
         with Kernel(Policy(env=("SEQ_TEMPLATE_TEST",))) as d:
-            assert _template_of(d) is not _template_of(a)  # another environment: another view
+            assert d.process.view_template is not a.process.view_template  # another environment: another view
 
 
 @needs_templates
@@ -204,7 +191,7 @@ def test_a_kernel_that_fails_to_confine_itself_leaves_the_template_serving(templ
     from sequester.guard import namespaces
 
     with Kernel(Policy()) as first:
-        template = _template_of(first)
+        template = first.process.view_template
     real = namespaces.plan_workspace
 
     def broken(size, workspace, keep=(), own_proc=None):
@@ -218,7 +205,7 @@ def test_a_kernel_that_fails_to_confine_itself_leaves_the_template_serving(templ
         Kernel(Policy()).start()
     monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", real)
     with Kernel(Policy()) as again:
-        assert _template_of(again) is template and again.run("1 + 1").value == "2"
+        assert again.process.view_template is template and again.run("1 + 1").value == "2"
 
 
 @needs_templates
@@ -227,9 +214,9 @@ def test_a_retired_template_serves_its_kernels_to_their_end_then_goes(templates,
     monkeypatch.setattr(templates, "MAX_TEMPLATES", 1)
     old = Kernel(Policy()).start()
     try:
-        first = _template_of(old)
+        first = old.process.view_template
         with Kernel(Policy(env=("SEQ_TEMPLATE_TEST",))) as other:  # retires the first view
-            assert _template_of(other) is not first
+            assert other.process.view_template is not first
             assert old.run("40 + 2").value == "42"  # still served
             assert first.alive
     finally:
@@ -240,24 +227,24 @@ def test_a_retired_template_serves_its_kernels_to_their_end_then_goes(templates,
 @needs_templates
 def test_the_keepers_death_ends_its_kernels_and_the_next_start_makes_a_new_view(templates):
     k = Kernel(Policy()).start()
-    first = _template_of(k)
+    first = k.process.view_template
     templates.close_templates()
     assert k.run("1").error is not None or not k.alive()
     k.close()
     with Kernel(Policy()) as again:
-        assert _template_of(again) is not first and again.run("2 + 2").value == "4"
+        assert again.process.view_template is not first and again.run("2 + 2").value == "4"
 
 
 @needs_templates
 def test_a_forked_child_never_uses_its_parents_keeper(templates):
     with Kernel(Policy()) as parent_kernel:
-        parent_template = _template_of(parent_kernel)
+        parent_template = parent_kernel.process.view_template
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         try:
             with Kernel(Policy()) as k:
-                ok = k.run("3 * 3").value == "9" and _template_of(k) is not parent_template
+                ok = k.run("3 * 3").value == "9" and k.process.view_template is not parent_template
             os.write(w, b"ok" if ok else b"bad")
         finally:
             os._exit(0)
@@ -267,7 +254,7 @@ def test_a_forked_child_never_uses_its_parents_keeper(templates):
     os.waitpid(pid, 0)
     assert said == b"ok"
     with Kernel(Policy()) as k:  # the parent's keeper still serves the parent
-        assert _template_of(k) is parent_template and k.run("5").value == "5"
+        assert k.process.view_template is parent_template and k.run("5").value == "5"
 
 
 @needs_templates
@@ -286,7 +273,7 @@ def test_many_kernels_start_at_once_from_one_template(templates):
     for t in threads:
         t.join()
     try:
-        assert not errors and len({id(_template_of(k)) for k in kernels}) == 1
+        assert not errors and len({id(k.process.view_template) for k in kernels}) == 1
         assert [k.run("6 * 7").value for k in kernels] == ["42"] * 8
     finally:
         for k in kernels:
@@ -308,7 +295,7 @@ def test_a_view_first_used_by_a_thread_that_ended_still_serves(templates):
         time.sleep(0.3)
         assert k.alive() and k.run("1 + 2").value == "3"
         with Kernel(Policy()) as again:
-            assert _template_of(again) is _template_of(k)
+            assert again.process.view_template is k.process.view_template
     finally:
         k.close()
 
@@ -322,7 +309,7 @@ def test_the_keeper_holds_nothing_but_its_control_socket(templates):
         return sorted(v.split(":")[0] for v in fds.values())
 
     with Kernel(Policy()) as k:
-        keeper = _template_of(k)._started.pid
+        keeper = k.process.view_template._started.pid
         # stderr (bwrap's messages), SIGCHLD, the control socket, and this kernel's status pipe
         assert held() == ["/memfd", "anon_inode", "pipe", "socket"]
     # The keeper writes the status, then closes its end: wait for the close.

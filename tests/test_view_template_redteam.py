@@ -65,14 +65,14 @@ out = {}
 for name, (code_a, code_b) in probes.items():
     policy = Policy()
     with Kernel(policy) as a, Kernel(policy) as b:
-        template = a.process.sandbox.kernel.template
-        same = template is b.process.sandbox.kernel.template
+        template = a.process.view_template
+        same = template is b.process.view_template
         ra = a.run(code_a, timeout=20)
         time.sleep(0.3)
         rb = b.run(code_b, timeout=5)
         with Kernel(policy) as c:
             rc = c.run("6 * 7", timeout=20)
-            c_same = c.process.sandbox.kernel.template is template
+            c_same = c.process.view_template is template
         out[name] = {"views": [a.report["view"], b.report["view"]], "same_template": same, "c_same_template": c_same,
                      "a": ra.value, "b": rb.value, "c": rc.value, "keeper_alive": template.alive,
                      "errors": [None if r.error is None else r.error.message for r in (ra, rb, rc)]}
@@ -162,25 +162,13 @@ def test_the_views_own_files_are_no_lock_channel_between_kernels(two_kernels, pr
 # -- the template's own side ------------------------------------------------------------------
 
 
-@pytest.fixture
-def templates(monkeypatch):
-    use_stage(monkeypatch, "template")
-    template_module.close_templates()
-    yield template_module
-    template_module.close_templates()
-
-
-def _template_of(kernel: Kernel):
-    return kernel.process.sandbox.kernel.template
-
-
 def _real_host_pid(kernel: Kernel) -> int | None:
     """The kernel's host pid found independently of its handle: the keeper's descendant
     whose stdout is this kernel's stdout pipe."""
     from sequester.sandbox.bwrap import descendants
 
     inode = os.fstat(kernel.process.stdout).st_ino
-    for pid in descendants(_template_of(kernel)._started.pid):
+    for pid in descendants(kernel.process.view_template._started.pid):
         try:
             if os.stat(f"/proc/{pid}/fd/1").st_ino == inode:
                 return pid
@@ -198,7 +186,7 @@ def test_a_kernel_holds_only_its_own_descriptors_and_is_no_host_user(templates):
     from sequester.guard.privileges import KERNEL_HOST_ID
 
     with Kernel(Policy()) as other, Kernel(Policy()) as k:
-        assert _template_of(other) is _template_of(k)
+        assert other.process.view_template is k.process.view_template
         pid = _real_host_pid(k)
         assert pid is not None and pid == k.process.popen.pid
         held = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
@@ -249,7 +237,7 @@ def test_one_policys_environment_never_reaches_another_policys_kernels(templates
     with Kernel(Policy(env=("SEQ_REDTEAM_SECRET",))) as with_env, Kernel(Policy()) as without:
         assert with_env.run(read).value == "'one'"
         assert without.run(read).value in (None, "None")
-        assert _template_of(with_env) is not _template_of(without)
+        assert with_env.process.view_template is not without.process.view_template
     monkeypatch.setenv("SEQ_REDTEAM_SECRET", "two")
     with Kernel(Policy(env=("SEQ_REDTEAM_SECRET",))) as again:
         assert again.run(read).value == "'two'"
@@ -315,7 +303,7 @@ def test_an_interrupted_spawn_does_not_hand_later_kernels_anothers_pidfd(templat
     BaseException: self._broken(); raise`` around the exchange (or read the reply before
     re-raising)."""
     with Kernel(Policy()) as first:
-        _template_of(first)  # the view exists
+        first.process.view_template  # the view exists
         real = template_module._recv_reply
         calls = []
 

@@ -27,23 +27,11 @@ from sequester.sandbox import template as template_module
 from sequester.sandbox.bwrap import descendants
 from sequester.sandbox.probe import namespace_support
 
-from stages import native_available, use_stage  # tests/helpers
+from stages import native_available  # tests/helpers
 
 ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not namespace_support().available or not native_available(),
                                 reason="view templates need user namespaces and the native stage")
-
-
-@pytest.fixture
-def templates(monkeypatch):
-    use_stage(monkeypatch, "template")
-    template_module.close_templates()
-    yield template_module
-    template_module.close_templates()
-
-
-def _template_of(kernel: Kernel):
-    return kernel.process.sandbox.kernel.template
 
 
 def _fds() -> set[str]:
@@ -120,7 +108,7 @@ def test_a_kernel_cannot_change_its_templates_mount_table(templates):
     propagation) and every mount point a kernel can reach is on a read-only mount or its
     own; the keeper's table is unchanged and the next kernel is of the same template."""
     with Kernel(Policy()) as a:
-        template = _template_of(a)
+        template = a.process.view_template
         keeper = template._started.pid
         before = _mount_ids(keeper)
         assert not any("shared:" in line for line in open(f"/proc/{keeper}/mountinfo")), "a view mount propagates"
@@ -130,7 +118,7 @@ def test_a_kernel_cannot_change_its_templates_mount_table(templates):
         assert all(v != "done" for k, v in tried.items() if not k.startswith("rename over")), tried
         assert _mount_ids(keeper) == before
         with Kernel(Policy()) as b:
-            assert _template_of(b) is template and template.alive
+            assert b.process.view_template is template and template.alive
             assert b.run("6 * 7").value == "42"
 
 
@@ -149,14 +137,14 @@ def test_a_stale_view_is_replaced_without_killing_its_kernels_or_leaking(templat
         policy = Policy(hide=(secret,))
         with _nothing_left_behind():
             running = Kernel(policy).start()
-            stale = _template_of(running)
+            stale = running.process.view_template
             stale_pids = stale.host_pids()
             for round_ in range(3):
                 fresh = folder / "fresh"
                 fresh.write_text(f"replaced {round_}\n")
                 os.replace(fresh, secret)
                 with Kernel(policy) as k:
-                    assert _template_of(k) is not stale
+                    assert k.process.view_template is not stale
                     assert k.run(f"open({str(secret)!r}).read()").value is None
             assert running.alive() and running.run("1 + 1").value == "2"
             assert all(os.path.exists(f"/proc/{p}") for p in stale_pids)
@@ -346,7 +334,7 @@ def test_the_keeper_serves_while_kernels_spin_stop_and_die_together(templates):
     and reported, and the next kernel of the template starts in well under a second."""
     with _nothing_left_behind():
         spinner = Kernel(Policy()).start()
-        template = _template_of(spinner)
+        template = spinner.process.view_template
         assert spinner.run(SPIN).value == "'spinning'"
         # A child stopped before exec: the spawn's reply comes right after the clone.
         r, w = os.pipe2(os.O_CLOEXEC)
@@ -360,7 +348,7 @@ def test_the_keeper_serves_while_kernels_spin_stop_and_die_together(templates):
         finally:
             os.close(w)
         dying = [Kernel(Policy()).start() for _ in range(16)]
-        assert all(_template_of(k) is template for k in dying)
+        assert all(k.process.view_template is template for k in dying)
         at = time.time() + 1.0
         for k in dying:
             k.run(f"import os, threading, time\nthreading.Thread(target=lambda: (time.sleep(max(0, {at} - time.time())),"
@@ -370,7 +358,7 @@ def test_the_keeper_serves_while_kernels_spin_stop_and_die_together(templates):
         started = time.monotonic()
         with Kernel(Policy()) as k:
             took = time.monotonic() - started
-            assert _template_of(k) is template and k.run("6 * 7").value == "42"
+            assert k.process.view_template is template and k.run("6 * 7").value == "42"
         assert took < 3.0, f"a kernel took {took:.1f} s to start beside a spinning and a stuck one"
         child.kill()
         assert child.wait(timeout=5) == -signal.SIGKILL
@@ -473,7 +461,7 @@ def test_kernels_apart_fails_for_a_second_kernel_that_shares_the_firsts_namespac
     and the finding passes vacuously). Fix: sequester/check.py _kernels_apart: the first
     kernel also listens on a loopback port, makes a SysV IPC object and sets its
     hostname; the second must see none; and require
-    ``_template_of(other) is _template_of(kernel)`` when the view is a template."""
+    ``other.process.view_template is kernel.process.view_template`` when the view is a template."""
     from sequester import check
 
     with Kernel(Policy()) as first:

@@ -294,12 +294,6 @@ print(json.dumps({'files': files, 'reached': reached, 'pids': sorted(int(p) for 
 """
 
 
-def _view_of(kernel: Kernel) -> object:
-    """The template a kernel came from (None: a bwrap of its own)."""
-    sandbox = kernel.process.sandbox if kernel.process is not None else None
-    return getattr(getattr(sandbox, "kernel", None), "template", None)
-
-
 def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
     """A second kernel of the same policy (of the same view template, where kernels share
     one) sees nothing of the first: not its workspace files, not its loopback listener
@@ -308,7 +302,7 @@ def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
     if marked.error is not None or not (marked.value or "").isdigit():
         return Finding("kernels apart", False, f"the first kernel could not mark itself: {marked.error}")
     with Kernel(policy) as other:
-        if _view_of(other) is not _view_of(kernel):
+        if other.process.view_template is not kernel.process.view_template:
             return Finding("kernels apart", False, "the second kernel came from another view: nothing was compared")
         seen = _probe(other, _LOOK.replace("@PORT@", marked.value))
         view = other.report.get("view", "")

@@ -44,6 +44,25 @@ def _template(policy: Policy, facts: HostFacts, stage0: Path, network: KernelNet
     return template_for(key, lambda: ViewTemplate.start(view)), view
 
 
+def _spawn(policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork,
+           plan_for: Callable[[KernelView], tuple[bytes, dict[str, Any]]], fds: list[tuple[int, int]],
+           out_target: int, **spawn_options: bool) -> tuple[TemplateKernel, KernelView, dict[str, Any]]:
+    """The keeper's child running the plan of ``plan_for(view)`` (the plan, and the
+    configuration it came from), from the view's live template. A
+    view found stale (a file it covers was replaced on the host) or retired meanwhile is
+    dropped and the start goes once more, from a new view that covers it again."""
+    for attempt in (1, 2):
+        template, view = _template(policy, facts, stage0, network)
+        plan, config = plan_for(view)
+        try:
+            return template.spawn(plan, fds, out_target, **spawn_options), view, config
+        except StaleView:
+            forget(template)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _ids(facts: HostFacts) -> tuple[int, int]:
     # A root caller's kernel is nobody (KERNEL_HOST_ID on the host); an ordinary caller's
     # is the caller, as in a sandbox bwrap made for it alone.
@@ -68,21 +87,16 @@ def kernel_from_template(policy: Policy, facts: HostFacts, stage0: Path, config_
         fds = [(to_kernel_r, to_kernel_r), (from_kernel_w, from_kernel_w), (out_w, 1), (err_w, 2)]
         if network.control_fd is not None:
             fds.append((network.control_fd, network.control_fd))
-        for attempt in (1, 2):
-            template, view = _template(policy, facts, stage0, network)
+        def plan_for(view: KernelView) -> tuple[bytes, dict[str, Any]]:
             timing["t:view"] = time.monotonic_ns()
             config = config_for(_ids(facts), network.bridge, view.below_tmp)
             runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
                                     encode_stage_two(stage_two(config, {})))
             plan = _plan(config, runner)
             timing["t:planned"] = time.monotonic_ns()
-            try:
-                kernel = template.spawn(plan, fds, from_kernel_w)
-                break
-            except StaleView:
-                forget(template)  # a file the view covers was replaced: a new view covers it again
-                if attempt == 2:
-                    raise
+            return plan, config
+
+        kernel, view, config = _spawn(policy, facts, stage0, network, plan_for, fds, from_kernel_w)
     except BaseException:
         network.close()
         raise
@@ -112,19 +126,14 @@ def run_confined(policy: Policy, command: list[str], *, timeout: float | None = 
     network = KernelNetwork(plan_network(policy.allow) if policy.allow else None, None, None, None)
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]  # stdout, stderr, the stage's report
     try:
-        for attempt in (1, 2):
-            template, view = _template(policy, facts, stage0, network)
+        def plan_for(view: KernelView) -> tuple[bytes, dict[str, Any]]:
             config = bootstrap_config(policy, Isolation.SANDBOX, root_flow=facts.is_root,
                                       keep_below_tmp=view.below_tmp, template_ids=_ids(facts))
-            plan = _plan(config, list(command), timing=False)
-            try:
-                kernel = template.spawn(plan, [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])],
-                                        pipes[2][1], close_report_on_exec=True)
-                break
-            except StaleView:
-                forget(template)
-                if attempt == 2:
-                    raise
+            return _plan(config, list(command), timing=False), config
+
+        kernel, _, _ = _spawn(policy, facts, stage0, network, plan_for,
+                           [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])], pipes[2][1],
+                           close_report_on_exec=True)
     except BaseException:
         for r, w in pipes:
             close_fd(r)

@@ -41,7 +41,7 @@ from .probe import resolve_isolation
 from .spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
 from .bootstrap import bootstrap_config
 from .from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
-from .template import TemplateSandbox, templates_enabled
+from .template import TemplateSandbox, ViewTemplate, templates_enabled
 
 __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "run_confined",
            "kernel_command", "bootstrap_config"]
@@ -77,9 +77,15 @@ class KernelProcess:
     _closed: bool = field(default=False, repr=False)
 
     @property
+    def view_template(self) -> ViewTemplate | None:
+        """The view template whose keeper started this kernel (:mod:`.template`); None
+        for a kernel with a bwrap of its own (or none)."""
+        return self.sandbox.kernel.template if isinstance(self.sandbox, TemplateSandbox) else None
+
+    @property
     def from_template(self) -> bool:
         """The kernel is a view template's child (:mod:`.template`), not bwrap's."""
-        return isinstance(self.sandbox, TemplateSandbox)
+        return self.view_template is not None
 
     @property
     def native_stage(self) -> bool:
