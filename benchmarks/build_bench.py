@@ -2,7 +2,7 @@
 
     python benchmarks/build_bench.py [--runs N]
 
-* a fully cached build of a task (``sequester.build.build_task``, in-process): at most
+* a fully cached build of a task (``sequester.imagebuild.build_task``, in-process): at most
   50 ms; ``podman build`` of the same file with its layer cache warm beside it;
 * a cold build of a small Dockerfile (WORKDIR, two COPY and three RUN lines) on a busybox
   base, the build cache emptied before each run, against ``podman build --no-cache`` of the
@@ -31,9 +31,9 @@ sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
 from _report import report  # noqa: E402
 from images import busybox_rootfs  # noqa: E402
 
-from sequester.build import build_task  # noqa: E402
-from sequester.episodes.settings import EpisodeSettings  # noqa: E402
-from sequester.episodes.start import runner_tree  # noqa: E402
+from sequester.imagebuild import build_task  # noqa: E402
+from sequester.environments.settings import EpisodeSettings  # noqa: E402
+from sequester.environments.local.start import runner_tree  # noqa: E402
 from sequester.images import ImageSettings, ImageStore  # noqa: E402
 from sequester.tasks import load_task  # noqa: E402
 

@@ -37,8 +37,8 @@ from episode_bench import TEST_SH, minimal_task  # noqa: E402
 from images import trixie_rootfs  # noqa: E402
 
 from sequester.environments.docker import DockerEnvironment  # noqa: E402
-from sequester.episodes.episode import Episode  # noqa: E402
-from sequester.episodes.settings import EpisodeSettings  # noqa: E402
+from sequester.environments.local.episode import Episode  # noqa: E402
+from sequester.environments.settings import EpisodeSettings  # noqa: E402
 from sequester.images import ImageSettings, ImageStore  # noqa: E402
 
 IMAGE = "localhost/bench/trixie:1"

@@ -34,8 +34,8 @@ from episode_bench import minimal_task  # noqa: E402
 from images import tiny_image_30mb  # noqa: E402
 from registry import running_registry  # noqa: E402
 
-from sequester.episodes.episode import Episode  # noqa: E402
-from sequester.episodes.settings import EpisodeSettings  # noqa: E402
+from sequester.environments.local.episode import Episode  # noqa: E402
+from sequester.environments.settings import EpisodeSettings  # noqa: E402
 from sequester.images import ImageSettings, ImageStore  # noqa: E402
 
 

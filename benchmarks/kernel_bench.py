@@ -5,7 +5,7 @@
 Every row is measured in this one run, so ratios hold on a noisy machine:
 
 * sandboxed ``true`` with the full policy, under a kernel's whole confinement from the
-  policy's view template (:func:`~sequester.sandbox.launch.run_confined`), against bare
+  policy's view template (:func:`~sequester.kernel.launch.run_confined`), against bare
   bwrap (user+pid+net, ro-bind /, tmpfs /tmp, proc, dev): within 1 ms; and in bwrap's
   view alone, bwrap per command (``run_in_sandbox``), for reference;
 * kernel cold start (ready for its first cell): at most 25 ms median, and at most 8 ms
@@ -36,8 +36,8 @@ from pathlib import Path
 from _report import report, rss_kb
 from sequester import Kernel, Limits, Policy
 from sequester.kernel.pool import KernelPool
-from sequester.sandbox.launch import run_confined, run_in_sandbox
-from sequester.sandbox.template import close_templates
+from sequester.kernel.launch import run_confined, run_in_sandbox
+from sequester.kernel.template import close_templates
 from sequester.sandbox.probe import bwrap_path
 
 CPU_WORK = "def work():\n    t = 0\n    for i in range(3_000_000):\n        t += i * i % 7\n    return t\n"

@@ -35,8 +35,8 @@ import ray_cluster  # noqa: E402
 from _report import report  # noqa: E402
 from sequester.cluster import EpisodePool  # noqa: E402
 from sequester.environments import open_environment  # noqa: E402
-from sequester.episodes.nsexec import shared_nsexec  # noqa: E402
-from sequester.episodes.settings import EpisodeSettings  # noqa: E402
+from sequester.sandbox.nsexec.client import shared_nsexec  # noqa: E402
+from sequester.environments.settings import EpisodeSettings  # noqa: E402
 
 EXAMPLES = ROOT / "examples" / "tasks"
 TASK = "python-csv-stats"

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _report import report, rss_kb
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 from sequester.sandbox.bwrap import descendants
 from sequester.serve.client import AsyncSequesterClient
 

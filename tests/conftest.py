@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sequester import check
+from sequester.kernel import check
 
 HELPERS = Path(__file__).parent / "helpers"
 sys.path.insert(0, str(HELPERS))
@@ -46,9 +46,9 @@ if not os.environ.get("RAY_AUTH_TOKEN_PATH"):
 
 @pytest.fixture
 def templates(monkeypatch):
-    """Kernels of this test start from view templates (sequester.sandbox.template), and
+    """Kernels of this test start from view templates (sequester.kernel.template), and
     none is kept before or after it: the module, for its cache and its knobs."""
-    from sequester.sandbox import template
+    from sequester.kernel import template
     from stages import use_stage
 
     use_stage(monkeypatch, "template")
@@ -129,7 +129,7 @@ def seqtest_user():
 @pytest.fixture
 def episode():
     """A fresh episode, closed after the test."""
-    from sequester.episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
 
     ep = Episode()
     yield ep

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
 from sequester.sandbox.host import gather_host_facts
 from sequester.sandbox.mounts import SYSTEM_DIRS
 

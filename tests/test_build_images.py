@@ -19,12 +19,12 @@ import pytest
 from images import busybox_rootfs, is_root, trixie_image
 from registry import running_registry, skip_unless_tools
 
-from sequester.build import BuildError, BuildOptions, build_image
-from sequester.episodes.settings import EpisodeSettings
-from sequester.episodes.start import runner_tree
+from sequester.imagebuild import BuildError, BuildOptions, build_image
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.local.start import runner_tree
 from sequester.images import ImageSettings, ImageStore
 from sequester.images.stack import image_path_kind, read_image_file
-from sequester.net.build_network import BuildNetwork
+from sequester.net.build.network import BuildNetwork
 
 BASE = "test/base:1"
 

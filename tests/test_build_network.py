@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from sequester.errors import PolicyError
-from sequester.net.build_network import (BuildNetwork, LocalAddresses, Upstream, UpstreamProxy, index_hosts,
+from sequester.net.build.network import (BuildNetwork, LocalAddresses, Upstream, UpstreamProxy, index_hosts,
                                          parse_build_network, refusal_for_address)
-from sequester.net.build_proxy import proxy_env
+from sequester.net.build.proxy import proxy_env
 
 LOCAL = LocalAddresses()
 

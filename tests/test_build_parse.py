@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sequester.build.errors import BuildError
-from sequester.build.parse import Dockerfile, Instruction, exec_form, parse_dockerfile
+from sequester.imagebuild.errors import BuildError
+from sequester.tasks.dockerfile_parse import Dockerfile, Instruction, exec_form, parse_dockerfile
 from sequester.errors import ImageError
-from sequester.tasks._syntax import WordError
+from sequester.tasks.dockerfile_syntax import WordError
 
 
 # --- parse: structure ------------------------------------------------------------------------

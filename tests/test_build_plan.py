@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from dockerfile_plans import AMD64, copies, env_of, error, plan, runs
 
-from sequester.build.parse import parse_dockerfile
-from sequester.build.plan import DEFAULT_SHELL, stage_graph
-from sequester.build.steps import ConfigStep, RunStep, WorkdirStep
+from sequester.tasks.dockerfile_parse import parse_dockerfile
+from sequester.imagebuild.plan import DEFAULT_SHELL, stage_graph
+from sequester.imagebuild.steps import ConfigStep, RunStep, WorkdirStep
 from sequester.images.manifest import ImageConfig, Platform
 
 

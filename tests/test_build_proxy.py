@@ -23,8 +23,8 @@ import pytest
 from test_build_network import own_address
 
 from sequester.errors import SandboxError
-from sequester.net.build_network import Upstream, UpstreamProxy, parse_build_network, parse_host_rule
-from sequester.net.build_proxy import BuildProxy, proxy_env
+from sequester.net.build.network import Upstream, UpstreamProxy, parse_build_network, parse_host_rule
+from sequester.net.build.proxy import BuildProxy, proxy_env
 from sequester.net.netns_listener import open_listener_in
 from sequester.sandbox.probe import bwrap_path
 

@@ -23,17 +23,17 @@ from images import busybox_rootfs
 from registry import skip_unless_tools
 from test_build_images import runner  # noqa: F401 - the fixture
 
-from sequester.build import BuildError, BuildOptions, build_image
-from sequester.build.context import context_sources
-from sequester.build.errors import BuildTimeout
-from sequester.build.steps import CopyStep
-from sequester.episodes.cgroup_limits import _mount_of
-from sequester.episodes.remove import remove_tree
+from sequester.imagebuild import BuildError, BuildOptions, build_image
+from sequester.imagebuild.context import context_sources
+from sequester.imagebuild.errors import BuildTimeout
+from sequester.imagebuild.steps import CopyStep
+from sequester.sandbox.cgroups.limits import _mount_of
+from sequester.sandbox.remove import remove_tree
 from sequester.images import ImageSettings, ImageStore
 from sequester.images.stack import image_path_kind
-from sequester.net.build_network import BuildNetwork
-from sequester.net.build_proxy import BuildProxy
-from sequester.net.upstream import Upstream, UpstreamProxy
+from sequester.net.build.network import BuildNetwork
+from sequester.net.build.proxy import BuildProxy
+from sequester.net.build.upstream import Upstream, UpstreamProxy
 
 BASE = "test/bb:1"
 ROOT = os.geteuid() == 0

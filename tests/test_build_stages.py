@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from dockerfile_plans import AMD64, BASE, env_of, error, plan
 
-from sequester.build.errors import BuildError
-from sequester.build.parse import parse_dockerfile
-from sequester.build.plan import StageBase, StagePlanner, needed_stages, stage_graph, stage_names, target_stage
-from sequester.build.steps import CopyStep
+from sequester.imagebuild.errors import BuildError
+from sequester.tasks.dockerfile_parse import parse_dockerfile
+from sequester.imagebuild.plan import StageBase, StagePlanner, needed_stages, stage_graph, stage_names, target_stage
+from sequester.imagebuild.steps import CopyStep
 from sequester.images.manifest import ImageConfig
 
 

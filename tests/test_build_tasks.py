@@ -18,8 +18,8 @@ from registry import running_registry, skip_unless_tools
 from tasks import make_task
 
 from sequester.cli import main
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
 from sequester.images import ImageSettings, ImageStore
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

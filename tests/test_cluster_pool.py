@@ -75,8 +75,8 @@ def start_sleeper(ep: EpisodeHandle, marker: str) -> None:
 def local_reward(task: str, oracle: bool) -> float | None:
     """The same episode on the local backend, in this process (the reference)."""
     from sequester.environments import open_environment
-    from sequester.episodes.nsexec import shared_nsexec
-    from sequester.episodes.settings import EpisodeSettings
+    from sequester.sandbox.nsexec.client import shared_nsexec
+    from sequester.environments.settings import EpisodeSettings
 
     env = open_environment(EpisodeSettings(), nsexec=shared_nsexec())
     try:

@@ -19,9 +19,9 @@ from sequester.cluster.bundles import (evict_unused, pack_folder, pack_task, tas
 from sequester.cluster.landing import land_error, land_trial
 from sequester.cluster.node import (TrialReturn, machine_defaults, node_info, settings_for_node, sweep_staging)
 from sequester.cluster.scheduler import infeasible, trial_resources
-from sequester.episodes.settings import EpisodeSettings, default_state_dir
+from sequester.environments.settings import EpisodeSettings, default_state_dir
 from sequester.errors import PolicyError
-from sequester.images.settings import default_store_dir
+from sequester.images.image_settings import default_store_dir
 from sequester.jobs.results import TrialResult
 from sequester.jobs.schedule import JobRun, PlannedTrial
 from sequester.tasks import load_task
@@ -253,7 +253,7 @@ def test_a_plain_local_episode_does_not_see_the_nodes_cache() -> None:
     """Any episode on a machine that is also a Ray node, not only those the cluster starts:
     the cache holds shipped tasks' solutions (found so by the reward-hack catalogue)."""
     from sequester.cluster.node import cluster_cache
-    from sequester.episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
 
     folder = unpack_task(pack_task(EXAMPLES / "c-word-count"), cluster_cache() / "tasks")
     solution = folder / "solution" / "solve.sh"

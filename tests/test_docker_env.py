@@ -14,7 +14,7 @@ from tasks import make_task
 
 from sequester.environments.docker import DockerEnvironment
 from sequester.environments.docker import engine as docker_engine
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.settings import EpisodeSettings
 
 IMAGE = "localhost/sequester-trixie:test"
 CHECK_OUT = ('if [ "$(cat /app/out.txt 2>/dev/null)" = hello ]; then echo 1; else echo 0; fi '

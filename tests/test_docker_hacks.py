@@ -21,7 +21,7 @@ from engine import import_rootfs, module_engine  # noqa: F401 - the fixture
 from images import trixie_rootfs
 
 from sequester.agents import ScriptAgent
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.settings import EpisodeSettings
 
 ROOT = Path(__file__).resolve().parent.parent / "examples"
 HACKS = sorted((ROOT / "hacks").glob("*.sh"))

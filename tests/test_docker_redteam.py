@@ -15,7 +15,7 @@ from engine import host_pids_of, import_rootfs, module_engine  # noqa: F401 - th
 from tasks import make_task
 
 from sequester.environments.docker import DockerEnvironment
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.settings import EpisodeSettings
 
 IMAGE = "localhost/sequester-trixie:redteam"
 CHECK_OUT = ('if [ "$(cat /app/out.txt 2>/dev/null)" = hello ]; then echo 1; else echo 0; fi '

@@ -11,7 +11,7 @@ from tasks import make_task
 
 from sequester.environments.docker import verify
 from sequester.environments.docker.engine import EngineError
-from sequester.episodes.verifier import VerifierCouldNotRun
+from sequester.environments.verdict import VerifierCouldNotRun
 from sequester.tasks import load_task
 
 
@@ -155,7 +155,7 @@ def _tar(entries) -> bytes:
 
 
 def test_artifacts_are_filtered():
-    from sequester.tasks.config import Artifact
+    from sequester.tasks.task_toml import Artifact
 
     raw = _tar([("app", tarfile.DIRTYPE, b""), ("app/keep.txt", tarfile.REGTYPE, b"k"),
                 ("app/x.o", tarfile.REGTYPE, b"o"), ("app/dev", tarfile.CHRTYPE, b""),

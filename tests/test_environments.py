@@ -15,9 +15,9 @@ from tasks import make_task
 
 from sequester.environments import Capabilities, missing_capabilities, open_environment
 from sequester.environments.fake import FAKE_CAPABILITIES, FakeEnvironment
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
-from sequester.episodes.verifier import VerifierCouldNotRun
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import VerifierCouldNotRun
 from sequester.errors import PolicyError, SandboxError
 from sequester.jobs.trial import run_trial
 from sequester.tasks import load_task

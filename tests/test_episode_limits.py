@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from tasks import make_task
 
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups of the episode's own are made as root")
 HOST = EpisodeSettings()

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from sequester.agents import load_agent
-from sequester.episodes.episode import Episode, EpisodeError
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode, EpisodeError
+from sequester.environments.settings import EpisodeSettings
 from sequester.errors import TaskError
 from tasks import make_task, writable_usr
 
@@ -224,8 +224,8 @@ def test_close_leaves_nothing(tmp_path):
 
 HARNESS = r'''
 import sys, json
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
 ep = Episode(EpisodeSettings(state_dir=sys.argv[2]))
 ep.reset(sys.argv[1])
 print(json.dumps({"init": ep.init_pid, "state": str(ep._run.dirs.root)}), flush=True)

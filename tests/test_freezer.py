@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 import sequester
-from sequester.episodes.episode import Episode
-from sequester.episodes.freeze import CgroupFreezer, FreezeOutcome, SignalFreezer, make_freezer
-from sequester.episodes.freeze.cgroupfs import Hierarchy, _mounts
-from sequester.episodes.freeze.procs import parse_stat
+from sequester.environments.local.episode import Episode
+from sequester.environments.local.freeze import CgroupFreezer, FreezeOutcome, SignalFreezer, make_freezer
+from sequester.sandbox.cgroups.freezer import Hierarchy, _mounts
+from sequester.sandbox.procs import parse_stat
 from sequester.sandbox.bwrap import descendants
 
 TASK = Path(__file__).resolve().parent.parent / "examples" / "tasks" / "python-csv-stats"
@@ -284,8 +284,8 @@ CGROUP2 = next((m for m, root, v2 in _mounts() if v2 and root == "/"), None)
 
 HARNESS = r'''
 import json, sys, time
-from sequester.episodes.episode import Episode
-from sequester.episodes.freeze import make_freezer
+from sequester.environments.local.episode import Episode
+from sequester.environments.local.freeze import make_freezer
 with Episode() as ep:
     ep.reset(sys.argv[1])
     ep.exec(sys.stdin.readline().replace("\\n", "\n"))

@@ -44,7 +44,7 @@ with Kernel(Policy(isolation="auto", allow=(f"127.0.0.1:{port}",))) as k:
     out["other"] = run(f"import socket\nsocket.create_connection(('127.0.0.1', {other}), timeout=3).recv(1)")
     out["ctypes"] = run("import ctypes")
     out["signal_host"] = run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGTERM)")
-    from sequester.check import _own_memory
+    from sequester.kernel.check import _own_memory
     out["own_memory"] = _own_memory(k).evidence
 print(json.dumps(out))
 '''

@@ -23,10 +23,10 @@ import pytest
 import sequester
 from sequester.sandbox.host import DirEntry, HostFacts
 from sequester.sandbox.mounts import MountKind
-from sequester.episodes.state import EpisodeDirs
-from sequester.episodes.submounts import (Entry, Submounts, gather_submounts, mounts_below, parse_mountinfo,
+from sequester.environments.local.state import EpisodeDirs
+from sequester.environments.local.submounts import (Entry, Submounts, gather_submounts, mounts_below, parse_mountinfo,
                                           plan_composite)
-from sequester.episodes.view import plan_episode_layout
+from sequester.environments.local.view import plan_episode_layout
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 TASK = EXAMPLES / "python-csv-stats"
@@ -267,7 +267,7 @@ def _check_view(view: str, name: str) -> None:
 @requires_root
 def test_root_episode_with_mounts_below_var_and_opt(host_mounts, tmp_path):
     from sequester.agents import load_agent
-    from sequester.episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
 
     name = host_mounts
     task = _staging_task(tmp_path)
@@ -344,7 +344,7 @@ def test_user_episode_with_mounts_below_var_and_opt(host_mounts, temp_user):
 
 def test_the_error_names_what_is_mounted_below_the_views_folders(host_mounts):
     """If a view still cannot be built, the message says what is in the way."""
-    from sequester.episodes.submounts import describe_mounts_below
+    from sequester.environments.local.submounts import describe_mounts_below
 
     said = describe_mounts_below([Path("/var"), Path("/opt")])
     assert f"/var/lib/{host_mounts} (tmpfs" in said and f"/opt/{host_mounts} (tmpfs" in said

@@ -21,10 +21,10 @@ from images import busybox_rootfs, oci_from_rootfs
 from registry import skip_unless_tools
 from tasks import make_task
 
-from sequester.episodes.episode import Episode
-from sequester.episodes.remove import remove_tree
-from sequester.episodes.settings import EpisodeSettings
-from sequester.episodes.verifier import VerifierError, VerifierResult
+from sequester.environments.local.episode import Episode
+from sequester.sandbox.remove import remove_tree
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import VerifierError, VerifierResult
 from sequester.errors import ImageError
 from sequester.images import ImageSettings, ImageStore
 from sequester.images.unpack import unpack_layer

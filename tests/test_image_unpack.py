@@ -21,7 +21,7 @@ import pytest
 import zstandard
 from layer_tars import T0, compress, entry, leftovers, refused, sha, tar_bytes, unpack
 
-from sequester.episodes.remove import remove_tree
+from sequester.sandbox.remove import remove_tree
 from sequester.errors import ImageError
 from sequester.images.unpack import unpack_layer
 

@@ -21,8 +21,8 @@ pytestmark = [
 
 HARNESS = r'''
 import json, os, sys
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
 from sequester.images import ImageSettings, ImageStore
 rootfs, task = sys.argv[1], sys.argv[2]
 images = ImageSettings(store_dir=os.path.expanduser("~/images"), source="prebuilt")

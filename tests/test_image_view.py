@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
-from sequester.episodes.state import EpisodeDirs
+from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
+from sequester.environments.local.state import EpisodeDirs
 from sequester.errors import ImageError
 from sequester.images.reference import parse_reference
 from sequester.images.stack import OPAQUE_XATTR, TopEntry, image_path_kind, merge_tops, read_image_file, resolve_user

@@ -20,7 +20,7 @@ from conftest import VISIBLE_DIR, requires_root
 from probes import probe
 
 from sequester import Isolation, Kernel, Policy
-from sequester.sandbox.launch import run_in_sandbox
+from sequester.kernel.launch import run_in_sandbox
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def test_no_capabilities_no_new_privileges_no_nested_userns(kernel):
         # above the kernel's, where the kernel's own sysctl does not show it: try instead,
         # from a sandboxed process without the kernel's seccomp filter.
         from sequester import Policy
-        from sequester.sandbox.launch import run_in_sandbox
+        from sequester.kernel.launch import run_in_sandbox
 
         tried = run_in_sandbox(Policy(), ["unshare", "--user", "true"])
         assert tried.returncode != 0 and "No space left" in tried.stderr, tried

@@ -432,8 +432,8 @@ def test_every_sequester_error_has_a_harbor_name_or_policy():
 
 
 @pytest.mark.skipif("reward_range" not in {f.name for f in __import__("dataclasses").fields(
-    __import__("sequester.episodes.settings", fromlist=["EpisodeSettings"]).EpisodeSettings)},
-    reason="needs [episodes] reward_range in sequester.episodes (the lead's change)")
+    __import__("sequester.environments.settings", fromlist=["EpisodeSettings"]).EpisodeSettings)},
+    reason="needs [episodes] reward_range in sequester.environments.local (the lead's change)")
 def test_reward_range_is_a_run_option(tmp_path):
     task = broken_task(tmp_path, "#!/bin/bash\necho 2.5 > /logs/verifier/reward.txt\n", name="big-reward")
     config = tmp_path / "episodes.toml"

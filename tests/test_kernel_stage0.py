@@ -20,7 +20,7 @@ from sequester.guard.native_plan import NativePlanError, Op, encode_plan, plan_s
 from sequester.kernel import stage0 as stage0_module
 from sequester.kernel.protocol import loads
 from sequester.kernel.stage0 import build_stage0, runs_here, stage0_program
-from sequester.sandbox.launch import STAGE0_IN_VIEW, bootstrap_config
+from sequester.kernel.launch import STAGE0_IN_VIEW, bootstrap_config
 from sequester.sandbox.probe import namespace_support
 from sequester.policy import Isolation
 
@@ -306,7 +306,7 @@ def test_a_native_plan_the_sandbox_refuses_is_a_sandbox_error_and_leaves_nothing
                                          flags=steps[at].flags, data="size=nonsense")
         return tuple(steps)
 
-    monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", broken)
+    monkeypatch.setattr("sequester.kernel.bootstrap.plan_workspace", broken)
     k = Kernel(Policy())
     with pytest.raises(SandboxError, match="stage 0: mount /run"):
         k.start()

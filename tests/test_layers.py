@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.layers import Budget, Layer, Scan, episode_layers, report_episode, view_points
-from sequester.episodes.remove import remove_tree
-from sequester.episodes.state import EpisodeDirs
-from sequester.episodes.tamper import Change, printable
+from sequester.environments.local.layers import Budget, Layer, Scan, episode_layers, report_episode, view_points
+from sequester.sandbox.remove import remove_tree
+from sequester.environments.local.state import EpisodeDirs
+from sequester.environments.local.tamper import Change, printable
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")
 _DIR = os.O_RDONLY | os.O_DIRECTORY
@@ -269,8 +269,8 @@ NOBODY = 65534
 HARNESS = r'''
 import json, os, shutil, socket, sys
 from pathlib import Path
-from sequester.episodes.layers import Scan, episode_layers, report_episode
-from sequester.episodes.state import EpisodeDirs, remove_stale
+from sequester.environments.local.layers import Scan, episode_layers, report_episode
+from sequester.environments.local.state import EpisodeDirs, remove_stale
 
 work = Path(sys.argv[1])
 out = {"uid": os.getuid()}

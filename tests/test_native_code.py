@@ -11,10 +11,10 @@ import pytest
 from probes import probe
 
 from sequester import Kernel, Limits, Policy
-from sequester.check_native import DISABLE_HOOK, NATIVE_PROBE, sample_library
-from sequester.sandbox import launch
+from sequester.kernel.check_native import DISABLE_HOOK, NATIVE_PROBE, sample_library
+from sequester.kernel import launch
 from sequester.sandbox.host import gather_host_facts
-from sequester.sandbox.launch import run_in_sandbox
+from sequester.kernel.launch import run_in_sandbox
 
 ATTACK = DISABLE_HOOK + "\nimport ctypes\nprint(ctypes.CDLL(None).getpid())\n"
 SAMPLE = sample_library()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
-from sequester.episodes.shell import DROPPED, _Capture
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.local.shell import DROPPED, _Capture
 
 TASK = Path(__file__).resolve().parent.parent / "examples" / "tasks" / "python-csv-stats"
 MARK = b"\x1eSEQ0123456789abcdef "
@@ -98,7 +98,7 @@ def test_output_within_the_cap_has_no_note():
 def test_the_verifiers_output_buffer_is_an_exact_cap(limit, total, step):
     """What the verifier printed (verifier/test-stdout.txt) is kept whole while it fits,
     else head + marker + tail in exactly ``output_bytes``, however it arrives."""
-    from sequester.episodes.nsexec import HeadTail
+    from sequester.sandbox.nsexec.client import HeadTail
 
     data = (bytes(range(256)) * 40)[:total]
     kept = HeadTail(limit)

@@ -44,7 +44,7 @@ def test_a_held_sandbox_is_handed_over_only_once_its_view_is_built(tmp_path):
     child waits on the hold fd: its root is the step's overlay and its /proc is mounted.
     Without the wait, the child is still building (running, or on the tmpfs bwrap
     pivots through) on nearly every one of these starts."""
-    from sequester.build.sandbox import APT_CONF, StepRun, step_spec
+    from sequester.imagebuild.step_sandbox import APT_CONF, StepRun, step_spec
     from sequester.sandbox.bwrap import start_bwrap
 
     (tmp_path / "lower" / "bin").mkdir(parents=True)

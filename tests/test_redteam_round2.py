@@ -12,8 +12,8 @@ import time
 import pytest
 from tasks import make_task
 
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import EpisodeSettings
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import EpisodeSettings
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the agent is host uid 0 only for a root caller")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sequester.agents import ScriptAgent
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 
 ROOT = Path(__file__).resolve().parent.parent / "examples"
 HACKS = sorted((ROOT / "hacks").glob("*.sh"))

@@ -76,7 +76,7 @@ emit(out)
 '''
 # A later episode of the same user, in a new process, with the same state folder.
 _LATER = '''
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 res = {}
 try:
     with Episode(settings()) as ep:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 
 TASKS = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the agent writes its /usr and /etc)")

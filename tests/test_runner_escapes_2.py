@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 
 TASKS = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the agent writes its /usr and /etc)")
@@ -172,7 +172,7 @@ def test_many_top_level_folders_exhaust_the_verifiers_mounts_is_an_error():
 # view's root folder is still the agent's to change, so /bin -> / works the same way.
 _USER_HARNESS = r'''
 import json, sys
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 with Episode() as ep:
     ep.reset(sys.argv[1])
     out = {"nop": ep.evaluate().reward}

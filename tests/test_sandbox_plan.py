@@ -6,7 +6,7 @@ import pytest
 
 from sequester import Policy
 from sequester.sandbox.argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, Identity, LaunchFds, SandboxSpec, build_argv
-from sequester.sandbox.environment import kernel_environment
+from sequester.kernel.environ import kernel_environment
 from sequester.sandbox.host import DirEntry, HostFacts
 from sequester.sandbox.mounts import MountKind, hidden_paths, plan_mounts
 
@@ -185,7 +185,7 @@ def test_ffi_library_names_and_folders():
 
 
 def test_kernel_caps_and_the_view_only_caps():
-    from sequester.sandbox.spawn import _caps
+    from sequester.kernel.spawn import _caps
 
     assert "CAP_SYS_ADMIN" in _caps(False, True) and "CAP_NET_ADMIN" in _caps(True, True)
     assert "CAP_NET_BIND_SERVICE" not in _caps(False, True)  # the kernel's own netns lets every port bind

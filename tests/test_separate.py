@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sequester.episodes.episode import Episode
+from sequester.environments.local.episode import Episode
 from sequester.errors import TaskError
-from sequester.tasks.config import parse_task_config
+from sequester.tasks.task_toml import parse_task_config
 from tasks import make_task
 
 # 1 only if the artifact arrived and nothing else of the agent's did.

@@ -221,7 +221,7 @@ def test_a_second_reset_replaces_the_session_and_keeps_its_slot(server):
 def test_an_abandoned_connection_is_reaped_with_its_processes(server):
     state_dir = server.config.episodes.state_dir
 
-    def layers() -> set:  # the writable layers of this process's episodes (see sequester.episodes.state)
+    def layers() -> set:  # the writable layers of this process's episodes (see sequester.environments.local.state)
         return set(state_dir.glob(f"{os.getpid()}-*"))
 
     async def abandon(command: str | None):
@@ -388,7 +388,7 @@ def test_a_kernel_session_closed_mid_cell_kills_its_kernel_at_once(server):
     """The close interrupts the running step: the kernel (a view template's child, or
     bwrap's) is killed from the event loop without its pipes being closed under the worker
     reading them, and is gone well before the step's own timeout."""
-    from sequester.sandbox import template
+    from sequester.kernel import template
 
     async def busy():
         async with connect(server) as ws:

@@ -10,7 +10,7 @@ import pytest
 from serve_harness import Server, ask, connect, wait_gone
 
 from sequester.errors import PolicyError
-from sequester.serve.settings import ServeSettings
+from sequester.serve.serve_settings import ServeSettings
 
 
 def run(coro):

@@ -414,19 +414,19 @@ def test_sequester_check_sees_a_writable_own_memory(stage, monkeypatch):
     """``sequester check``'s probe of the kernel's own memory can fail: with the two mounts
     that cover /proc/self/mem and /proc/self/task left out of the plan and no write lock,
     it reports the memory writable; with either, refused or /dev/null."""
-    from sequester import check
+    from sequester.kernel import check
     from sequester.guard import namespaces
 
     use_stage(monkeypatch, stage)
     with Kernel(Policy()) as k:
         assert check._own_memory(k).passed
     real = namespaces.plan_workspace
-    monkeypatch.setattr("sequester.sandbox.bootstrap._landlock_abi", lambda: 0)
+    monkeypatch.setattr("sequester.kernel.bootstrap._landlock_abi", lambda: 0)
     with Kernel(Policy()) as k:
         finding = check._own_memory(k)
     # The mounts alone: /proc/self/mem is /dev/null, but a thread's /proc/<tid>/mem is not covered.
     assert not finding.passed and "/proc/self/mem: reads as /dev/null" in finding.evidence, finding
-    monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", lambda *a, **kw: tuple(
+    monkeypatch.setattr("sequester.kernel.bootstrap.plan_workspace", lambda *a, **kw: tuple(
         step for step in real(*a, **kw) if step.target not in (namespaces.SELF_MEM, namespaces.SELF_TASKS)))
     with Kernel(Policy()) as k:
         finding = check._own_memory(k)

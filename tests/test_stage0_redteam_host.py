@@ -65,7 +65,7 @@ def assert_all_gone(launched) -> None:
 
 
 def patch_plan(monkeypatch, change) -> None:
-    from sequester.sandbox import launch
+    from sequester.kernel import launch
 
     real = launch.plan_stage0
     monkeypatch.setattr(launch, "plan_stage0", lambda config, command: change(real(config, command)))

@@ -1,4 +1,4 @@
-"""Removal of an episode's folders (:mod:`sequester.episodes.state`, :mod:`.remove`,
+"""Removal of an episode's folders (:mod:`sequester.environments.local.state`, :mod:`.remove`,
 :mod:`.fdwalk`): it always completes, names only what truly cannot go (a mount point), and
 one bad stale folder never fails a later job. Controls: the former ``shutil.rmtree``.
 The pure tampering report (:mod:`.tamper`) is tested here too."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.fdwalk import Cursor, open_root
-from sequester.episodes.remove import remove_tree
-from sequester.episodes.state import remove_stale
-from sequester.episodes.tamper import CATEGORIES, Change, ChangeSummary, category, tampering_report
+from sequester.sandbox.fdwalk import Cursor, open_root
+from sequester.sandbox.remove import remove_tree
+from sequester.environments.local.state import remove_stale
+from sequester.environments.local.tamper import CATEGORIES, Change, ChangeSummary, category, tampering_report
 from test_layers import chain, old_rmtree, requires_root
 
 
@@ -49,8 +49,8 @@ def test_a_mount_point_is_left_and_named_and_everything_else_removed(tmp_path):
 import logging, os, sys, subprocess
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent / "src")!r})
 from pathlib import Path
-from sequester.episodes.state import EpisodeDirs, remove_stale
-from sequester.episodes.remove import RemovalError
+from sequester.environments.local.state import EpisodeDirs, remove_stale
+from sequester.sandbox.remove import RemovalError
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 base = Path({str(base)!r})
 for name in ("4194305-mounted", "4194306-plain"):
@@ -144,7 +144,7 @@ def test_skeletons_untouched_for_a_day_are_removed_and_recent_ones_kept(tmp_path
     import os
     import time
 
-    from sequester.episodes.state import SKELETON_MAX_AGE, remove_stale
+    from sequester.environments.local.state import SKELETON_MAX_AGE, remove_stale
 
     old, recent = tmp_path / "skeleton-var-old", tmp_path / "skeleton-var-recent"
     for folder in (old, recent):

@@ -11,7 +11,7 @@ import pytest
 from sequester.errors import SequesterError, TaskError
 from sequester.tasks import (DockerfilePlan, Task, TaskConfig, find_tasks, load_task, parse_dockerfile,
                              parse_task_config, resolve_copies)
-from sequester.tasks.config import EnvironmentConfig
+from sequester.tasks.task_toml import EnvironmentConfig
 
 # --- task.toml ---------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ pytestmark = [
 HARNESS = r'''
 import json, os, sys
 from sequester import Kernel, Policy
-from sequester.sandbox.launch import run_in_sandbox
+from sequester.kernel.launch import run_in_sandbox
 home, data = sys.argv[1], sys.argv[2]
 out = {"host_home": sorted(os.listdir(home)), "host_data": sorted(os.listdir(data))}
 with Kernel(Policy()) as k:
@@ -69,7 +69,7 @@ import json, sys
 from sequester import Kernel, Policy
 out = {}
 from sequester import Limits
-from sequester.check_native import NATIVE_PROBE, sample_library
+from sequester.kernel.check_native import NATIVE_PROBE, sample_library
 from sequester.sandbox.host import gather_host_facts
 libraries = sorted({str(p) for p in gather_host_facts(scan_ffi=True).ffi_libraries if p.name.startswith("_ctypes.")})
 with Kernel(Policy()) as k:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sequester.episodes.episode import Episode
-from sequester.episodes.verifier import RewardFileMissing, RewardInvalid, VerifierCouldNotRun
+from sequester.environments.local.episode import Episode
+from sequester.environments.verdict import RewardFileMissing, RewardInvalid, VerifierCouldNotRun
 from tasks import make_task, writable_usr
 
 # -- the verifier ------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_nothing_in_an_episode_holds_the_hosts_output(tmp_path):
     task = make_task(tmp_path, test_sh="for fd in 1 2; do echo VERIFIER-FORGED >> /proc/1/fd/$fd && echo wrote $fd; "
                                        "done > /logs/verifier/fds.txt 2>&1\necho 1 > /logs/verifier/reward.txt\n")
     harness = (
-        "import sys\nfrom sequester.episodes.episode import Episode\n"
+        "import sys\nfrom sequester.environments.local.episode import Episode\n"
         "with Episode() as ep:\n"
         f"    ep.reset({str(task)!r})\n"
         "    out = ep.exec('for fd in 1 2; do printf \"AGENT-FORGED\\\\033[2J\" >> /proc/1/fd/$fd && echo agent wrote $fd; "

@@ -1,4 +1,4 @@
-"""The wheels a task's test script pins beyond the runner's own (sequester.build.wheels):
+"""The wheels a task's test script pins beyond the runner's own (sequester.verifier.wheels):
 reading TB2 scripts, fetching binary wheels once per pin set, and an episode whose tests
 import a pinned package, offline, through the real verifier.
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from sequester.build.wheels import (TASK_WHEELS_DIR, VerifierPins, VerifierWheelsError, ensure_task_wheels,
+from sequester.verifier.wheels import (TASK_WHEELS_DIR, VerifierPins, VerifierWheelsError, ensure_task_wheels,
                                     fetch_verifier_wheels, host_platform_tags, verifier_pins)
-from sequester.episodes.episode import Episode
-from sequester.episodes.settings import default_toolchain_dir
+from sequester.environments.local.episode import Episode
+from sequester.environments.settings import default_toolchain_dir
 from sequester.tasks import load_task
 from sequester.verifier import PINNED, layout
 from tasks import make_task
@@ -26,7 +26,7 @@ EXTRA_PIN = "markupsafe==3.0.2"  # a binary wheel (cp313 manylinux), 23 kB
 
 
 def _runner_has_313() -> bool:
-    from sequester.episodes.start import runner_tree
+    from sequester.environments.local.start import runner_tree
     tree = runner_tree(default_toolchain_dir())
     return tree is not None and any(p.name.startswith("cpython-3.13.") for p in (tree / "python").iterdir())
 
@@ -136,7 +136,7 @@ def test_a_second_fetch_is_a_no_op(fetched):
 
 def test_another_python_is_another_folder(fetched):
     dest, first = fetched
-    from sequester.build.wheels import cache_key
+    from sequester.verifier.wheels import cache_key
     assert cache_key(first.requirements, ["3.12"], first.platform_tags) != first.key
 
 
@@ -217,7 +217,7 @@ def test_a_task_without_extra_pins_mounts_nothing(tmp_path):
 def test_the_trial_fetches_before_the_agent_runs(fetched, tmp_path):
     """A pin that cannot be had fails the trial's environment set-up, before any agent
     run (which it would waste): the harness's error, not the agent's 0."""
-    from sequester.episodes.settings import EpisodeSettings
+    from sequester.environments.settings import EpisodeSettings
     from sequester.jobs import run_trial
 
     task = load_task(make_task(tmp_path, "nopin", test_sh=_tb2_script("-w six==99.0.0")))

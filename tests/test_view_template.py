@@ -16,7 +16,7 @@ from sequester import Kernel, Limits, Policy, SandboxError
 from sequester.guard.namespaces import SELF_MEM, STAGING, plan_own_proc, plan_workspace
 from sequester.guard.native_plan import Op, plan_stage0
 from sequester.policy import Isolation
-from sequester.sandbox.launch import bootstrap_config
+from sequester.kernel.launch import bootstrap_config
 from sequester.sandbox.probe import namespace_support
 
 from nobody_site import SYSTEM_PYTHON, nobody_site  # tests/helpers
@@ -200,10 +200,10 @@ def test_a_kernel_that_fails_to_confine_itself_leaves_the_template_serving(templ
         steps[at] = namespaces.MountStep("mount", STAGING, source="tmpfs", fstype="tmpfs", data="size=nonsense")
         return tuple(steps)
 
-    monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", broken)
+    monkeypatch.setattr("sequester.kernel.bootstrap.plan_workspace", broken)
     with pytest.raises(SandboxError, match="stage 0: mount /run"):
         Kernel(Policy()).start()
-    monkeypatch.setattr("sequester.sandbox.bootstrap.plan_workspace", real)
+    monkeypatch.setattr("sequester.kernel.bootstrap.plan_workspace", real)
     with Kernel(Policy()) as again:
         assert again.process.view_template is template and again.run("1 + 1").value == "2"
 
@@ -320,7 +320,7 @@ def test_the_keeper_holds_nothing_but_its_control_socket(templates):
 def test_sequester_checks_kernels_apart_and_sees_kernels_that_share(templates):
     """The check's "kernels apart" finding passes for two kernels of one template, and
     fails where two kernels do share their /tmp, /dev/shm and processes (no isolation)."""
-    from sequester import check
+    from sequester.kernel import check
 
     with Kernel(Policy()) as k:
         finding = check._kernels_apart(k, Policy())

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from sequester import Kernel, Policy
-from sequester.sandbox import template as template_module
+from sequester.kernel import template as template_module
 from sequester.sandbox.probe import namespace_support
 
 from nobody_site import SYSTEM_PYTHON, nobody_site  # tests/helpers
@@ -270,7 +270,7 @@ def test_run_confined_honours_its_timeout_when_the_command_closes_its_output(tem
     for ever (here 60 s). Fix: from_template._collect: kernel.wait(timeout=left) and kill
     + TimeoutExpired on expiry."""
     from sequester.sandbox.host import gather_host_facts
-    from sequester.sandbox.launch import run_confined
+    from sequester.kernel.launch import run_confined
 
     python = str(gather_host_facts().python_executable)
     said = {}

@@ -21,9 +21,9 @@ import pytest
 from sequester import Kernel, Policy
 from sequester.errors import SandboxError
 from sequester.policy import Isolation
-from sequester.sandbox import from_template as from_template_module
-from sequester.sandbox.bootstrap import bootstrap_config
-from sequester.sandbox import template as template_module
+from sequester.kernel import from_template as from_template_module
+from sequester.kernel.bootstrap import bootstrap_config
+from sequester.kernel import template as template_module
 from sequester.sandbox.bwrap import descendants
 from sequester.sandbox.probe import namespace_support
 
@@ -379,7 +379,7 @@ def _facts():
 
 
 def _run_confined():
-    from sequester.sandbox.launch import run_confined
+    from sequester.kernel.launch import run_confined
 
     return run_confined
 
@@ -462,7 +462,7 @@ def test_kernels_apart_fails_for_a_second_kernel_that_shares_the_firsts_namespac
     kernel also listens on a loopback port, makes a SysV IPC object and sets its
     hostname; the second must see none; and require
     ``other.process.view_template is kernel.process.view_template`` when the view is a template."""
-    from sequester import check
+    from sequester.kernel import check
 
     with Kernel(Policy()) as first:
         held = first.run(f"import socket\nheld = socket.socket()\nheld.bind(('127.0.0.1', {SHARED_PORT}))\n"

@@ -65,11 +65,11 @@ _WHERE = {
     "SandboxUnavailableError": "sequester.errors",
     "SequesterError": "sequester.errors",
     "TaskError": "sequester.errors",
-    "Episode": "sequester.episodes.episode",
-    "ExecResult": "sequester.episodes.shell",
-    "EpisodeSettings": "sequester.episodes.settings",
-    "VerifierError": "sequester.episodes.verifier",
-    "VerifierResult": "sequester.episodes.verifier",
+    "Episode": "sequester.environments.local.episode",
+    "ExecResult": "sequester.environments.local.shell",
+    "EpisodeSettings": "sequester.environments.settings",
+    "VerifierError": "sequester.environments.verdict",
+    "VerifierResult": "sequester.environments.verdict",
     "Task": "sequester.tasks",
     "find_tasks": "sequester.tasks",
     "load_task": "sequester.tasks",
@@ -92,15 +92,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .agents import load_agent
-    from .environments import Capabilities, Environment, open_environment
-    from .episodes.episode import Episode
-    from .episodes.settings import EpisodeSettings
-    from .episodes.shell import ExecResult
-    from .episodes.verifier import VerifierError, VerifierResult
-    from .errors import (KernelClosedError, KernelError, PolicyError, SandboxError, SandboxUnavailableError,
-                         SequesterError, TaskError)
-    from .tasks import Task, find_tasks, load_task
-    from .kernel.client import Kernel
-    from .kernel.results import CellError, CellResult
-    from .policy import Endpoint, Isolation, Limits, Policy, load_policy, parse_endpoint
+    from sequester.agents import load_agent
+    from sequester.environments import Capabilities, Environment, open_environment
+    from sequester.environments.local.episode import Episode
+    from sequester.environments.settings import EpisodeSettings
+    from sequester.environments.local.shell import ExecResult
+    from sequester.environments.verdict import VerifierError, VerifierResult
+    from sequester.errors import KernelClosedError, KernelError, PolicyError, SandboxError, SandboxUnavailableError, SequesterError, TaskError
+    from sequester.tasks import Task, find_tasks, load_task
+    from sequester.kernel.client import Kernel
+    from sequester.kernel.results import CellError, CellResult
+    from sequester.policy import Endpoint, Isolation, Limits, Policy, load_policy, parse_endpoint

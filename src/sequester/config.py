@@ -1,8 +1,8 @@
 """The whole config file, one schema: ``[runtime]`` and ``[limits]`` (the kernel's
 :class:`~sequester.policy.Policy`) and ``[episodes]`` (the
-:class:`~sequester.episodes.settings.EpisodeSettings`) and ``[images]`` (their
-:class:`~sequester.images.settings.ImageSettings`) and ``[serve]`` (``sequester serve``'s
-:class:`~sequester.serve.settings.ServeSettings`).
+:class:`~sequester.environments.settings.EpisodeSettings`) and ``[images]`` (their
+:class:`~sequester.images.image_settings.ImageSettings`) and ``[serve]`` (``sequester serve``'s
+:class:`~sequester.serve.serve_settings.ServeSettings`).
 
 Every command reads the file through :func:`load_config`, so each of them rejects the same
 mistakes the same way: an unknown table (``[episode]``), an unknown key in a known table
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .episodes.settings import EpisodeSettings, settings_from_mapping
-from .images.settings import images_from_mapping
-from .policy import Policy, policy_from_mapping, read_config
-from .serve.settings import ServeSettings, serve_from_mapping
+from sequester.environments.settings import EpisodeSettings, settings_from_mapping
+from sequester.images.image_settings import images_from_mapping
+from sequester.policy import Policy, policy_from_mapping, read_config
+from sequester.serve.serve_settings import ServeSettings, serve_from_mapping
 
 __all__ = ["Config", "config_from_mapping", "load_config"]
 

@@ -14,7 +14,7 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── KernelError              misuse of a kernel or a kernel that cannot go on
     │   └── KernelClosedError    the kernel was closed (or its lifetime ran out)
     ├── EpisodeError             an episode used out of order, or given a bad working directory
-    └── VerifierError            no verdict (sequester.episodes.verifier); "tests ran and
+    └── VerifierError            no verdict (sequester.environments.verdict); "tests ran and
         ├── VerifierCouldNotRun      failed" is a reward of 0, never one of these
         ├── VerifierTimeout
         ├── RewardFileMissing

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import PolicyError
+from sequester.errors import PolicyError
 
 __all__ = ["Isolation", "Endpoint", "Limits", "Policy", "load_policy", "parse_endpoint"]
 
@@ -250,7 +250,7 @@ TABLES = ("runtime", "limits", "episodes", "images", "serve")  # every table a c
 
 def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "policy") -> Policy:
     """Build a policy from parsed TOML. Relative paths are taken from ``base_dir``."""
-    # [episodes] belongs to sequester.episodes.settings, read from the same file
+    # [episodes] belongs to sequester.environments.settings, read from the same file
     # (sequester.config validates the three together).
     unknown = sorted(set(data) - set(TABLES))
     if unknown:
@@ -332,7 +332,7 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
 
     The whole file is validated, its ``[episodes]`` table included (:mod:`sequester.config`).
     """
-    from .config import load_config
+    from sequester.config import load_config
 
     return load_config(path).policy
 

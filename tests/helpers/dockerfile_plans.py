@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sequester.build.errors import BuildError
-from sequester.build.parse import parse_dockerfile
-from sequester.build.plan import StagePlanner, stage_graph, stage_names
-from sequester.build.steps import CopyStep, RunStep
+from sequester.imagebuild.errors import BuildError
+from sequester.tasks.dockerfile_parse import parse_dockerfile
+from sequester.imagebuild.plan import StagePlanner, stage_graph, stage_names
+from sequester.imagebuild.steps import CopyStep, RunStep
 from sequester.images.manifest import ImageConfig, Platform
 
 AMD64 = Platform("linux", "amd64")

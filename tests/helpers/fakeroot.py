@@ -125,7 +125,7 @@ _STATE, _TOOLCHAIN = Path(os.environ["SEQ_STATE"]), Path(os.environ["SEQ_TOOLCHA
 
 
 def settings(**kw):
-    from sequester.episodes.settings import EpisodeSettings
+    from sequester.environments.settings import EpisodeSettings
     return EpisodeSettings(**{"state_dir": _STATE, "toolchain_dir": _TOOLCHAIN, **kw})
 
 
@@ -140,7 +140,7 @@ def _tail(text, n=3000):
 
 def verdict(ep, **kw):
     """evaluate(), as a dict: reward, or the error that came instead of a verdict."""
-    from sequester.episodes.verifier import VerifierError
+    from sequester.environments.verdict import VerifierError
     out = {}
     try:
         r = ep.evaluate(**kw)
@@ -160,7 +160,7 @@ _NOP = {}
 def nop_reward(task, settings_kw=None):
     """The nop agent's reward on ``task`` (a name in TASKS or a path), in an episode of its
     own; None when it gave no verdict. Cached per task."""
-    from sequester.episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
     task = Path(task) if Path(task).is_absolute() else TASKS / task
     if str(task) not in _NOP:
         with Episode(settings(**(settings_kw or {}))) as ep:
@@ -172,7 +172,7 @@ def nop_reward(task, settings_kw=None):
 def agent_verdict(spec, task, settings_kw=None):
     """An agent by name (``oracle``, ``nop``, ``script:PATH``, ...) on ``task``: its verdict."""
     from sequester.agents import load_agent
-    from sequester.episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
     task = Path(task) if Path(task).is_absolute() else TASKS / task
     with Episode(settings(**(settings_kw or {}))) as ep:
         ep.reset(task)
@@ -186,7 +186,7 @@ def attack(hack, task, *, baseline="separate", before=(), after=(), settings_kw=
     of its own, once per task: :func:`nop_reward`), "same" (evaluated first in the same
     episode, as tests/test_reward_hacks.py does) or None (not measured)."""
     from sequester.agents import ScriptAgent
-    from sequester.episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
     hack = Path(hack) if Path(hack).is_absolute() else HACKS / f"{hack}.sh"   # "void/void-root-files" works
     task = Path(task) if Path(task).is_absolute() else TASKS / task
     res = {"hack": hack.stem, "task": task.name}

@@ -6,7 +6,7 @@ nothing), ``script:PATH`` (a file's content as one command). Any other agent is 
 ``module:Class`` and loaded with :func:`load_agent`.
 """
 
-from .base import Agent, load_agent
-from .builtin import NopAgent, OracleAgent, ScriptAgent
+from sequester.agents.base import Agent, load_agent
+from sequester.agents.builtin import NopAgent, OracleAgent, ScriptAgent
 
 __all__ = ["Agent", "NopAgent", "OracleAgent", "ScriptAgent", "load_agent"]

@@ -11,10 +11,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ..errors import PolicyError
+from sequester.errors import PolicyError
 
 if TYPE_CHECKING:
-    from ..episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
 
 __all__ = ["Agent", "load_agent"]
 
@@ -37,7 +37,7 @@ def load_agent(spec: str) -> Agent:
     raises, no such class, a constructor that needs arguments or raises, no ``run``
     method) is a :class:`~sequester.errors.PolicyError` naming the spec.
     """
-    from .builtin import NopAgent, OracleAgent, ScriptAgent
+    from sequester.agents.builtin import NopAgent, OracleAgent, ScriptAgent
 
     if spec == "oracle":
         return OracleAgent()

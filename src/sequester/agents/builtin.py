@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import SequesterError
+from sequester.errors import SequesterError
 
 if TYPE_CHECKING:
-    from ..episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
 
 __all__ = ["OracleAgent", "NopAgent", "ScriptAgent"]
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .connect import ClusterError
+from sequester.cluster.connect import ClusterError
 
 __all__ = ["ClusterError", "RayScheduler", "EpisodePool"]
 
 
 def __getattr__(name: str) -> Any:  # the classes that need Ray load it only when named
     if name == "RayScheduler":
-        from .scheduler import RayScheduler
+        from sequester.cluster.scheduler import RayScheduler
         return RayScheduler
     if name == "EpisodePool":
-        from .pool import EpisodePool
+        from sequester.cluster.pool import EpisodePool
         return EpisodePool
     raise AttributeError(name)

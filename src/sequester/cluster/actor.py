@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from ..errors import EpisodeError
-from ..episodes.settings import EpisodeSettings
-from ..episodes.shell import ExecResult
-from ..episodes.verifier import VerifierError
-from .bundles import hold_task
-from .connect import ClusterError, ray_dirs, require_ray
-from .node import cluster_cache, settings_for_node
+from sequester.errors import EpisodeError
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.local.shell import ExecResult
+from sequester.environments.verdict import VerifierError
+from sequester.cluster.bundles import hold_task
+from sequester.cluster.connect import ClusterError, ray_dirs, require_ray
+from sequester.cluster.node import cluster_cache, settings_for_node
 
 if TYPE_CHECKING:
-    from ..environments import Environment
+    from sequester.environments import Environment
 
 __all__ = ["EpisodeActor", "ExecOutput", "Verdict", "FileContent", "READ_CAP", "CLOSE_GRACE"]
 
@@ -132,9 +132,9 @@ class _Held:
 
     # -- on the episode's thread -------------------------------------------------------
     def start(self, folder: Path, settings: EpisodeSettings, hide: tuple[Path, ...]) -> tuple[str, str]:
-        from ..environments import UnsupportedByBackend, missing_capabilities, open_environment
-        from ..episodes.nsexec import shared_nsexec
-        from ..tasks import load_task
+        from sequester.environments import UnsupportedByBackend, missing_capabilities, open_environment
+        from sequester.sandbox.nsexec.client import shared_nsexec
+        from sequester.tasks import load_task
 
         task = load_task(folder)
         # One namespace helper for the process, kept by a thread of its own (it dies with

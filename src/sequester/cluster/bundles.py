@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import PolicyError
+from sequester.errors import PolicyError
 
 __all__ = ["TaskBundle", "pack_task", "unpack_task", "hold_task", "task_on_node", "bundle_digest", "evict_unused", "pack_folder", "unpack_folder", "MAX_TASK_BYTES",
            "MAX_TRIAL_BYTES", "FIRST_FILES"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..errors import SequesterError
+from sequester.errors import SequesterError
 
 __all__ = ["ClusterError", "require_ray", "connect", "ray_dirs", "system_failures"]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .actor import ExecOutput, FileContent, Verdict
+from sequester.cluster.actor import ExecOutput, FileContent, Verdict
 
 if TYPE_CHECKING:
-    from .pool import EpisodePool
+    from sequester.cluster.pool import EpisodePool
 
 __all__ = ["ActorInfo", "EpisodeHandle"]
 

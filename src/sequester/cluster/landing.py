@@ -14,13 +14,13 @@ import dataclasses
 import traceback
 from typing import Any
 
-from ..jobs.harbor import agent_info, task_checksum, task_config
-from ..jobs.paths import TrialPaths
-from ..jobs.results import ExceptionInfo, TrialResult, utc_now
-from ..jobs.schedule import JobRun, PlannedTrial
-from ..jobs.trial import trial_config, write_json
-from .bundles import unpack_folder
-from .node import TrialReturn
+from sequester.jobs.harbor import agent_info, task_checksum, task_config
+from sequester.jobs.paths import TrialPaths
+from sequester.jobs.results import ExceptionInfo, TrialResult, utc_now
+from sequester.jobs.schedule import JobRun, PlannedTrial
+from sequester.jobs.trial import trial_config, write_json
+from sequester.cluster.bundles import unpack_folder
+from sequester.cluster.node import TrialReturn
 
 __all__ = ["land_trial", "land_error", "relocated_config"]
 

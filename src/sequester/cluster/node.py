@@ -27,12 +27,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..episodes.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
-from ..images.settings import default_store_dir
-from ..jobs.results import TrialResult
-from ..jobs.trial import TrialCancel, run_trial
-from ..tasks import load_task
-from .bundles import TaskBundle, evict_unused, pack_folder, task_on_node
+from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
+from sequester.images.image_settings import default_store_dir
+from sequester.jobs.results import TrialResult
+from sequester.jobs.trial import TrialCancel, run_trial
+from sequester.tasks import load_task
+from sequester.cluster.bundles import TaskBundle, evict_unused, pack_folder, task_on_node
 
 __all__ = ["TrialOrder", "TrialReturn", "machine_defaults", "settings_for_node", "cluster_cache", "run_order",
            "node_info", "sweep_staging"]

@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..episodes.settings import EpisodeSettings
-from ..errors import EpisodeError, PolicyError
-from .actor import CLOSE_GRACE, READ_CAP, EpisodeActor, ExecOutput, FileContent, Verdict
-from .handle import ActorInfo, EpisodeHandle
-from .bundles import pack_task
-from .connect import ClusterError, connect, system_failures
+from sequester.environments.settings import EpisodeSettings
+from sequester.errors import EpisodeError, PolicyError
+from sequester.cluster.actor import CLOSE_GRACE, READ_CAP, EpisodeActor, ExecOutput, FileContent, Verdict
+from sequester.cluster.handle import ActorInfo, EpisodeHandle
+from sequester.cluster.bundles import pack_task
+from sequester.cluster.connect import ClusterError, connect, system_failures
 
 __all__ = ["EpisodePool", "EpisodeHandle", "ActorInfo", "FileContent", "ExecOutput", "Verdict"]
 
@@ -89,7 +89,7 @@ class EpisodePool:
         self.tasks_dir = Path(tasks_dir).resolve()
         if not self.tasks_dir.is_dir():
             raise PolicyError(f"tasks_dir: {str(tasks_dir)!r} is not a folder")
-        from .node import machine_defaults
+        from sequester.cluster.node import machine_defaults
 
         self.settings = settings or EpisodeSettings()
         self._ray = ray = connect(address)
@@ -225,8 +225,8 @@ class EpisodePool:
 
     # -- tasks ------------------------------------------------------------------------------
     def _folder(self, task_id: str) -> Path:
-        from ..serve import protocol as p
-        from ..serve.sessions import resolve_task
+        from sequester.serve import protocol as p
+        from sequester.serve.sessions import resolve_task
 
         if self._shut:
             raise ClusterError("the episode pool was shut down")

@@ -16,10 +16,10 @@ import asyncio
 import threading
 from typing import Any
 
-from ..jobs.trial import TrialCancel
-from .bundles import TaskBundle
-from .connect import ray_dirs, require_ray
-from .node import TrialOrder, TrialReturn, run_order
+from sequester.jobs.trial import TrialCancel
+from sequester.cluster.bundles import TaskBundle
+from sequester.cluster.connect import ray_dirs, require_ray
+from sequester.cluster.node import TrialOrder, TrialReturn, run_order
 
 __all__ = ["trial_task", "JobMonitor", "WATCH_SECONDS"]
 

@@ -34,17 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..environments import UnsupportedByBackend
-from ..errors import PolicyError
-from ..jobs.results import TrialResult, utc_now
-from ..jobs.schedule import JobRun, PlannedTrial
-from ..jobs.trial import TrialCancelled
-from ..tasks import Task
-from .bundles import pack_task
-from .connect import ClusterError, connect, system_failures
-from .landing import land_error, land_trial
-from .node import TrialOrder, machine_defaults
-from .remote import JobMonitor, trial_task
+from sequester.environments import UnsupportedByBackend
+from sequester.errors import PolicyError
+from sequester.jobs.results import TrialResult, utc_now
+from sequester.jobs.schedule import JobRun, PlannedTrial
+from sequester.jobs.trial import TrialCancelled
+from sequester.tasks import Task
+from sequester.cluster.bundles import pack_task
+from sequester.cluster.connect import ClusterError, connect, system_failures
+from sequester.cluster.landing import land_error, land_trial
+from sequester.cluster.node import TrialOrder, machine_defaults
+from sequester.cluster.remote import JobMonitor, trial_task
 
 __all__ = ["RayScheduler", "trial_resources", "infeasible"]
 

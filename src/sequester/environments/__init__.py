@@ -10,11 +10,11 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .base import Capabilities, Environment, UnsupportedByBackend, missing_capabilities
+from sequester.environments.base import Capabilities, Environment, UnsupportedByBackend, missing_capabilities
 
 if TYPE_CHECKING:
-    from ..episodes.nsexec import NsExec
-    from ..episodes.settings import EpisodeSettings
+    from sequester.sandbox.nsexec.client import NsExec
+    from sequester.environments.settings import EpisodeSettings
 
 __all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "open_environment"]
 
@@ -23,7 +23,7 @@ def open_environment(settings: EpisodeSettings, *, hide: Iterable[str | os.PathL
                      nsexec: NsExec | None = None) -> Environment:
     """A new, not yet started environment of ``settings.backend``."""
     if settings.backend == "docker":
-        from .docker import DockerEnvironment  # the Docker SDK is only needed here
+        from sequester.environments.docker import DockerEnvironment  # the Docker SDK is only needed here
         return DockerEnvironment(settings, base_url=settings.docker_host, build=settings.docker_build, hide=hide)
-    from ..episodes.episode import Episode
+    from sequester.environments.local.episode import Episode
     return Episode(settings, hide=hide, nsexec=nsexec)

@@ -2,7 +2,7 @@
 
 An :class:`Environment` is one agent's episode on one task: started on a task, driven with
 ``exec`` and file calls, scored with ``evaluate``, closed. Backends: ``local`` (namespaces
-on this host: :class:`sequester.episodes.episode.Episode`), ``docker`` (a Docker-API
+on this host: :class:`sequester.environments.local.episode.Episode`), ``docker`` (a Docker-API
 engine: :mod:`sequester.environments.docker`), and :mod:`.fake` for unit tests.
 
 Compared with Harbor's ``BaseEnvironment`` (start/stop, exec, upload/download file and
@@ -18,14 +18,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..errors import SequesterError
+from sequester.errors import SequesterError
 
 if TYPE_CHECKING:
-    from ..episodes.settings import EpisodeSettings
-    from ..episodes.shell import ExecResult
-    from ..episodes.verifier import VerifierResult
-    from ..tasks import Task
-    from ..tasks.config import Artifact
+    from sequester.environments.settings import EpisodeSettings
+    from sequester.environments.local.shell import ExecResult
+    from sequester.environments.verdict import VerifierResult
+    from sequester.tasks import Task
+    from sequester.tasks.task_toml import Artifact
 
 __all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "separate_artifacts",
            "wanted_verifier_env",
@@ -87,7 +87,7 @@ class Environment(Protocol):
 
     def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> VerifierResult:
         """The task's pristine tests, scored; agent-caused failures are a 0 with a reason,
-        :class:`~sequester.episodes.verifier.VerifierCouldNotRun` only for what it cannot cause."""
+        :class:`~sequester.environments.verdict.VerifierCouldNotRun` only for what it cannot cause."""
 
     def abort(self) -> None: ...
 
@@ -109,7 +109,7 @@ def separate_artifacts(task: Task, workdir: str) -> tuple[tuple[Artifact, ...], 
     the task's declared ``artifacts``, else its working directory (where Terminal-Bench
     tasks, which declare none, keep the work their tests check; without it every such
     task would score 0 in a separate environment)."""
-    from ..tasks.config import Artifact
+    from sequester.tasks.task_toml import Artifact
 
     if task.config.artifacts:
         return tuple(task.config.artifacts), None

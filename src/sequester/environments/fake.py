@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ..episodes.settings import EpisodeSettings
-from ..episodes.shell import ExecResult
-from ..episodes.verifier import VerifierResult
-from ..errors import EpisodeError
-from ..tasks import Task, load_task
-from .base import Capabilities
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.local.shell import ExecResult
+from sequester.environments.verdict import VerifierResult
+from sequester.errors import EpisodeError
+from sequester.tasks import Task, load_task
+from sequester.environments.base import Capabilities
 
 __all__ = ["FakeEnvironment", "FAKE_CAPABILITIES"]
 

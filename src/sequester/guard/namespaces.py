@@ -57,7 +57,7 @@ class MountStep:
 
 def plan_own_proc(covers: tuple[Path, ...]) -> tuple[MountStep, ...]:
     """What bwrap mounts for each sandbox, for a kernel that enters a view template
-    instead (:mod:`sequester.sandbox.template`): a ``/proc`` of its own PID namespace with
+    instead (:mod:`sequester.kernel.template`): a ``/proc`` of its own PID namespace with
     bwrap's read-only ``covers`` (``/proc/irq``, ``/proc/bus``), and a ``/dev/pts`` of its
     own. Attack: the template's ``/proc`` lists the keeper and every kernel of the view,
     and its ``/dev/pts`` would let one kernel open another's terminals."""
@@ -120,6 +120,6 @@ def enter_private_namespaces(size_bytes: int, workspace: Path, keep: tuple[Path,
     let every port be bound. Needs CAP_SYS_ADMIN and CAP_NET_ADMIN in the current user
     namespace; the bootstrap drops both right after. (A kernel's first stage gets the
     plan from the host and applies it with :func:`.workspace.apply_workspace` directly.)"""
-    from .workspace import apply_workspace, steps_for_kernel
+    from sequester.guard.workspace import apply_workspace, steps_for_kernel
 
     apply_workspace(steps_for_kernel(plan_workspace(size_bytes, workspace, keep)), str(workspace))

@@ -16,7 +16,7 @@ security argument):
 5. the one ``execve`` the filter allows, into the cell runner.
 
 A kernel started from a view template (``config["template"]``, see
-:mod:`sequester.sandbox.template`) is born in its own mount and network namespaces (the
+:mod:`sequester.kernel.template`) is born in its own mount and network namespaces (the
 keeper's clone), so step 1 makes no namespaces but mounts the ``/proc`` and ``/dev/pts``
 bwrap would have; and after it, the kernel takes a user namespace of its own (``USERNS``:
 a root caller's as nobody, so nobody is what it maps), so its processes count against its
@@ -94,7 +94,7 @@ def _workspace_steps(workspace: dict[str, Any], template: bool) -> list[Step]:
 
 
 def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool = True) -> list[Step]:
-    """The native stage's steps for ``config`` (what :func:`sequester.sandbox.bootstrap.
+    """The native stage's steps for ``config`` (what :func:`sequester.kernel.bootstrap.
     bootstrap_config` made for a sandboxed kernel), ending in the ``execve`` of
     ``command`` (the cell runner's, with its stage-two configuration; ``timing``: the
     stage's timestamps appended as its last argument, which a plain command must not get)."""

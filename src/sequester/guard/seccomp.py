@@ -33,7 +33,7 @@ from __future__ import annotations
 import errno
 import os
 
-from .handoff import HANDOFF_ADDRESS
+from sequester.guard.handoff import HANDOFF_ADDRESS
 
 __all__ = ["DENIED_SYSCALLS", "PROCESS_SYSCALLS", "compile_filter", "load_filter", "syscall_number"]
 

@@ -6,10 +6,10 @@
     lease = store.lease(record)                        # the layer folders, held for an episode
 """
 
-from .records import ImageRecord, LayerRef
-from .reference import Reference, parse_reference
-from .settings import IMAGE_SOURCES, ImageSettings, images_from_mapping
-from .store import ImageLease, ImageStore
+from sequester.images.records import ImageRecord, LayerRef
+from sequester.images.reference import Reference, parse_reference
+from sequester.images.image_settings import IMAGE_SOURCES, ImageSettings, images_from_mapping
+from sequester.images.store import ImageLease, ImageStore
 
 __all__ = ["ImageStore", "ImageLease", "ImageRecord", "LayerRef", "ImageSettings", "images_from_mapping",
            "IMAGE_SOURCES", "Reference", "parse_reference"]

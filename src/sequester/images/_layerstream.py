@@ -30,8 +30,8 @@ except ImportError:  # only zstd layers need it: a Python without it still runs 
     class ZstdError(Exception):  # type: ignore[no-redef]
         pass
 
-from ..errors import ImageError
-from ._tarsafe import FrameError, ZstdFrames
+from sequester.errors import ImageError
+from sequester.images._tarsafe import FrameError, ZstdFrames
 
 __all__ = ["Abort", "Blob", "CHUNK", "HEADER_BUDGET", "LayerStream", "MEDIA_TYPES", "PROGRESS_EVERY", "ZstdError",
            "bounded_tarinfo", "decoder_for"]

@@ -32,8 +32,8 @@ import os
 import stat
 from pathlib import Path
 
-from ..episodes.remove import remove_tree
-from ..errors import ImageError
+from sequester.sandbox.remove import remove_tree
+from sequester.errors import ImageError
 
 __all__ = ["split_name", "show", "Tree", "rename_noreplace", "ZstdFrames", "FrameError", "DIR_FLAGS",
            "WHITEOUT", "OPAQUE", "META"]

@@ -4,9 +4,9 @@
 
 * ``prebuilt``: the task's ``[environment] docker_image``, from the store or pulled; an
   image that cannot be had is an :class:`ImageError` before any episode starts;
-* ``dockerfile``: the task's ``environment/Dockerfile``, built (:mod:`sequester.build`;
+* ``dockerfile``: the task's ``environment/Dockerfile``, built (:mod:`sequester.imagebuild`;
   cached, so only the first episode of a task builds); a build that fails is a
-  :class:`~sequester.build.errors.BuildError`, which ends the trial as an environment error;
+  :class:`~sequester.imagebuild.errors.BuildError`, which ends the trial as an environment error;
 * ``host``: the host's own system plus the Dockerfile's ``COPY`` lines (the mode of
   tasks with no image);
 * ``auto`` (default): ``prebuilt`` when the task names an image that can be had, else
@@ -16,7 +16,7 @@
   two minutes (a job of many trials on one task asks the registry once).
 
 Building is given as ``build`` (a function of the task), so that this module decides
-only *which* system, and :mod:`sequester.build` alone knows how to build one.
+only *which* system, and :mod:`sequester.imagebuild` alone knows how to build one.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ImageError
-from ..tasks import Task
-from .progress import NO_PROGRESS, Progress
-from .records import ImageRecord
-from .settings import IMAGE_SOURCES
-from .store import ImageStore
+from sequester.errors import ImageError
+from sequester.tasks import Task
+from sequester.images.progress import NO_PROGRESS, Progress
+from sequester.images.records import ImageRecord
+from sequester.images.image_settings import IMAGE_SOURCES
+from sequester.images.store import ImageStore
 
 __all__ = ["Choice", "choose_image", "prefetch_images", "Builder"]
 
@@ -83,7 +83,7 @@ def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progre
     else:
         notes.append("the task names no image ([environment] docker_image)")
     if dockerfile.is_file() and build is not None:
-        from ..build.errors import BuildError
+        from sequester.imagebuild.errors import BuildError
         key = f"dockerfile:{dockerfile}"
         earlier = _remembered(store, key)
         if earlier is None:
@@ -116,7 +116,7 @@ def prefetch_images(tasks: list[Task], source: str, store: ImageStore, *, progre
     """Have every prebuilt image the ``tasks`` will run on before any of them starts: with
     ``prebuilt``, an image that cannot be had raises :class:`ImageError` here; with
     ``auto``, it is remembered, and its trials build or run in host mode with the note.
-    (Builds are not started here: see :func:`sequester.build.prebuild_images`.)"""
+    (Builds are not started here: see :func:`sequester.imagebuild.prebuild_images`.)"""
     if source not in ("prebuilt", "auto"):
         return
     seen: set[str] = set()

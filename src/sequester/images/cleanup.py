@@ -12,12 +12,12 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..episodes.remove import remove_tree
-from ..errors import ImageError
-from .records import ImageRecord, hex_of
+from sequester.sandbox.remove import remove_tree
+from sequester.errors import ImageError
+from sequester.images.records import ImageRecord, hex_of
 
 if TYPE_CHECKING:
-    from .store import ImageStore
+    from sequester.images.store import ImageStore
 
 __all__ = ["drop_record", "collect_garbage"]
 
@@ -40,7 +40,7 @@ def drop_record(self: ImageStore, record: ImageRecord) -> None:
 
 def collect_garbage(self: ImageStore) -> int:
     """Remove what no record needs; the caller holds gc.lock exclusively."""
-    from ..build.cache import BuildCache
+    from sequester.imagebuild.cache import BuildCache
     records = self.records()
     keep_layers = {hex_of(layer.diff_id) for r in records for layer in r.layers} | BuildCache(self.root).layers()
     keep_blobs = {hex_of(d) for r in records for d in (r.id, r.config_digest)}

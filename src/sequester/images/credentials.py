@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ..errors import ImageError
+from sequester.errors import ImageError
 
 __all__ = ["authfile_for", "user_authfile"]
 

@@ -19,17 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ImageError
-from . import skopeo as sk
-from .credentials import authfile_for
-from .manifest import DIGEST, INDEX_TYPES, is_index, parse_json, select_platform, sha256_digest
-from .progress import Progress
-from .records import hex_of, read_record
-from .reference import parse_reference
-from .sources import Source, SourceKind
+from sequester.errors import ImageError
+from sequester.images import skopeo as sk
+from sequester.images.credentials import authfile_for
+from sequester.images.manifest import DIGEST, INDEX_TYPES, is_index, parse_json, select_platform, sha256_digest
+from sequester.images.progress import Progress
+from sequester.images.records import hex_of, read_record
+from sequester.images.reference import parse_reference
+from sequester.images.sources import Source, SourceKind
 
 if TYPE_CHECKING:
-    from .store import ImageStore
+    from sequester.images.store import ImageStore
 
 __all__ = ["skopeo_fetch"]
 

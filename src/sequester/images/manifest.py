@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ImageError
+from sequester.errors import ImageError
 
 __all__ = ["DIGEST", "Platform", "host_platform", "Descriptor", "ImageConfig", "config_document", "Manifest", "parse_json",
            "declared_compression",

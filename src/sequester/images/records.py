@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ImageError
-from .manifest import ImageConfig, Platform
+from sequester.errors import ImageError
+from sequester.images.manifest import ImageConfig, Platform
 
 __all__ = ["LayerRef", "ImageRecord", "write_record", "read_record", "hex_of"]
 

@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import ImageError
-from .manifest import DIGEST
+from sequester.errors import ImageError
+from sequester.images.manifest import DIGEST
 
 __all__ = ["Reference", "parse_reference", "DOCKER_HUB", "is_loopback_host"]
 

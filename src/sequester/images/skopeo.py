@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ImageError
-from .manifest import Platform
+from sequester.errors import ImageError
+from sequester.images.manifest import Platform
 
 if TYPE_CHECKING:
-    from .progress import Progress
+    from sequester.images.progress import Progress
 
 __all__ = ["skopeo_path", "inspect_argv", "copy_argv", "run_skopeo", "POLICY", "select_manifest", "progress_lines"]
 

@@ -19,7 +19,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ImageError
+from sequester.errors import ImageError
 
 __all__ = ["SourceKind", "Source", "classify", "tar_rootfs", "compression_of"]
 

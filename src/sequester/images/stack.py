@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ImageError
+from sequester.errors import ImageError
 
 __all__ = ["TopEntry", "merge_tops", "read_image_file", "image_path_kind", "resolve_user", "OPAQUE_XATTR"]
 

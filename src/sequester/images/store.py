@@ -3,9 +3,9 @@
     STORE/
       blobs/sha256/<hex>     manifests, configs (and layer blobs while they are unpacked)
       layers/<diff-id hex>/  each layer unpacked once: an overlayfs lower folder
-                             (or a build step's layer, named by its cache key: sequester.build)
+                             (or a build step's layer, named by its cache key: sequester.imagebuild)
       layers/<hex>.json      what unpacking (or the build step) found (sizes, counts)
-      build-cache/<key>      the layer a build step made (sequester.build.cache)
+      build-cache/<key>      the layer a build step made (sequester.imagebuild.cache)
       images/<id hex>.json   one record per image (:mod:`.records`); <hex>.used: last use
       tmp/                   skopeo's layouts and temporary files, removed after each fetch
       gc.lock, lock          fetches and builds hold gc.lock shared, prune exclusive; lock: record writes
@@ -37,19 +37,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ImageError
-from . import skopeo as sk
-from .fetch import skopeo_fetch
-from .manifest import (Descriptor, Platform, declared_compression, host_platform, parse_config, parse_json,
-                       parse_manifest, sha256_digest)
-from .progress import NO_PROGRESS, Progress
-from .records import ImageRecord, LayerRef, hex_of, read_record, write_record
-from .reference import parse_reference
-from .settings import ImageSettings
-from .sources import Source, SourceKind, classify, compression_of
-from .synth import rootfs_image
-from .unpack import unpack_layer
-from .cleanup import collect_garbage, drop_record
+from sequester.errors import ImageError
+from sequester.images import skopeo as sk
+from sequester.images.fetch import skopeo_fetch
+from sequester.images.manifest import Descriptor, Platform, declared_compression, host_platform, parse_config, parse_json, parse_manifest, sha256_digest
+from sequester.images.progress import NO_PROGRESS, Progress
+from sequester.images.records import ImageRecord, LayerRef, hex_of, read_record, write_record
+from sequester.images.reference import parse_reference
+from sequester.images.image_settings import ImageSettings
+from sequester.images.sources import Source, SourceKind, classify, compression_of
+from sequester.images.synth import rootfs_image
+from sequester.images.unpack import unpack_layer
+from sequester.images.cleanup import collect_garbage, drop_record
 
 __all__ = ["ImageStore", "ImageLease"]
 
@@ -318,7 +317,7 @@ class ImageStore:
         """Remove images not used for ``unused_for`` seconds (None: none) and the build
         cache's entries not used for as long (None: all of them), then every layer, blob
         and temporary folder no image needs. Returns the removed images and bytes freed."""
-        from ..build.cache import BuildCache
+        from sequester.imagebuild.cache import BuildCache
         removed = []
         with self.lock("gc.lock", fcntl.LOCK_EX):
             BuildCache(self.root).drop(unused_for)

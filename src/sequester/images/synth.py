@@ -16,12 +16,12 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ImageError
-from .progress import Progress
-from .sources import Source, SourceKind, compression_of, tar_rootfs
+from sequester.errors import ImageError
+from sequester.images.progress import Progress
+from sequester.images.sources import Source, SourceKind, compression_of, tar_rootfs
 
 if TYPE_CHECKING:
-    from .store import ImageStore
+    from sequester.images.store import ImageStore
 
 __all__ = ["rootfs_image", "write_json_blob", "DEFAULT_PATH"]
 

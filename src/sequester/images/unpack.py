@@ -28,11 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..episodes.remove import remove_tree
-from ..errors import ImageError
-from ._layerstream import (CHUNK, HEADER_BUDGET, MEDIA_TYPES, PROGRESS_EVERY, Abort, Blob, LayerStream, ZstdError,
-                           bounded_tarinfo, decoder_for)
-from ._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, rename_noreplace, split_name
+from sequester.sandbox.remove import remove_tree
+from sequester.errors import ImageError
+from sequester.images._layerstream import CHUNK, HEADER_BUDGET, MEDIA_TYPES, PROGRESS_EVERY, Abort, Blob, LayerStream, ZstdError, bounded_tarinfo, decoder_for
+from sequester.images._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, rename_noreplace, split_name
 
 __all__ = ["UnpackStats", "unpack_layer",
            # re-exported from ._layerstream, still importable from here

@@ -7,10 +7,10 @@
 :func:`run_job`.
 """
 
-from .job import default_job_name, run_job
-from .paths import JobPaths, TrialPaths
-from .results import ExceptionInfo, JobResult, TimingInfo, TrialResult, VerifierOutcome
-from .trial import TrialCancel, TrialCancelled, new_trial_name, run_trial
+from sequester.jobs.job import default_job_name, run_job
+from sequester.jobs.paths import JobPaths, TrialPaths
+from sequester.jobs.results import ExceptionInfo, JobResult, TimingInfo, TrialResult, VerifierOutcome
+from sequester.jobs.trial import TrialCancel, TrialCancelled, new_trial_name, run_trial
 
 __all__ = [
     "run_job", "run_trial", "default_job_name", "new_trial_name", "JobPaths", "TrialPaths", "JobResult",

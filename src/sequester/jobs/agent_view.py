@@ -13,13 +13,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..environments import Environment
-from ..episodes.episode import EpisodeError, ExecResult
-from .paths import TrialPaths
-from .results import utc_now
+from sequester.environments import Environment
+from sequester.environments.local.episode import EpisodeError, ExecResult
+from sequester.jobs.paths import TrialPaths
+from sequester.jobs.results import utc_now
 
 if TYPE_CHECKING:
-    from .trial import TrialCancel
+    from sequester.jobs.trial import TrialCancel
 
 __all__ = ["RecordingEnvironment"]
 

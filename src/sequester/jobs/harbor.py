@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
+from sequester import __version__
 
 if TYPE_CHECKING:
-    from .results import TrialResult
+    from sequester.jobs.results import TrialResult
 
 __all__ = [
     "ENVIRONMENT_IMPORT_PATHS", "harbor_exception", "task_checksum", "agent_config", "agent_info", "task_config",
@@ -30,7 +30,7 @@ __all__ = [
 # Harbor's TrialConfig.environment names a type (docker, modal, ...) or an import path.
 # Episodes are neither a Docker container nor a Harbor environment class: the import path
 # says what ran the trial without claiming a Harbor environment type.
-ENVIRONMENT_IMPORT_PATHS = {"local": "sequester.episodes.episode:Episode",  # (on a Ray node too)
+ENVIRONMENT_IMPORT_PATHS = {"local": "sequester.environments.local.episode:Episode",  # (on a Ray node too)
                             "docker": "sequester.environments.docker:DockerEnvironment"}
 
 # sequester's exception name -> Harbor's name for the same failure (its error policy then

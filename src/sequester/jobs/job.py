@@ -1,7 +1,7 @@
 """A job: one agent on a list of tasks, one trial each, several trials at a time.
 
 Each trial is an episode in its own processes, so trials run on threads (one
-:class:`~sequester.episodes.episode.Episode` per thread). Every episode of the job also
+:class:`~sequester.environments.local.episode.Episode` per thread). Every episode of the job also
 hides every task of the job and the jobs folder: no agent sees another task's tests or
 solution, nor any verifier's output or result.
 """
@@ -15,19 +15,19 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from ..build import StepReport, prebuild_images
-from ..agents import load_agent
-from ..episodes.settings import EpisodeSettings
-from ..images import ImageStore
-from ..images.choose import prefetch_images
-from ..images.progress import NO_PROGRESS, Progress
-from ..errors import PolicyError
-from ..tasks import Task, find_tasks
-from .harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
-from .paths import JobPaths, check_name
-from .results import JobResult, TrialResult, utc_now
-from .schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
-from .trial import new_trial_name, settings_to_dict, write_json
+from sequester.imagebuild import StepReport, prebuild_images
+from sequester.agents import load_agent
+from sequester.environments.settings import EpisodeSettings
+from sequester.images import ImageStore
+from sequester.images.choose import prefetch_images
+from sequester.images.progress import NO_PROGRESS, Progress
+from sequester.errors import PolicyError
+from sequester.tasks import Task, find_tasks
+from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
+from sequester.jobs.paths import JobPaths, check_name
+from sequester.jobs.results import JobResult, TrialResult, utc_now
+from sequester.jobs.schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
+from sequester.jobs.trial import new_trial_name, settings_to_dict, write_json
 
 __all__ = ["run_job", "default_job_name", "job_config"]
 

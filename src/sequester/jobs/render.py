@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .results import JobResult, TrialResult
+from sequester.jobs.results import JobResult, TrialResult
 
 __all__ = ["trial_progress", "print_summary", "summary_table", "summary_line"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..episodes.verifier import primary_reward
-from .harbor import harbor_exception, job_stats
+from sequester.environments.verdict import primary_reward
+from sequester.jobs.harbor import harbor_exception, job_stats
 
 __all__ = ["TimingInfo", "ExceptionInfo", "VerifierOutcome", "TrialResult", "JobResult", "utc_now"]
 

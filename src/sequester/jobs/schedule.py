@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..episodes.settings import EpisodeSettings
-from ..tasks import Task
-from .results import TrialResult
-from .trial import TrialCancel, run_trial
+from sequester.environments.settings import EpisodeSettings
+from sequester.tasks import Task
+from sequester.jobs.results import TrialResult
+from sequester.jobs.trial import TrialCancel, run_trial
 
 __all__ = ["PlannedTrial", "JobRun", "TrialScheduler", "LocalScheduler"]
 

@@ -28,20 +28,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..agents import load_agent
-from ..build.wheels import ensure_task_wheels
-from ..environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
-from ..environments.base import wanted_verifier_env
-from ..episodes.episode import EpisodeError
-from ..episodes.settings import EpisodeSettings
-from ..episodes.verifier import VerifierError
-from ..errors import SequesterError
-from ..tasks import Task
-from .agent_view import RecordingEnvironment
-from .capture import capture_thread_output
-from .harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
-from .paths import TEST_STDOUT, TrialPaths
-from .results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
+from sequester.agents import load_agent
+from sequester.verifier.wheels import ensure_task_wheels
+from sequester.environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
+from sequester.environments.base import wanted_verifier_env
+from sequester.environments.local.episode import EpisodeError
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import VerifierError
+from sequester.errors import SequesterError
+from sequester.tasks import Task
+from sequester.jobs.agent_view import RecordingEnvironment
+from sequester.jobs.capture import capture_thread_output
+from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
+from sequester.jobs.paths import TEST_STDOUT, TrialPaths
+from sequester.jobs.results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
 
 __all__ = ["run_trial", "trial_config", "new_trial_name", "settings_to_dict", "write_json", "TrialCancel", "TrialCancelled"]
 

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import KernelClosedError, KernelError, SandboxError
-from ..policy import Isolation, Policy
-from ..sandbox.bwrap import read_pending
-from ..sandbox.launch import KernelProcess, launch_kernel
-from .start_timing import phases as _phases
-from .protocol import MessageReader, ProtocolError, frame_limit, write_message
-from .results import CellError, CellResult
+from sequester.errors import KernelClosedError, KernelError, SandboxError
+from sequester.policy import Isolation, Policy
+from sequester.sandbox.bwrap import read_pending
+from sequester.kernel.launch import KernelProcess, launch_kernel
+from sequester.kernel.start_timing import phases as _phases
+from sequester.kernel.protocol import MessageReader, ProtocolError, frame_limit, write_message
+from sequester.kernel.results import CellError, CellResult
 
 __all__ = ["Kernel"]
 

@@ -25,9 +25,9 @@ import threading
 import time
 from collections import deque
 
-from ..errors import KernelClosedError, KernelError, PolicyError, SequesterError
-from ..policy import Policy
-from .client import Kernel
+from sequester.errors import KernelClosedError, KernelError, PolicyError, SequesterError
+from sequester.policy import Policy
+from sequester.kernel.client import Kernel
 
 __all__ = ["KernelPool"]
 

@@ -16,7 +16,7 @@ import _json
 import os
 import struct
 
-from .fdread import read_exactly
+from sequester.kernel.fdread import read_exactly
 
 TYPE_CHECKING = False  # not ``typing``: every kernel imports this module at start-up
 if TYPE_CHECKING:  # pragma: no cover

@@ -30,7 +30,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from ..caches import cache_root
+from sequester.caches import cache_root
 
 __all__ = ["SOURCE", "SOURCES", "stage0_program", "build_stage0", "native_stage_enabled", "cache_folder", "runs_here"]
 

@@ -33,10 +33,10 @@ import threading
 from collections.abc import Iterable
 from functools import lru_cache
 
-from ..policy import Endpoint
-from .http import Refused, Request, origin_headers, parse_direct, parse_request_line, refusal, shorten
-from .plan import is_allowed
-from .stats import BrokerStats
+from sequester.policy import Endpoint
+from sequester.net.http import Refused, Request, origin_headers, parse_direct, parse_request_line, refusal, shorten
+from sequester.net.plan import is_allowed
+from sequester.net.stats import BrokerStats
 
 __all__ = ["Broker", "BrokerStats", "MAX_CHANNELS"]
 

@@ -33,7 +33,7 @@ import signal
 import socket
 import time
 
-from ..errors import SandboxError
+from sequester.errors import SandboxError
 
 __all__ = ["open_listener_in"]
 

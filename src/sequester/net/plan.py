@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..policy import Endpoint
+from sequester.policy import Endpoint
 
 __all__ = ["Listener", "NetworkPlan", "plan_network", "is_allowed", "PROXY_PORTS"]
 

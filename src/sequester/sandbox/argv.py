@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .mounts import WORKSPACE, MountKind, MountOp
+from sequester.sandbox.mounts import WORKSPACE, MountKind, MountOp
 
 __all__ = ["TEMPLATE_CAPS", "BOOTSTRAP_CAPS", "CONTAINER_CAPS", "ROOT_BOOTSTRAP_CAPS", "Identity", "SandboxSpec", "LaunchFds", "build_argv"]
 

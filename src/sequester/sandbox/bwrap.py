@@ -23,10 +23,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SandboxError
-from ..guard.privileges import KERNEL_HOST_ID, NOBODY
-from .argv import Identity, LaunchFds, SandboxSpec, build_argv
-from .probe import bwrap_path
+from sequester.errors import SandboxError
+from sequester.guard.privileges import KERNEL_HOST_ID, NOBODY
+from sequester.sandbox.argv import Identity, LaunchFds, SandboxSpec, build_argv
+from sequester.sandbox.probe import bwrap_path
 
 __all__ = ["StartedBwrap", "start_bwrap", "close_fd", "readable", "descendants", "read_pending"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .native import find_ffi_libraries, installation_roots
+from sequester.sandbox.native import find_ffi_libraries, installation_roots
 
 __all__ = ["DirEntry", "HostFacts", "gather_host_facts", "SCAN_SKIP"]
 

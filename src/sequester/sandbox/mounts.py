@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..policy import Policy
-from .host import DirEntry, HostFacts
+from sequester.policy import Policy
+from sequester.sandbox.host import DirEntry, HostFacts
 
 __all__ = ["MountKind", "MountOp", "SYSTEM_DIRS", "WORKSPACE", "hidden_paths", "mount_backs", "plan_mounts"]
 

@@ -8,8 +8,8 @@ import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..errors import SandboxUnavailableError
-from ..policy import Isolation
+from sequester.errors import SandboxUnavailableError
+from sequester.policy import Isolation
 
 __all__ = ["NamespaceSupport", "bwrap_path", "namespace_support", "resolve_isolation"]
 

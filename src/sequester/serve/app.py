@@ -29,13 +29,13 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .. import __version__
-from ..config import Config
-from .settings import ServeSettings
-from . import protocol as p
-from .auth import TokenGuard, load_token
-from .connection import Connection
-from .sessions import SessionManager, log_event
+from sequester import __version__
+from sequester.config import Config
+from sequester.serve.serve_settings import ServeSettings
+from sequester.serve import protocol as p
+from sequester.serve.auth import TokenGuard, load_token
+from sequester.serve.connection import Connection
+from sequester.serve.sessions import SessionManager, log_event
 
 __all__ = ["create_app", "count_tasks", "uvicorn_config"]
 
@@ -141,7 +141,7 @@ def count_tasks(tasks_dir: Path | None, depth: int = 3) -> int:
     one fails at start rather than in a client's reset."""
     if tasks_dir is None:
         return 0
-    from ..tasks import load_task
+    from sequester.tasks import load_task
 
     root, count = Path(tasks_dir).resolve(), 0
     for current, dirs, files in os.walk(root):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ..errors import PolicyError
-from .settings import ServeSettings, check_token
+from sequester.errors import PolicyError
+from sequester.serve.serve_settings import ServeSettings, check_token
 
 __all__ = ["Token", "load_token", "TokenGuard", "TOKEN_ENV", "PUBLIC_PATHS"]
 

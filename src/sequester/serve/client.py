@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import SequesterError
+from sequester.errors import SequesterError
 
 __all__ = ["AsyncSequesterClient", "SequesterClient", "StepResult", "ServerError", "ClientError"]
 

@@ -22,8 +22,8 @@ from typing import Any, Awaitable, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from . import protocol as p
-from .sessions import Session, SessionManager, log_event
+from sequester.serve import protocol as p
+from sequester.serve.sessions import Session, SessionManager, log_event
 
 __all__ = ["Connection", "IDLE_CLOSE_CODE"]
 

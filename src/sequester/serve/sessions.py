@@ -1,6 +1,6 @@
 """Sessions of ``sequester serve``: an episode or a kernel per WebSocket connection.
 
-Every call into an :class:`~sequester.episodes.episode.Episode` or a
+Every call into an :class:`~sequester.environments.local.episode.Episode` or a
 :class:`~sequester.kernel.client.Kernel` blocks (a command, a verifier run, a sandbox's
 start), so each session has **one worker thread of its own**: the event loop never blocks,
 sessions never wait for one another, and one session's calls run in order (neither class
@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, TypeVar
 
-from ..config import Config
-from ..errors import KernelClosedError, SequesterError
-from ..episodes.verifier import VerifierError
-from ..tasks import Task, load_task
-from . import protocol as p
+from sequester.config import Config
+from sequester.errors import KernelClosedError, SequesterError
+from sequester.environments.verdict import VerifierError
+from sequester.tasks import Task, load_task
+from sequester.serve import protocol as p
 
 if TYPE_CHECKING:
-    from ..kernel.pool import KernelPool
+    from sequester.kernel.pool import KernelPool
 
 __all__ = ["Session", "EpisodeSession", "KernelSession", "SessionManager", "resolve_task", "log_event"]
 
@@ -184,8 +184,8 @@ class EpisodeSession(Session):
 
     def __init__(self, session_id: str, task: Task, config: Config, hide: tuple[Path, ...], read_cap: int):
         super().__init__(session_id, task.name)
-        from ..environments import open_environment
-        from ..episodes.nsexec import shared_nsexec
+        from sequester.environments import open_environment
+        from sequester.sandbox.nsexec.client import shared_nsexec
 
         self._task = task
         # The namespace helper is one process for all episodes, and it dies with the
@@ -198,7 +198,7 @@ class EpisodeSession(Session):
         self._read_cap = read_cap
 
     def _start(self) -> p.ResetObservation:
-        from ..environments import UnsupportedByBackend, missing_capabilities
+        from sequester.environments import UnsupportedByBackend, missing_capabilities
 
         missing = missing_capabilities(self._episode.capabilities, self._task, self._episode.settings)
         if missing:  # before anything starts (a FACTORY_ERROR naming what is missing)
@@ -266,7 +266,7 @@ class KernelSession(Session):
 
     def __init__(self, session_id: str, config: Config, pool: KernelPool | None = None):
         super().__init__(session_id)
-        from ..kernel.client import Kernel
+        from sequester.kernel.client import Kernel
 
         self._pool = pool
         self._kernel = Kernel(config.policy)
@@ -357,7 +357,7 @@ class SessionManager:
         self.connections: set[_Closable] = set()
         self.kernel_pool: KernelPool | None = None
         if self.settings.kernel_pool:
-            from ..kernel.pool import KernelPool
+            from sequester.kernel.pool import KernelPool
 
             self.kernel_pool = KernelPool(config.policy, size=self.settings.kernel_pool)
 

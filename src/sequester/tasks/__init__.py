@@ -12,9 +12,9 @@ to concrete host files of the build context. Every malformed input is a
 :class:`sequester.errors.TaskError` naming the file and the field or line.
 """
 
-from .config import TaskConfig, parse_task_config
-from .dockerfile import DockerfilePlan, parse_dockerfile, resolve_copies
-from .task import Task, find_tasks, load_task
+from sequester.tasks.task_toml import TaskConfig, parse_task_config
+from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile, resolve_copies
+from sequester.tasks.task import Task, find_tasks, load_task
 
 __all__ = [
     "Task",

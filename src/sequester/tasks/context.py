@@ -22,10 +22,10 @@ import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import TaskError
+from sequester.errors import TaskError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .dockerfile import DockerfilePlan
+    from sequester.tasks.dockerfile import DockerfilePlan
 
 __all__ = ["resolve_copies"]
 

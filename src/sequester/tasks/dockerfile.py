@@ -24,9 +24,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import TaskError
-from ._syntax import UnknownVariable, Variables, WordError, expand, expand_words, logical_lines, split_raw
-from .context import resolve_copies
+from sequester.errors import TaskError
+from sequester.tasks.dockerfile_syntax import UnknownVariable, Variables, WordError, expand, expand_words, logical_lines, split_raw
+from sequester.tasks.context import resolve_copies
 
 __all__ = ["CopyStep", "UnsupportedInstruction", "DockerfilePlan", "parse_dockerfile", "resolve_copies",
            "absolute_path"]

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TaskError
-from .config import TaskConfig, parse_task_config
-from .dockerfile import DockerfilePlan, parse_dockerfile
+from sequester.errors import TaskError
+from sequester.tasks.task_toml import TaskConfig, parse_task_config
+from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile
 
 __all__ = ["Task", "load_task", "find_tasks"]
 

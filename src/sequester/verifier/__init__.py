@@ -1,7 +1,7 @@
 """The verifier's runner: a read-only tree of trusted programs that run a task's tests,
 and the environment they run with. See :mod:`.tree` for what it holds and why."""
 
-from .layout import RUNNER_MOUNT
-from .tree import PINNED, ensure_runner
+from sequester.verifier.layout import RUNNER_MOUNT
+from sequester.verifier.tree import PINNED, ensure_runner
 
 __all__ = ["RUNNER_MOUNT", "PINNED", "ensure_runner"]

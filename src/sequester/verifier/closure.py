@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SandboxError
+from sequester.errors import SandboxError
 
 __all__ = ["Library", "parse_ldd", "library_closure"]
 

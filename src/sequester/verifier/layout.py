@@ -25,7 +25,7 @@ RUN = RUNNER_MOUNT / "run"          # an empty folder: a private tmpfs at verify
 RUN_HOME = RUN / "home"             # HOME of the test script's own shell
 RUN_CACHE = RUN / "cache"           # uv's cache (its tool environments)
 RUN_TOOLS = RUN / "tools"
-# A task's own pinned wheels (sequester.build.wheels), copied from the host at verify time
+# A task's own pinned wheels (sequester.verifier.wheels), copied from the host at verify time
 # into a read-only tmpfs of the verifier's namespace; only when the task needs them.
 TASK_WHEELS = RUN / "task-wheels"
 # The host loader's own name (uv tells glibc from musl by it): see tree.py.

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .layout import RUNNER_MOUNT
+from sequester.verifier.layout import RUNNER_MOUNT
 
 __all__ = ["SITECUSTOMIZE", "write_sitecustomize", "PYTHONPATH_VAR", "RUNNER_FD_VAR"]
 

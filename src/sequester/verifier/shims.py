@@ -15,8 +15,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import layout
-from .pythons import HostPython
+from sequester.verifier import layout
+from sequester.verifier.pythons import HostPython
 
 __all__ = ["write_shims"]
 
@@ -59,7 +59,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     os.symlink("bash", bin_dir / "sh")
     _script(bin_dir / "uv", _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
     uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
-    # Tell the host uvx started (see sequester.episodes.evaluation: a run where uvx
+    # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'
     _script(bin_dir / "uvx", said + _AGENT_HOME + f'exec {uvx} "$@"\n')

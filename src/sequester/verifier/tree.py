@@ -37,13 +37,13 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from ..errors import SandboxError
-from . import layout
-from .closure import library_closure
-from .elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
-from .pysite import write_sitecustomize
-from .pythons import HostPython, copy_python, find_pythons
-from .shims import write_shims
+from sequester.errors import SandboxError
+from sequester.verifier import layout
+from sequester.verifier.closure import library_closure
+from sequester.verifier.elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
+from sequester.verifier.pysite import write_sitecustomize
+from sequester.verifier.pythons import HostPython, copy_python, find_pythons
+from sequester.verifier.shims import write_shims
 
 __all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
 

@@ -3,6 +3,6 @@ Docker API (see :mod:`.environment`). Needs the Docker SDK (``pip install 'seque
 
 from __future__ import annotations
 
-from .environment import CAPABILITIES, DockerEnvironment
+from sequester.environments.docker.environment import CAPABILITIES, DockerEnvironment
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]

@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...episodes.settings import EpisodeSettings
-from ...tasks import Task
-from ..base import UnsupportedByBackend
-from .engine import MANAGED, EngineError, labels
+from sequester.environments.settings import EpisodeSettings
+from sequester.tasks import Task
+from sequester.environments.base import UnsupportedByBackend
+from sequester.environments.docker.engine import MANAGED, EngineError, labels
 
 __all__ = ["KEEP_ALIVE", "ImageChoice", "resolve_image", "network_for", "create_container", "container_workdir",
            "remove_container"]

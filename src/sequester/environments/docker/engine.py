@@ -21,8 +21,8 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ...errors import SequesterError
-from ..base import UnsupportedByBackend
+from sequester.errors import SequesterError
+from sequester.environments.base import UnsupportedByBackend
 
 if TYPE_CHECKING:
     import docker

@@ -24,20 +24,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import EpisodeError, SandboxError
-from ...episodes import verifier as v
-from ...episodes.evaluation import Evaluation, zero_result
-from ...episodes.settings import EpisodeSettings, frozen_evaluation_note
-from ...episodes.shell import ExecResult
-from ...tasks import Task, load_task
-from ..base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
-from . import files
-from .container import ImageChoice, container_workdir, create_container, network_for, remove_container, resolve_image
-from .engine import EngineError, connect, reap_once
-from .exec import run_exec
-from .ops import ContainerHandle, kill_from_host
-from .procs import stop_namespace
-from .verify import NOT_WIPED, evaluate_separate, evaluate_shared, wipe_staged
+from sequester.errors import EpisodeError, SandboxError
+from sequester.environments import verdict as v
+from sequester.environments.local.evaluation import Evaluation, zero_result
+from sequester.environments.settings import EpisodeSettings, frozen_evaluation_note
+from sequester.environments.local.shell import ExecResult
+from sequester.tasks import Task, load_task
+from sequester.environments.base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
+from sequester.environments.docker import files
+from sequester.environments.docker.container import ImageChoice, container_workdir, create_container, network_for, remove_container, resolve_image
+from sequester.environments.docker.engine import EngineError, connect, reap_once
+from sequester.environments.docker.exec import run_exec
+from sequester.environments.docker.ops import ContainerHandle, kill_from_host
+from sequester.environments.docker.procs import stop_namespace
+from sequester.environments.docker.verify import NOT_WIPED, evaluate_separate, evaluate_shared, wipe_staged
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]
 

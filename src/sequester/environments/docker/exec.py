@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import EngineError
-from .procs import kill_tree, open_pidfd
+from sequester.environments.docker.engine import EngineError
+from sequester.environments.docker.procs import kill_tree, open_pidfd
 
 __all__ = ["RawExec", "run_exec", "Demux"]
 

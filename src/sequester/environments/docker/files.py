@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...errors import SequesterError
-from .engine import EngineError
+from sequester.errors import SequesterError
+from sequester.environments.docker.engine import EngineError
 
 __all__ = ["ContainerFileError", "TooLarge", "file_tar", "dir_tar", "put_tar", "get_tar", "read_file", "write_file",
            "upload_dir"]

@@ -9,12 +9,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import files
-from .container import KEEP_ALIVE, remove_container
-from .engine import EngineError
-from .exec import run_exec
-from .procs import kill_init, pid_namespace
-from .verify import WIPE
+from sequester.environments.docker import files
+from sequester.environments.docker.container import KEEP_ALIVE, remove_container
+from sequester.environments.docker.engine import EngineError
+from sequester.environments.docker.exec import run_exec
+from sequester.environments.docker.procs import kill_init, pid_namespace
+from sequester.environments.docker.verify import WIPE
 
 __all__ = ["ContainerHandle", "host_namespace", "kill_from_host"]
 

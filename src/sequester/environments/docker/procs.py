@@ -15,7 +15,7 @@ import os
 import signal
 from collections.abc import Callable, Iterable, Iterator
 
-from ...sandbox.bwrap import descendants
+from sequester.sandbox.bwrap import descendants
 
 __all__ = ["pid_namespace", "open_pidfd", "kill_tree", "Stopped", "stop_namespace"]
 

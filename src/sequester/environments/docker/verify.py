@@ -45,13 +45,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ...episodes import verifier as v
-from ...episodes.evaluation import Evaluation, judge, zero_result
-from ...tasks import Task
-from ...tasks.config import Artifact
-from ..base import separate_artifacts
-from .engine import EngineError
-from .files import ContainerFileError, dir_tar
+from sequester.environments import verdict as v
+from sequester.environments.local.evaluation import Evaluation, judge, zero_result
+from sequester.tasks import Task
+from sequester.tasks.task_toml import Artifact
+from sequester.environments.base import separate_artifacts
+from sequester.environments.docker.engine import EngineError
+from sequester.environments.docker.files import ContainerFileError, dir_tar
 
 __all__ = ["ContainerOps", "Verdict", "ARTIFACT_LIMIT", "docker_verifier_argv", "docker_verifier_env",
            "evaluate_shared", "evaluate_separate", "pack_artifacts", "wipe_staged", "NOT_WIPED"]
@@ -119,7 +119,7 @@ def docker_verifier_argv(task: Task) -> list[str]:
 def docker_verifier_env(task: Task) -> dict[str, str]:
     """The exec's variables on top of the container's (the image's ENV, set at its
     creation, which the agent cannot change): the task's ``[verifier] env``. Not
-    :func:`~sequester.episodes.verifier.verifier_env`: its paths are the trusted runner's,
+    :func:`~sequester.environments.verdict.verifier_env`: its paths are the trusted runner's,
     which no container image has."""
     return {"HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", **task.config.verifier.env}
 
@@ -168,7 +168,7 @@ def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit
     container refuse one (a file where a folder is staged, at the right moment). If the
     same tests run in the pristine container without engine failure, the failure was the
     agent's doing and is its 0; else it is :class:`VerifierCouldNotRun` (as the local
-    backend decides: :meth:`sequester.episodes.episode.Episode.evaluate`).
+    backend decides: :meth:`sequester.environments.local.episode.Episode.evaluate`).
 
     ``wipe_after=False``: the tests are left in place (``Verdict.staged``) for the caller
     to wipe with :func:`wipe_staged` before the agent acts again, or never if the

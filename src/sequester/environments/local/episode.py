@@ -1,0 +1,398 @@
+"""An episode: one agent working on one task, scored by a verifier it cannot reach.
+
+    ep = Episode()
+    ep.reset("examples/tasks/python-csv-stats")
+    ep.exec("python3 -c 'print(1)'")
+    result = ep.evaluate()          # VerifierResult, or a VerifierError
+    ep.close()
+
+The one place that orders the steps of an episode. ``reset``: load the task, start its
+sandbox (:mod:`.start`: the view, the environment's files, the init, its freezer), and
+start the agent's shell through the namespace helper (:mod:`.nsexec`). ``evaluate``:
+freeze the agent if asked, first; run the pristine tests in a namespace only the verifier
+has, through the runner the agent cannot write, in the agent's view or a separate one
+(:mod:`.evaluation`, :mod:`.separate`); then list the tampering, for information
+(:mod:`.layers`). ``close``: kill everything, remove the layers. The source task is only
+ever read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import logging
+import os
+import tarfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from sequester.environments.base import Capabilities, wanted_verifier_env, wants_freeze
+from sequester.errors import EpisodeError, SandboxError
+from sequester.guard import seccomp
+from sequester.images import ImageRecord, ImageStore
+from sequester.imagebuild.task_build import ensure_built
+from sequester.images.choose import Choice, choose_image
+from sequester.images.stack import image_path_kind
+from sequester.sandbox.bwrap import close_fd
+from sequester.sandbox.probe import namespace_support
+from sequester.tasks import Task, load_task
+from sequester.environments import verdict as v
+from sequester.environments.local.evaluation import judge, run_tests, runner_works, zero_result
+from sequester.environments.local.layers import report_episode
+from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
+from sequester.environments.local.separate import evaluate_separately
+from sequester.environments.settings import EpisodeSettings, frozen_evaluation_note
+from sequester.environments.local.shell import SHELL_SETUP, ExecResult, Shell, pid_namespace
+from sequester.environments.local.start import RunningEpisode
+from sequester.environments.local.system import start_system
+
+__all__ = ["Episode", "EpisodeError", "ExecResult"]
+
+log = logging.getLogger("sequester.environments.local")
+
+_READ_LIMIT = 64 * 1024 * 1024
+_CHOOSE = object()  # reset(): choose the image from the task and the image source
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+# The tests run by the runner tree the agent cannot write, in the agent's view or a fresh
+# one; the agent can be frozen (cgroup freezer, else signals); no network, or public.
+LOCAL_CAPABILITIES = Capabilities(backend="local", separate_verifier=True, shared_verifier=True, freeze=True,
+                                  trusted_runner=True)
+
+
+class Episode:
+    """One agent's episode on one task (local mode: namespaces on this host). Not thread-safe;
+    run many episodes in many threads."""
+
+    def __init__(self, settings: EpisodeSettings | None = None, *, hide: Iterable[str | os.PathLike[str]] = (),
+                 nsexec: NsExec | None = None):
+        """``hide``: more paths the agent must not see (other tasks, the jobs folder)."""
+        self.settings = settings or EpisodeSettings()
+        self.extra_hidden = tuple(Path(p).resolve() for p in hide)
+        self._nsexec = nsexec
+        self._state = _State.NEW
+        self._run: RunningEpisode | None = None
+        self._aborted = threading.Event()
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def task(self) -> Task:
+        return self._running().task
+
+    @property
+    def instruction(self) -> str:
+        return self._running().task.instruction
+
+    @property
+    def workdir(self) -> str:
+        return self._running().workdir
+
+    @property
+    def notes(self) -> list[str]:
+        """What of the task's environment could not be reproduced, and similar remarks."""
+        return list(self._running().notes)
+
+    @property
+    def init_pid(self) -> int:
+        """Host pid of the episode's init (diagnostics, tests)."""
+        return self._running().bwrap.pid
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the local backend can do (see :mod:`sequester.environments.base`)."""
+        return LOCAL_CAPABILITIES
+
+    def start(self, task: Task | str | os.PathLike[str]) -> Episode:
+        """:meth:`reset` on ``task``, as :class:`~sequester.environments.base.Environment` names it."""
+        return self.reset(task)
+
+    def _running(self) -> RunningEpisode:
+        if self._aborted.is_set():
+            raise EpisodeError("the episode was aborted")
+        if self._run is None:
+            raise EpisodeError("the episode is not running: call reset(task) first" if self._state is not _State.CLOSED
+                               else "the episode is closed")
+        return self._run
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None, shell: bool = True,
+              image_source: str | None = None, image: ImageRecord | None | object = _CHOOSE) -> Episode:
+        """Start the episode on ``task`` (a loaded task or its folder), replacing any
+        earlier one. ``workdir`` overrides the task's working directory; ``shell=False``
+        starts no agent shell (a separate verifier's environment). ``image_source``
+        (default: the settings' ``[images] source``, ``auto``): the system the episode
+        runs on (see :mod:`sequester.images.choose`); ``image``: this image record, or
+        ``None`` for host mode, instead of choosing. An image that cannot be had raises
+        :class:`~sequester.errors.ImageError` before anything starts."""
+        if self._state is _State.CLOSED:
+            raise EpisodeError("the episode is closed")
+        if not namespace_support().available:
+            raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
+        self._stop()
+        task = task if isinstance(task, Task) else load_task(task)
+        if image is _CHOOSE:
+            store = ImageStore(self.settings.images)
+            choice = choose_image(task, image_source or self.settings.images.source, store,
+                                  build=lambda t: ensure_built(t, store, self.settings))
+        else:
+            choice = Choice(image, "image" if image is not None else "host")  # type: ignore[arg-type]
+        self._nsexec = self._nsexec or shared_nsexec()
+        self._run = start_system(task, choice, self.settings, self.extra_hidden, workdir)
+        run, chosen = self._run, self._run.workdir
+        self._state = _State.RUNNING
+        try:
+            if not shell:  # else the shell's start does it: before any agent process exists
+                self._nsexec.harden(run.bwrap.pid)
+            if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
+                self._make_dir(chosen)
+        except BaseException:
+            self._stop()
+            raise
+        if shell:
+            try:
+                self._start_shell(harden=True)
+            except BaseException:  # an episode whose /proc and /dev were not made safe is not used
+                self._stop()
+                raise
+        return self
+
+    def _make_dir(self, path: str) -> None:
+        """``path`` as a folder in the agent's view (an image without its working directory)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(".")
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        self._nsexec_call().extract(self._running().bwrap.pid, path, buf.getvalue())
+
+    @property
+    def image(self) -> ImageRecord | None:
+        """The image the episode runs on; ``None``: host mode."""
+        return self._running().image
+
+    @property
+    def system(self) -> dict[str, object]:
+        """What the episode runs on, for a trial's record: the image by digest, or host mode."""
+        record = self._running().image
+        if record is None:
+            return {"mode": "host"}
+        return {"mode": "image", "image": record.names[0] if record.names else None, "digest": record.digest,
+                "id": record.id, "source": record.source}
+
+    def _start_shell(self, *, harden: bool = False) -> None:
+        run = self._running()
+        if run.shell is not None:
+            run.shell.close()
+            run.shell = None
+        master, slave = Shell.make_pty()
+        control_r, control_w = os.pipe()
+        out_r, out_w = os.pipe()
+        for fd in (master, control_w, out_r):
+            os.set_inheritable(fd, False)
+        try:
+            assert self._nsexec is not None
+            pid = self._nsexec.spawn(
+                run.bwrap.pid, list(run.shell_argv), env=run.env, cwd=run.workdir,
+                stdin=slave, stdout=out_w, stderr=slave, extra=[control_r], ctty=True, caps=run.agent_caps,
+                seccomp_bpf=seccomp.compile_filter("agent"), seccomp_nr=seccomp.syscall_number("seccomp"),
+                cgroup=run.agent_cgroups, rlimits=run.rlimits, harden=harden,
+            )
+        except BaseException:
+            for fd in (master, control_w, out_r):
+                close_fd(fd)
+            raise
+        finally:
+            for fd in (slave, control_r, out_w):
+                close_fd(fd)
+        run.shell = Shell(pid, control_w, out_r, master, pid_ns=pid_namespace(run.bwrap.pid))
+        try:
+            os.write(control_w, SHELL_SETUP.encode())
+        except OSError:
+            run.shell.alive = False
+
+    def exec(self, command: str, timeout: float | None = None) -> ExecResult:
+        """Run ``command`` in the agent's persistent shell (cwd and exports persist).
+
+        ``timeout`` defaults to the settings' ``exec_timeout``; the task's ``[agent]
+        timeout_sec`` bounds the whole episode. A command that runs over is interrupted
+        (^C), then killed; background processes keep running.
+        """
+        run = self._running()
+        limit = self.settings.exec_timeout if timeout is None else timeout
+        if limit <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if run.deadline is not None:
+            left = run.deadline - time.monotonic()
+            if left <= 0:
+                return ExecResult("", "", None, True, 0.0, "the episode's agent time ([agent] timeout_sec) is over")
+            limit = min(limit, left)
+        if run.shell is None or not run.shell.alive:
+            try:
+                self._start_shell()
+            except SandboxError as exc:
+                # The agent's own doing (its processes fill its limit, say): the command
+                # does not run, and the trial goes on to its verdict.
+                return ExecResult("", "", None, False, 0.0, f"the agent's shell could not be restarted, so the "
+                                  f"command did not run: {exc}")
+            run.notes.append("the agent's shell exited and was restarted (cwd and variables were reset)")
+        assert run.shell is not None
+        result = run.shell.run(command, limit, self.settings.output_bytes)
+        if not run.shell.alive:
+            try:
+                self._start_shell()
+            except SandboxError as exc:  # tried again at the next exec
+                log.info("the agent's shell could not be restarted: %s", exc)
+        return result
+
+    def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
+        """Write a file in the agent's view (as its root), creating parent folders."""
+        data = content.encode() if isinstance(content, str) else content
+        self._nsexec_call().write_file(self._running().bwrap.pid, self._absolute(path), data, mode=mode)
+
+    def read_file(self, path: str) -> bytes:
+        return self._nsexec_call().read_file(self._running().bwrap.pid, self._absolute(path), limit=_READ_LIMIT)
+
+    def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
+        """Copy a host folder into the agent's view at ``dest`` (the oracle's solution)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(Path(source).resolve(), arcname=".")
+        self._nsexec_call().extract(self._running().bwrap.pid, self._absolute(dest), buf.getvalue())
+
+    def _nsexec_call(self) -> NsExec:
+        self._running()
+        assert self._nsexec is not None
+        return self._nsexec
+
+    def _absolute(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def tampering(self) -> list[str]:
+        """Every change the agent's layers hold in the folders a verifier on the agent's
+        system would have trusted (see :mod:`.layers`): information only, bounded, and it
+        never raises for anything the agent left."""
+        run = self._running()
+        return report_episode(run.dirs, known=run.view_points) + self._top_level_changes(run)
+
+    def _top_level_changes(self, run: RunningEpisode) -> list[str]:
+        """The view's root is a tmpfs of the sandbox's own (not on the host's disk): look
+        through the init's root from the host (``readlink`` follows nothing) whether the
+        agent replaced one of its symlinks (``/bin`` -> ``usr/bin``)."""
+        found = []
+        for op in run.symlinks:
+            try:
+                target = os.readlink(f"/proc/{run.bwrap.pid}/root/{op.dest.name}")
+            except OSError:
+                target = None
+            if target != op.target:
+                found.append(f"replaced /{op.dest.name} (a symlink to {op.target}) at the top of the tree")
+        return found
+
+    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> v.VerifierResult:
+        """Run the task's pristine tests where only the verifier sees them, through the
+        runner the agent cannot write (:mod:`sequester.verifier`); read the verdict.
+
+        ``freeze`` (default: the task's ``[verifier] freeze_agent``, else the settings)
+        stops every agent process first, before anything of the evaluation happens.
+        ``verifier_env`` (default: the settings, else the task's ``[verifier]
+        environment_mode``, else ``"shared"``): ``"separate"`` runs the tests in a fresh
+        view of the task's pristine environment holding only the task's ``artifacts``
+        from the agent's final state (see :mod:`.separate`).
+        Returns a :class:`VerifierResult` (a 0 with ``zero_reason`` when the agent made
+        the tests end without a valid reward); raises :class:`VerifierCouldNotRun` only
+        for what the agent cannot cause (see :mod:`.evaluation`).
+        """
+        run = self._running()
+        task = run.task
+        wanted = wants_freeze(task, self.settings, freeze)
+        mode = wanted_verifier_env(task, self.settings, verifier_env)
+        assert self._nsexec is not None
+        notes: tuple[str, ...] = ()
+        frozen = None
+        if wanted:  # first: nothing of the evaluation happens while an agent process runs
+            outcome = run.freezer.freeze()
+            frozen, notes = outcome.method, (outcome.note,)
+        try:
+            if mode == "separate":
+                ev, more = evaluate_separately(self, run.bwrap.pid)
+                notes += more
+            else:
+                ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner,
+                               output_limit=self.settings.output_bytes, max_processes=self.settings.max_processes)
+        finally:
+            if wanted:
+                run.freezer.thaw()
+                if not outcome.held and run.shell is not None:
+                    run.shell.alive = False  # its processes were killed: the next exec starts a new one
+        # Information only, and only once the verdict is in: nothing of it decides the
+        # reward, and the agent learns of the evaluation from nothing done before it.
+        findings = tuple(self.tampering())
+        try:
+            result = judge(task, ev, tampering=findings, frozen=frozen, notes=notes,
+                           reward_range=self.settings.reward_range)
+            said = frozen_evaluation_note(frozen, timed_out=ev.report is None, reward=result.reward)
+            return dataclasses.replace(result, notes=(*result.notes, said)) if said else result
+        except v.VerifierCouldNotRun as exc:
+            # The runner's fault, or the agent's (a view that breaks the verifier's set-up or
+            # bootstrap, a forged report)? The same tests in the task's pristine environment,
+            # where nothing of the agent's is, decide: trainers drop errors, so only a
+            # failure that happens there too may stay one.
+            pristine, _ = evaluate_separately(self, run.bwrap.pid, with_artifacts=False)
+            if not runner_works(pristine):
+                raise
+            return zero_result(ev, f"{exc} -- but the task's pristine environment does not fail that way: the "
+                               "agent's view or programs did this", tampering=findings, frozen=frozen, notes=notes)
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        errors = []
+        for step in (run.freezer.thaw, (run.shell.close if run.shell else None), run.bwrap.kill, run.freezer.remove,
+                     (run.limit_groups.remove if run.limit_groups else None), run.dirs.remove,
+                     (run.lease.release if run.lease else None)):
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - keep tearing down; report at the end
+                errors.append(f"{getattr(step, '__qualname__', step)}: {exc}")
+        if errors:
+            raise SandboxError("the episode was not cleaned up completely: " + "; ".join(errors))
+
+    def abort(self) -> None:
+        """From any thread: kill every process of the episode now (a command in flight
+        ends at once). Every later use raises :class:`EpisodeError`; :meth:`close` still
+        has to be called to clean up."""
+        self._aborted.set()
+        run = self._run
+        if run is not None:
+            run.bwrap.signal_init()
+
+    def close(self) -> None:
+        """Kill every process of the episode and remove its layers. Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        self._stop()
+
+    def __enter__(self) -> Episode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

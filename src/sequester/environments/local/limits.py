@@ -1,0 +1,75 @@
+"""The task's resource limits (``[environment] cpus, memory_mb, storage_mb``) and the
+episode's process limit, applied where this machine allows; the rest said in the notes.
+
+* processes (``[episodes] max_processes``, default 4096): ``RLIMIT_NPROC`` on every
+  process the agent starts, counted per user namespace (Linux >= 5.14), so an ordinary
+  user's agent's fork bomb stops at its own limit; the agent's root has no
+  ``CAP_SYS_RESOURCE`` in the host's namespace, so it cannot raise it. The kernel does not
+  apply ``RLIMIT_NPROC`` to processes of the host's root at all (a root caller's agent is
+  host root): for them the ``pids`` cgroup below is what holds (measured: without it, one
+  agent's fork bomb took all 32768 pids of the host);
+* memory, CPUs and processes: cgroups of the episode's own where this process may make
+  them (:mod:`.cgroup_limits`: root on a cgroup v1 or hybrid hierarchy). Elsewhere the
+  note says so: an address-space rlimit is not a memory limit (runtimes that reserve
+  address space, Node's and the JVM's, fail under one).
+* storage: the writable layer is a folder on the host's disk; local mode cannot cap it
+  and says so.
+
+Nothing is silently dropped: each limit the task asks for and this machine cannot apply
+is one line in the trial's notes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import resource
+from typing import TYPE_CHECKING
+
+from sequester.tasks import Task
+from sequester.sandbox.cgroups.limits import LimitGroups, make_limit_groups
+
+if TYPE_CHECKING:
+    from sequester.environments.local.start import RunningEpisode
+
+__all__ = ["make_episode_limits", "finish_limits"]
+
+_serial = itertools.count()
+
+log = logging.getLogger("sequester.environments.local")
+
+
+def make_episode_limits(task: Task, *, max_processes: int) -> tuple[LimitGroups | None, str | None]:
+    """The episode's cgroups, made before its init starts (which joins them at once, so
+    that the one slow step, the first attach, overlaps bwrap's own set-up); ``(None, why
+    not)`` where none can be made."""
+    env = task.config.environment
+    return make_limit_groups(f"sequester-{os.getpid()}-{next(_serial)}", memory_mb=env.memory_mb, cpus=env.cpus,
+                             pids=max_processes)
+
+
+def finish_limits(task: Task, run: RunningEpisode, group: LimitGroups | None, why: str | None, *,
+                  max_processes: int) -> list[str]:
+    """Set ``run.rlimits`` and ``run.limit_groups`` (every agent process's start uses
+    both); return the notes for what could not be applied."""
+    env = task.config.environment
+    run.rlimits = {"RLIMIT_NPROC": max_processes}
+    try:  # the init's too (its children, and what a ptrace of it would start)
+        resource.prlimit(run.bwrap.pid, resource.RLIMIT_NPROC, (max_processes, max_processes))
+    except OSError as exc:
+        log.warning("the episode's init got no process limit: %s", exc)
+    run.limit_groups = group
+    applied = group.applied if group is not None else []
+    notes = []
+    if "pids" not in applied and os.geteuid() == 0:
+        notes.append(f"process limit of {max_processes} not applied: {why} (RLIMIT_NPROC does not bind processes "
+                     "of the host's root)")
+    if env.memory_mb and "memory" not in applied:
+        notes.append(f"memory limit of {env.memory_mb} MB ([environment] memory) not applied: {why}")
+    if env.cpus and "cpus" not in applied:
+        notes.append(f"CPU limit of {env.cpus} ([environment] cpus) not applied: {why}")
+    if env.storage_mb:
+        notes.append(f"storage limit of {env.storage_mb} MB ([environment] storage) not applied: the writable layer "
+                     "is a folder on the host's disk, which local mode cannot cap")
+    return notes

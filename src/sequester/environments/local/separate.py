@@ -1,0 +1,68 @@
+"""A separate verifier environment (Harbor's ``[verifier] environment_mode = "separate"``).
+
+The tests run in a fresh view of the task's pristine environment (a second episode of
+the same task, with no agent shell) into which only the task's declared ``artifacts``
+are copied from the agent's final state (its working directory when it declares none:
+:func:`~sequester.environments.base.separate_artifacts`): no agent process and no file
+the agent changed outside those paths is in it. The copy is a tar made inside the agent's view (links kept
+as links, never followed; no devices, fifos or hard links) and unpacked inside the new
+view, where nothing is written through a link; its size is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from sequester.environments.base import separate_artifacts
+from sequester.errors import SequesterError
+from sequester.environments.local.evaluation import Evaluation, run_tests
+
+if TYPE_CHECKING:
+    from sequester.environments.local.episode import Episode
+
+__all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
+
+log = logging.getLogger("sequester.environments.local")
+
+ARTIFACT_LIMIT = 256 << 20  # the tar is held in the host's memory while it is copied
+
+
+def evaluate_separately(episode: Episode, agent_init: int, *,
+                        with_artifacts: bool = True) -> tuple[Evaluation, tuple[str, ...]]:
+    """The tests in a fresh pristine view of ``episode``'s task; ``with_artifacts``: with
+    the task's artifacts copied from the agent's view (else nothing of the agent's)."""
+    from sequester.environments.local.episode import Episode  # the environment is an episode of its own
+
+    task, workdir, nsexec = episode.task, episode.workdir, episode._nsexec_call()
+    notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
+    artifacts, said = separate_artifacts(task, workdir) if with_artifacts else ((), None)
+    notes += [said] if said else []
+    fresh = Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec)
+    try:
+        fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
+        if artifacts:
+            try:
+                tar, missing = nsexec.pack(agent_init, [a.source for a in artifacts],
+                                           {a.source: list(a.exclude) for a in artifacts}, limit=ARTIFACT_LIMIT)
+                nsexec.extract_artifacts(fresh.init_pid, tar)
+                notes += [f"artifact {path} does not exist in the agent's environment" for path in missing]
+            except SequesterError as exc:  # the agent's content could not be copied: its loss
+                notes.append(f"the artifacts were not copied: {exc}")
+        ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh._running().runner,
+                       output_limit=episode.settings.output_bytes, max_processes=episode.settings.max_processes)
+    finally:
+        # Its processes die now; removing its layers (slow on overlayfs: ~1 ms a folder)
+        # need not hold up the verdict. A process that exits first leaves them to the
+        # next start's stale-state removal.
+        fresh.abort()
+        threading.Thread(target=_close, args=(fresh,), name="sequester-separate-close", daemon=True).start()
+    return ev, tuple(notes)
+
+
+def _close(fresh: Episode) -> None:
+    try:
+        fresh.close()
+    except SequesterError as exc:
+        log.warning("the separate verifier environment was not removed completely: %s", exc)

@@ -1,0 +1,109 @@
+"""The host folders an episode keeps its writable layers in, and their cleanup.
+
+``<state_dir>/<pid>-<random>/`` per episode (``pid`` is the host process that owns it):
+``upper/<top>`` and ``work/<top>`` for the overlay on each visible top-level folder,
+``new/<top>`` for top-level folders the agent gets fresh (``/app``, ``/root``, ...).
+Nothing of the task's tests is ever written here. A folder left by a process that died
+is removed the next time episodes start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sequester.sandbox.remove import RemovalError, remove_tree
+
+__all__ = ["EpisodeDirs", "remove_stale", "RemovalError"]
+
+log = logging.getLogger("sequester.environments.local")
+
+
+@dataclass(frozen=True)
+class EpisodeDirs:
+    root: Path
+
+    @classmethod
+    def create(cls, base: Path) -> EpisodeDirs:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(base, 0o700)
+        return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base)))
+
+    def upper(self, top: str) -> Path:
+        return self.root / "upper" / top
+
+    def work(self, top: str) -> Path:
+        return self.root / "work" / top
+
+    def new(self, top: str) -> Path:
+        return self.root / "new" / top
+
+    def remove(self) -> None:
+        """Remove the episode's folder and everything the agent left in it (see
+        :func:`~.remove.remove_tree`: no recursion, no symlink followed, modes opened up).
+        Raises :class:`~.remove.RemovalError` only for what truly cannot go (a mount point
+        still mounted), after removing everything else."""
+        remove_tree(self.root)
+
+
+def remove_stale(base: Path) -> list[Path]:
+    """Remove episode folders whose owning process is gone. Returns what was removed.
+
+    Never raises because of one folder: whatever an agent left in a layer (which made
+    ``shutil.rmtree`` raise and then failed every later job of that user), the folder is
+    logged and the others are still removed; it is tried again next time."""
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith("skeleton-"):  # a composed folder's skeleton (see submounts.py)
+            if _older_than(base / name, SKELETON_MAX_AGE):
+                removed += _remove_logged(base / name)
+            continue
+        pid_text = name.split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+            continue
+        try:
+            remove_tree(base / name)
+        except Exception as exc:  # noqa: BLE001 - one bad folder must not fail a later job
+            log.warning("could not remove the stale episode folder %s: %s", base / name, exc)
+            continue
+        removed.append(base / name)
+    return removed
+
+
+# Skeletons are shared by the episodes of one host layout and rebuilt when missing; one
+# untouched this long belongs to a layout long gone (a mount since removed).
+SKELETON_MAX_AGE = 24 * 3600
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.lstat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _remove_logged(path: Path) -> list[Path]:
+    try:
+        remove_tree(path)
+    except Exception as exc:  # noqa: BLE001 - one bad folder must not fail a later job
+        log.warning("could not remove %s: %s", path, exc)
+        return []
+    return [path]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,60 @@
+"""Starting an episode's sandbox on the system it runs on: the task's image (held in the
+store for the episode's life, see :mod:`.image_start`) or the host's (:mod:`.start`),
+with its working directory and its limits (:mod:`.limits`). Used by :mod:`.episode`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sequester.errors import EpisodeError
+from sequester.images import ImageStore
+from sequester.images.choose import Choice
+from sequester.tasks import Task
+from sequester.sandbox.cgroups.limits import remove_stale_groups
+from sequester.environments.local.image_start import image_workdir, start_on_image
+from sequester.environments.local.limits import finish_limits, make_episode_limits
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.local.start import RunningEpisode, start_episode
+from sequester.environments.local.state import EpisodeDirs, remove_stale
+
+__all__ = ["start_system"]
+
+_stale_cleaned: set[Path] = set()
+
+
+def start_system(task: Task, choice: Choice, settings: EpisodeSettings, extra_hidden: tuple[Path, ...],
+                 workdir: str | None) -> RunningEpisode:
+    """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
+    ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute)."""
+    store = ImageStore(settings.images)
+    lease = store.lease(choice.record) if choice.record is not None else None
+    try:
+        if lease is not None:
+            chosen = image_workdir(task, lease, workdir)
+        else:
+            chosen = workdir or task.config.environment.workdir or task.default_workdir or str(task.path)
+        if not chosen.startswith("/"):
+            raise EpisodeError(f"workdir {chosen!r} is not an absolute path")
+        if settings.state_dir not in _stale_cleaned:
+            remove_stale(settings.state_dir)
+            remove_stale_groups()
+            _stale_cleaned.add(settings.state_dir)
+        dirs = EpisodeDirs.create(settings.state_dir)
+        limits, why = make_episode_limits(task, max_processes=settings.max_processes)
+        try:
+            if lease is not None:
+                run = start_on_image(task, chosen, dirs, settings, lease, limits)
+            else:
+                run = start_episode(task, chosen, dirs, settings, extra_hidden, limits)
+        except BaseException:
+            if limits is not None:
+                limits.remove()
+            dirs.remove()
+            raise
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+    run.notes[:0] = list(choice.notes)
+    run.notes += finish_limits(task, run, limits, why, max_processes=settings.max_processes)
+    return run

@@ -1,0 +1,146 @@
+"""Settings of episodes: plain frozen data, from the ``[episodes]`` table of a config file.
+
+    [episodes]
+    exec_timeout = 600          # default seconds per exec (each call may pass its own)
+    freeze_agent = false        # freeze the agent's processes while the verifier runs
+    verifier_env = "shared"     # or "separate": the tests run in a fresh view holding only the task's artifacts
+    reward_range = [0, 1]       # rewards outside it are invalid (the agent's 0); "any": any finite number
+    output_bytes = 10000000     # cap on one exec's output and on the verifier's output
+    max_processes = 4096        # processes the agent may have at once (RLIMIT_NPROC)
+    state_dir = "/var/tmp/..."  # where episodes keep their writable layers
+    toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
+    backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
+    docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
+    docker_build = false        # docker: build the task's environment/Dockerfile with the engine
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sequester.caches import cache_root, user_cache
+from sequester.errors import PolicyError
+from sequester.policy import config_table
+from sequester.images.image_settings import ImageSettings
+
+BACKENDS = ("local", "docker")
+
+__all__ = ["BACKENDS", "EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
+           "cluster_cache_dir",
+           "frozen_evaluation_note"]
+
+
+def default_state_dir() -> Path:
+    # Root's is 0700 (a kernel, which runs as nobody, cannot enter it); a user's lives in
+    # the home folder, which every sandbox hides.
+    return Path("/var/tmp/sequester-episodes") if os.getuid() == 0 else user_cache() / "episodes"
+
+
+def cluster_cache_dir() -> Path:
+    """A cluster node's folder of shipped tasks (their tests and solutions) and trial
+    staging (:mod:`sequester.cluster.node`); every episode on the machine hides it."""
+    return cache_root() / "cluster"
+
+
+def default_toolchain_dir() -> Path:
+    return cache_root() / "verifier"
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    exec_timeout: float = 600.0
+    freeze_agent: bool = False
+    output_bytes: int = 10_000_000
+    verifier_env: str | None = None  # "shared" | "separate"; None: the task's environment_mode, else shared
+    # Rewards outside this range are invalid (the agent's 0); None: any finite number, as Harbor.
+    reward_range: tuple[float, float] | None = (0.0, 1.0)
+    state_dir: Path = dataclasses.field(default_factory=default_state_dir)
+    toolchain_dir: Path = dataclasses.field(default_factory=default_toolchain_dir)
+    # The [images] table (a table of its own in a config file): where images come from.
+    images: ImageSettings = dataclasses.field(default_factory=ImageSettings)
+    # RLIMIT_NPROC of the agent's processes: a fork bomb stops here, not at the host's limit.
+    max_processes: int = 4096
+    backend: str = "local"  # what runs the episodes: "local" (namespaces here) or "docker" (see sequester.environments)
+    docker_host: str | None = None
+    docker_build: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("exec_timeout", "output_bytes", "max_processes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
+        if self.verifier_env not in (None, "shared", "separate"):
+            raise PolicyError(f"episodes.verifier_env: {self.verifier_env!r} is not 'shared' or 'separate'")
+        for name in ("freeze_agent", "docker_build"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"episodes.{name}: {getattr(self, name)!r} is not true or false")
+        if self.backend not in BACKENDS:
+            raise PolicyError(f"episodes.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.docker_host is not None and (not isinstance(self.docker_host, str) or not self.docker_host):
+            raise PolicyError(f"episodes.docker_host: {self.docker_host!r} is not an engine address "
+                              "(unix:///PATH, tcp://HOST:PORT, ssh://...)")
+        object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
+        object.__setattr__(self, "state_dir", Path(self.state_dir))
+        object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))
+
+
+def _reward_range(value: Any) -> tuple[float, float] | None:
+    """``[low, high]`` of finite numbers, or ``None`` / ``"any"`` for no range."""
+    if value is None or value == "any":
+        return None
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+            and value[0] <= value[1]):
+        return (float(value[0]), float(value[1]))
+    raise PolicyError(f"episodes.reward_range: {value!r} is not [low, high] (finite, low <= high) or \"any\"")
+
+
+def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> EpisodeSettings:
+    raw = data.get("episodes")
+    if isinstance(raw, Mapping) and "on_tamper" in raw:
+        raise PolicyError(f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "
+                          "(the verifier's runner is out of the agent's reach); the report stays in the results")
+    values = config_table(data, "episodes", {f.name for f in dataclasses.fields(EpisodeSettings)} - {"images"}, source)
+    for key in ("state_dir", "toolchain_dir"):
+        if key in values:
+            if not isinstance(values[key], str):
+                raise PolicyError(f"{source}: episodes.{key}: {values[key]!r} is not a path")
+            values[key] = base_dir / values[key]
+    try:
+        return EpisodeSettings(**values)
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: {exc}") from None
+
+
+FROZEN_TIMEOUT_NOTE = (
+    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent), and the tests ran "
+    "out of time: a task scored on a live service the agent started (a server the tests connect to) needs "
+    "freeze_agent = false")
+FROZEN_ZERO_NOTE = (
+    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent): if this task is "
+    "scored on a live service the agent started, the service could not answer; such a task needs "
+    "freeze_agent = false")
+
+
+def frozen_evaluation_note(frozen: str | None, *, timed_out: bool, reward: float | None = None) -> str | None:
+    """The note a trial needs when a frozen evaluation ends badly, else None.
+
+    ``frozen``: how the agent was frozen (``VerifierResult.frozen``; None: it was not);
+    ``timed_out``: the verifier ran over its ``timeout_sec``; ``reward``: the verdict's
+    reward. A frozen (or, as a fallback, killed) agent cannot answer the tests: a service
+    it started hangs them until the timeout, or refuses them, and the trial shows only a
+    timeout or a 0 without saying why.
+    """
+    if not frozen:
+        return None
+    if timed_out:
+        return FROZEN_TIMEOUT_NOTE
+    if reward is not None and reward == 0:
+        return FROZEN_ZERO_NOTE
+    return None

@@ -1,0 +1,358 @@
+"""The namespace helper process: enters an episode's namespaces from trusted code.
+
+Started once per host process by :class:`sequester.sandbox.nsexec.client.NsExec` with
+``python -s -B -P -m sequester.sandbox.nsexec.server FD``. It is single-threaded (so it can
+fork safely and join user namespaces) and imports everything it will ever need up front:
+once a worker has joined an episode's mount namespace, every path it opens belongs to the
+agent's view, so it must not load any more code from disk.
+
+For each request (a JSON message with file descriptors on a SEQPACKET socket) it forks a
+worker and answers ``{"worker": pid}``; the worker reports on its own result pipe:
+
+* ``spawn``: join the episode (user, mount, PID, network, IPC, UTS, cgroup), fork, and in
+  the child make a session (with the given pty as controlling terminal), load the agent's
+  seccomp filter, keep only the container capabilities, and exec. The child's parent then
+  exits, so the episode's init adopts it.
+* ``files``: join the episode and write, read or unpack files in the agent's view.
+* ``verify``: join the episode's network, IPC and UTS namespaces and a *copy* of its mount
+  namespace (as the parent user namespace, so the copy's mounts stay ours to change),
+  in a new PID namespace the agent cannot see. There, fresh tmpfs at ``/tests`` and
+  ``/logs``, the pristine tests unpacked, a fresh ``/proc``, and the test script run under
+  the agent's own restrictions. Its init then reads ``/logs/verifier`` and reports, and
+  everything of the verifier dies with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import json
+import os
+import resource
+import signal
+import socket
+import stat
+import sys
+import termios
+import time
+from typing import Any
+
+from sequester.sandbox.nsexec.files import extract, op_files
+from sequester.sandbox.nsexec.root import build_root
+from sequester.sandbox.nsexec.ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_NODEV, MS_NOEXEC,
+                                           MS_NOSUID, MS_PRIVATE, MS_REC, PR_SET_PDEATHSIG, check,
+                                           die_with_parent, enter, harden_proc, libc, read_all,
+                                           remount_readonly, report, restrict)
+
+_FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
+
+
+# -- operations ---------------------------------------------------------------------
+
+
+def op_spawn(req: dict[str, Any], fds: list[int]) -> None:
+    result, stdin, stdout, stderr = fds[:4]
+    extra = fds[4:]
+    host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # host pids, after setns too
+    enter(req["target"], user="agent", pid=True, cgroup=req.get("cgroup"), harden=bool(req.get("harden")))
+    # Fork twice: the process we start must be orphaned *inside* the episode's PID
+    # namespace, so that the episode's init adopts and reaps it (an orphan of a process
+    # outside it would go to the host's init, and the namespace would die slowly).
+    go_r, go_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(go_w)
+        if os.fork() == 0:
+            os.close(go_r)
+            _exec_agent_process(req, result, stdin, stdout, stderr, extra)
+        os.read(go_r, 1)  # until the worker has seen our child's pid
+        os._exit(0)
+    os.close(go_r)
+    child = _only_child(host_proc, middle)
+    os.write(go_w, b"x")
+    os.close(go_w)
+    os.waitpid(middle, 0)
+    report(result, {"pid": child})
+
+
+def _only_child(proc: int, pid: int) -> int:
+    """The host pid of ``pid``'s one child, once it exists (``proc``: the host's /proc)."""
+    for _ in range(5000):
+        fd = os.open(f"{pid}/task/{pid}/children", os.O_RDONLY, dir_fd=proc)
+        try:
+            children = os.read(fd, 4096).split()
+        finally:
+            os.close(fd)
+        if children:
+            return int(children[0])
+        time.sleep(0.0005)
+    raise OSError(errno.ECHILD, "the new process did not appear")
+
+
+def _exec_agent_process(req: dict[str, Any], result: int, stdin: int, stdout: int, stderr: int,
+                        extra: list[int]) -> None:
+    try:
+        os.setsid()
+        # Move every descriptor out of the way first, then into place: 0-2, then 3, 4, ...
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in (stdin, stdout, stderr, *extra)]
+        for fd in {result, stdin, stdout, stderr, *extra}:
+            os.close(fd)
+        for target_fd, fd in enumerate(moved):
+            os.dup2(fd, target_fd)
+            os.close(fd)
+        if req.get("ctty"):
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        os.chdir(req.get("cwd") or "/")
+        for name, value in (req.get("rlimits") or {}).items():  # task limits (see episodes.limits)
+            resource.setrlimit(getattr(resource, name), (value, value))
+        restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
+        os.execvpe(req["argv"][0], req["argv"], req["env"])
+    except BaseException as exc:  # noqa: BLE001 - the result pipe is gone by now
+        os.write(2, f"sequester: could not start {req['argv'][0]}: {exc}\n".encode())
+    os._exit(127)
+
+
+def op_verify(req: dict[str, Any], fds: list[int]) -> None:
+    result, tests, output, runner_pipe = fds[:4]
+    enter(req["target"], user="parent", pid=False, cgroup=req.get("cgroup"))  # its own pids cgroup
+    die_with_parent(os.getppid())
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    runner = req["runner"]
+    notes = build_root("/tests", runner["bin"], runner["run"])
+    _check_runner(runner)
+    run = runner["run"]
+    for folder in ("home/.local/bin", "cache", "tools"):
+        os.makedirs(f"{run}/{folder}", 0o755)
+    with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
+        f.write(runner["home_env"])
+    if runner.get("wheels"):
+        _copy_wheels(fds[4], runner["wheels"])
+    for fd in fds[4:]:  # received without close-on-exec: nothing of the host's reaches the script
+        os.close(fd)
+    os.mkdir("/logs/verifier", 0o777)
+    os.chmod("/logs/verifier", 0o777)
+    extract(read_all(tests), "/tests", "data")
+    os.close(tests)
+    init = os.fork()
+    if init == 0:
+        _verifier_init(req, result, output, runner_pipe, notes)
+    for fd in (output, result, runner_pipe):
+        os.close(fd)
+    _, status = os.waitpid(init, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _check_runner(runner: dict[str, Any]) -> None:
+    """The runner's tree must be the host's folder, mounted read-only where its programs
+    expect it: the agent could never write either, so fail closed if anything else is
+    there."""
+    path = runner["mount"]
+    st, vfs = os.stat(path), os.statvfs(path)
+    if (st.st_dev, st.st_ino) != (runner["dev"], runner["ino"]) or not vfs.f_flag & os.ST_RDONLY:
+        raise OSError(errno.EPERM, f"the verifier's runner is not mounted read-only at {path}")
+
+
+def _copy_wheels(source: int, target: str) -> None:
+    """The task's pinned wheels (sequester.verifier.wheels): the host's folder ``source`` (a
+    descriptor opened on the host, so no path of the agent's view is involved) copied into
+    a tmpfs of its own at ``target``, then made read-only. Only regular ``*.whl`` files,
+    opened without following links; the copy happens before anything of the verifier runs,
+    and neither the agent nor the tests' programs can write it."""
+    names, total = [], 0
+    with os.scandir(source) as entries:
+        for entry in entries:
+            if entry.name.endswith(".whl") and not entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+                names.append(entry.name)
+                total += entry.stat(follow_symlinks=False).st_size
+    os.mkdir(target, 0o755)
+    size = total + (len(names) + 256) * 4096  # page rounding and folder entries
+    check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                     f"mode=0755,size={size}".encode()), f"mount {target}")
+    for name in names:
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=source)
+        try:
+            dst = os.open(os.path.join(target, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                while os.sendfile(dst, src, None, 1 << 24):
+                    pass
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    remount_readonly(target)
+
+
+def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int, notes: list[str]) -> None:
+    """PID 1 of the verifier's namespace: run the script, reap, read the verdict, report."""
+    try:
+        die_with_parent(None)
+        for point in sorted(req.get("proc_submounts", []), key=len, reverse=True):
+            libc.umount2(point.encode(), MNT_DETACH)
+        check(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")
+        harden_proc("/proc")  # the tests' programs are host root too, for a root caller
+        script = os.fork()
+        if script == 0:
+            try:
+                os.setsid()
+                null = os.open("/dev/null", os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(output, 1)
+                os.dup2(output, 2)
+                os.dup2(runner_pipe, req["runner_fd"])
+                for fd in {null, output, result, runner_pipe} - {0, 1, 2, req["runner_fd"]}:
+                    os.close(fd)
+                try:
+                    os.chdir(req["cwd"])
+                except OSError:
+                    os.chdir("/")
+                for name, value in (req.get("rlimits") or {}).items():
+                    resource.setrlimit(getattr(resource, name), (value, value))
+                restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
+                os.execvpe(req["argv"][0], req["argv"], req["env"])
+            except BaseException as exc:  # noqa: BLE001
+                os.write(2, f"sequester: the verifier could not start: {exc}\n".encode())
+                os._exit(127)
+        os.close(output)
+        os.close(runner_pipe)
+        status = None
+        while True:  # reap everything; note the script's own status
+            try:
+                pid, st = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            if pid == script:
+                status = st
+                break
+        # Attack: a program the tests started in the background rewriting the reward after
+        # the script is done. The script's end is the verdict: everything else of the
+        # verifier's namespace dies before a file is read (we are its init).
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:  # nothing else is left
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+        report(result, {"exit_code": os.waitstatus_to_exitcode(status) if status is not None else None,
+                        "files": _verdict_files(), "notes": notes})
+    except BaseException as exc:  # noqa: BLE001
+        report(result, {"error": f"{type(exc).__name__}: {exc}"})
+    os._exit(0)
+
+
+_FILES_TOTAL = 8 << 20  # all files read back, together (the report must stay small)
+_FILES_SCANNED = 4096   # folder entries looked at (the tests' programs can make millions)
+
+
+def _verdict_files() -> dict[str, str]:
+    """Regular files directly in /logs/verifier (no symlinks), base64, each and all
+    together size-capped; the reward files first, then the others in name order among the
+    first entries of the folder. The tests' programs may have removed or replaced the
+    folder, or filled it: then there are none or fewer (the agent's 0), never an error.
+
+    Attack: a program the tests ran replacing /logs/verifier with a link to a folder the
+    agent's live processes write (its /tmp): the folder is opened without following a link,
+    from /logs (the verifier's own mount point, which cannot be replaced), and every file
+    relative to it."""
+    out: dict[str, str] = {}
+    try:
+        logs = os.open("/logs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            folder = os.open("verifier", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=logs)
+        finally:
+            os.close(logs)
+    except OSError:
+        return out
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for _, e in zip(range(_FILES_SCANNED), entries))
+        first = [n for n in ("reward.json", "reward.txt") if n in names]
+        names = first + [n for n in names if n not in first]
+        total = 0
+        for name in names[:64]:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                data = os.read(fd, _FILE_LIMIT + 1)
+            finally:
+                os.close(fd)
+            if len(data) <= _FILE_LIMIT and total + len(data) <= _FILES_TOTAL:
+                out[name] = base64.b64encode(data).decode()
+                total += len(data)
+    except OSError:
+        return out
+    finally:
+        os.close(folder)
+    return out
+
+
+def op_harden(req: dict[str, Any], fds: list[int]) -> None:
+    """In the episode's mount namespace (as its owner, the parent user namespace): the
+    view's /proc and /dev hardened before any agent process starts (see _nsexec_ns)."""
+    enter(req["target"], user="parent", pid=False, cgroup=None, harden=True)
+    report(fds[0], {"ok": True})
+
+
+_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden}
+
+
+def serve(sock: socket.socket) -> None:
+    # Children are reaped by the kernel; workers put SIGCHLD back before they fork or exec.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
+        except InterruptedError:
+            continue
+        if not message:
+            return
+        try:
+            req = json.loads(message)
+            op = _OPS[req["op"]]
+        except (ValueError, KeyError) as exc:
+            sock.send(json.dumps({"error": f"bad request: {exc}"}).encode())
+            for fd in fds:
+                os.close(fd)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            sock.close()
+            try:
+                _die_with_parent_of_worker()
+                op(req, fds)
+            except BaseException as exc:  # noqa: BLE001 - the host gets the reason
+                try:
+                    report(fds[0], {"error": f"{type(exc).__name__}: {exc}"})
+                except OSError:
+                    pass
+                os._exit(1)
+            os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"worker": pid}).encode())
+
+
+def _die_with_parent_of_worker() -> None:
+    # Armed before any namespace change; setns into a user namespace clears it, so the
+    # operations that outlive a request re-arm it (the verifier) or hand their child to
+    # the episode's init (spawn).
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    serve(sock)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Which wheels a task's test script pins: its ``uvx``/``uv`` invocations, read. Pure.
+
+The requirements of every ``uvx``, ``uv tool run``, ``uv run --with``, ``uv pip install``
+and ``uv add`` of a script, and the Python asked for (``-p 3.13``). Exact pins
+(``name==version``) are what :mod:`.wheels` fetches; **unpinned** ones (``-w pandas``,
+``numpy>=2``, URLs, paths) never are (they cannot be fetched reproducibly).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from sequester.verifier.tree import PINNED
+
+__all__ = ["VerifierPins", "verifier_pins"]
+
+
+# -- reading a test script (pure) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifierPins:
+    """What a test script's uv invocations ask for."""
+
+    requirements: tuple[str, ...] = ()       # exact pins, "name==version" (canonical names), sorted
+    unpinned: tuple[str, ...] = ()           # as written: no exact version, a URL or a path: never fetched
+    pythons: tuple[str, ...] = ()            # "3.13": the versions asked for (-p/--python), in order
+    default_python: bool = False             # an invocation with requirements named none: uv's default
+    requirement_files: tuple[str, ...] = ()  # --with-requirements / -r files named
+
+    @property
+    def python(self) -> str | None:
+        """The Python version asked for, when the script asks for exactly one."""
+        return self.pythons[0] if len(self.pythons) == 1 and not self.default_python else None
+
+    @property
+    def extra(self) -> tuple[str, ...]:
+        """The pins the runner's own wheels (PINNED) do not cover."""
+        return tuple(r for r in self.requirements if r not in PINNED)
+
+
+_SEPARATOR = set("();<>|&")
+_SKIPPED = {"if", "then", "else", "elif", "do", "while", "until", "!", "{", "time", "exec", "command", "nohup",
+            "builtin", "sudo", "xargs"}
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# uv's options that take a value (the others are flags), long and short.
+_LONG_VALUE = set("""
+    with with-editable with-requirements from python index default-index index-url extra-index-url find-links
+    index-strategy keyring-provider config-setting resolution prerelease fork-strategy exclude-newer
+    exclude-newer-package link-mode cache-dir directory project color config-file upgrade-package reinstall-package
+    no-binary-package no-build-package refresh-package env-file build-constraints build-constraint constraints
+    constraint overrides override python-platform python-version torch-backend allow-insecure-host requirements
+    requirement target prefix extra group only-group no-group package script editable optional tag branch rev
+    bounds marker no-binary only-binary""".split())
+_SHORT_VALUE = set("wpifCPcbre")
+_PIN = re.compile(r"^([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[([A-Za-z0-9._,\s-]*)\])?\s*===?\s*"
+                  r"([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
+_AT_VERSION = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)@([0-9][A-Za-z0-9.+!_-]*)$")  # uvx pytest@8.4.1
+_PYTHON_VERSION = re.compile(r"(?<![\d.])3\.(\d{1,2})(?!\d)")
+_PYTHON_COMMAND = re.compile(r"^c?python(?:3(?:\.\d+)?)?$")  # "uvx python" runs an interpreter, no package
+
+Found = tuple[list[str], "str | None", list[str]]  # an invocation's requirements, Python, requirement files
+
+
+def verifier_pins(script: str) -> VerifierPins:
+    """The requirements and Pythons a test script's uv invocations ask for (see the module)."""
+    pins: list[str] = []
+    unpinned: list[str] = []
+    pythons: list[str] = []
+    files: list[str] = []
+    default = False
+    for command in _commands(script):
+        found = _invocation(command)
+        if found is None:
+            continue
+        reqs, python, req_files = found
+        files += req_files
+        exact = {spec: _exact_pin(spec) for spec in reqs}
+        pins += [pin for pin in exact.values() if pin]
+        names = {pin.split("[")[0].split("==")[0] for pin in exact.values() if pin}
+        # A bare tool name (uvx ... pytest) that a -w of the same invocation pins is pinned.
+        unpinned += [spec for spec, pin in exact.items() if pin is None and _canonical(spec) not in names]
+        version = _PYTHON_VERSION.search(python) if python else None
+        if version is not None:
+            pythons.append(f"3.{version[1]}")
+        elif reqs:
+            default = True
+    return VerifierPins(tuple(sorted(set(pins))), tuple(dict.fromkeys(unpinned)), tuple(dict.fromkeys(pythons)),
+                        default, tuple(dict.fromkeys(files)))
+
+
+def _commands(script: str) -> Iterator[list[str]]:
+    """The simple commands of ``script`` as words (nothing expanded): backslash continuations
+    joined, a quote left open on one line closed by a later one; a line that never
+    balances (an apostrophe in a here-document) is skipped."""
+    lines = script.replace("\\\r\n", " ").replace("\\\n", " ").splitlines()
+    i = 0
+    while i < len(lines):
+        j, chunk, words = i, lines[i], None
+        while words is None:
+            try:
+                lexer = shlex.shlex(chunk, posix=True, punctuation_chars=True)
+                lexer.whitespace_split = True
+                words = list(lexer)
+            except ValueError:  # an open quote
+                j += 1
+                if j >= len(lines) or j - i > 200:
+                    break
+                chunk += "\n" + lines[j]
+        if words is None:
+            i += 1
+            continue
+        i, current = j + 1, []
+        for word in [*words, ";"]:
+            if word and set(word) <= _SEPARATOR:
+                if current:
+                    yield current
+                current = []
+            else:
+                current.append(word)
+
+
+def _invocation(words: list[str]) -> Found | None:
+    """What one command installs, if it is a uv command that installs anything."""
+    python: str | None = None
+    while words:  # assignments, keywords and wrappers before the program
+        head = words[0]
+        if _ASSIGNMENT.match(head):
+            name, _, value = head.partition("=")
+            python = value if name == "UV_PYTHON" else python
+            words = words[1:]
+        elif head in _SKIPPED:
+            words = words[1:]
+        elif head in ("env", "timeout"):  # their options and assignments, and timeout's duration
+            i = 1
+            while i < len(words) and (words[i].startswith("-") or _ASSIGNMENT.match(words[i])):
+                i += 2 if words[i] in ("-u", "-s", "-k", "--signal", "--kill-after", "--unset", "-C") else 1
+            words = words[i + (head == "timeout"):]
+        else:
+            break
+    if not words:
+        return None
+    program, args = os.path.basename(words[0]), words[1:]
+    if program == "uvx":
+        return _tool_run(args, python)
+    scanned = list(_scan(args, stop=True))  # uv's global options, then the subcommand
+    if program != "uv" or not scanned or scanned[-1][0] is not None:
+        return None
+    sub, rest = scanned[-1][1], args[scanned[-1][2]:]
+    if sub == "tool" and rest[:1] == ["run"]:
+        return _tool_run(rest[1:], python)
+    if sub in ("run", "add") or (sub == "pip" and rest[:1] == ["install"]):
+        return _collect(rest[1:] if sub == "pip" else rest, python, stop=sub == "run")
+    return None
+
+
+def _scan(args: list[str], *, stop: bool) -> Iterator[tuple[str | None, str | None, int]]:
+    """uv's command line as (option, value, end): value None for a flag, option None for a
+    positional, ``end`` the index after the item; with ``stop``, nothing after the first
+    positional (``--`` ends the options)."""
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg == "--":
+            yield from ((None, args[k], k + 1) for k in range(i, min(len(args), i + 1 if stop else len(args))))
+            return
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            takes, attached = name[2:] in _LONG_VALUE, value if eq else ""
+        elif arg.startswith("-") and len(arg) > 1:
+            name, takes, attached = arg[:2], arg[1] in _SHORT_VALUE, arg[2:].removeprefix("=")
+            name = name if takes else arg
+        else:
+            yield None, arg, i
+            if stop:
+                return
+            continue
+        if takes and not attached and not (arg.startswith("--") and "=" in arg):
+            attached, i = (args[i] if i < len(args) else ""), i + 1
+        yield name, (attached if takes or "=" in arg else None), i
+
+
+def _collect(args: list[str], python: str | None, *, stop: bool) -> Found:
+    """``uv run`` (``stop``: the command after the options is not a requirement),
+    ``uv pip install`` and ``uv add`` (the positionals are requirements)."""
+    reqs: list[str] = []
+    files: list[str] = []
+    for option, value, _ in _scan(args, stop=stop):
+        if value is None:
+            continue
+        if option in ("-w", "--with"):
+            reqs += _split_commas(value)
+        elif option in ("--with-requirements", "-r", "--requirements", "--requirement"):
+            files.append(value)
+        elif option in ("-p", "--python"):
+            python = value
+        elif option is None and not stop:
+            reqs.append(value)
+    return reqs, python, files
+
+
+def _tool_run(args: list[str], python: str | None) -> Found:
+    """``uvx``/``uv tool run``: the ``--with`` requirements, plus the tool's own package
+    (``--from``'s, else the command's: ``pytest``, ``pytest==8.4.1``, ``pytest@8.4.1``)."""
+    reqs, python, files = _collect(args, python, stop=True)
+    scanned = list(_scan(args, stop=True))
+    source = next((v for o, v, _ in scanned if o == "--from" and v), None)
+    tool = source or (scanned[-1][1] if scanned and scanned[-1][0] is None else None)
+    if tool and not (source is None and _PYTHON_COMMAND.match(tool)):
+        at = _AT_VERSION.match(tool)
+        reqs.append(f"{at[1]}=={at[2]}" if at else tool.removesuffix("@latest"))
+    return reqs, python, files
+
+
+def _split_commas(value: str) -> list[str]:
+    """uv's comma-separated requirements: a part that starts with a version operator
+    belongs to the one before (``pandas>=2,<3``); no split inside ``[extras]``."""
+    parts: list[str] = []
+    depth, current = 0, ""
+    for ch in value + ",":
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth <= 0:
+            piece, current = current.strip(), ""
+            if parts and piece[:1] in ("<", ">", "=", "!", "~"):
+                parts[-1] += "," + piece
+            elif piece:
+                parts.append(piece)
+        else:
+            current += ch
+    return parts
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def _exact_pin(spec: str) -> str | None:
+    """``name[extras]==version`` (canonical name, sorted extras), or None if ``spec`` is not one."""
+    match = _PIN.match(spec.strip())
+    if match is None or "*" in match[3]:
+        return None
+    extras = sorted({_canonical(e) for e in (match[2] or "").split(",") if e.strip()})
+    return f"{_canonical(match[1])}{'[' + ','.join(extras) + ']' if extras else ''}=={match[3]}"
