@@ -33,7 +33,7 @@ from images import busybox_rootfs  # noqa: E402
 
 from sequester.imagebuild import build_task  # noqa: E402
 from sequester.environments.settings import EpisodeSettings  # noqa: E402
-from sequester.environments.local.start import runner_tree  # noqa: E402
+from sequester.verifier.tree import runner_tree
 from sequester.images import ImageSettings, ImageStore  # noqa: E402
 from sequester.tasks import load_task  # noqa: E402
 

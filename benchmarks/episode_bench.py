@@ -27,7 +27,7 @@ from pathlib import Path
 from _report import report, rss_kb
 from sequester.agents import load_agent
 from sequester.environments.local.episode import Episode
-from sequester.sandbox.bwrap import descendants
+from sequester.sandbox.procs import descendants
 from sequester.sandbox.probe import bwrap_path
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tasks"

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from _report import report, rss_kb
 from sequester.environments.local.episode import Episode
-from sequester.sandbox.bwrap import descendants
+from sequester.sandbox.procs import descendants
 from sequester.serve.client import AsyncSequesterClient
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tasks"

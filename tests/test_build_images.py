@@ -21,7 +21,7 @@ from registry import running_registry, skip_unless_tools
 
 from sequester.imagebuild import BuildError, BuildOptions, build_image
 from sequester.environments.settings import EpisodeSettings
-from sequester.environments.local.start import runner_tree
+from sequester.verifier.tree import runner_tree
 from sequester.images import ImageSettings, ImageStore
 from sequester.images.stack import image_path_kind, read_image_file
 from sequester.net.build.network import BuildNetwork

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.tasks.dockerfile_parse import Dockerfile, Instruction, exec_form, parse_dockerfile
 from sequester.errors import ImageError
 from sequester.tasks.dockerfile_syntax import WordError

@@ -25,9 +25,9 @@ from test_build_images import runner  # noqa: F401 - the fixture
 
 from sequester.imagebuild import BuildError, BuildOptions, build_image
 from sequester.imagebuild.context import context_sources
-from sequester.imagebuild.errors import BuildTimeout
+from sequester.errors import BuildTimeout
 from sequester.imagebuild.steps import CopyStep
-from sequester.sandbox.cgroups.limits import _mount_of
+from sequester.sandbox.cgroups.hierarchy import find_v1
 from sequester.sandbox.remove import remove_tree
 from sequester.images import ImageSettings, ImageStore
 from sequester.images.stack import image_path_kind
@@ -244,7 +244,7 @@ def test_run_gets_the_process_limits_with_or_without_network(store, runner, tmp_
     _, out = _build(store, runner, tmp_path / f"nproc-{network}", f"FROM {BASE}\nRUN echo nproc=$(ulimit -u); "
                     "grep pids /proc/self/cgroup; true\n", network=network)
     assert "nproc=4096" in out
-    if ROOT and _mount_of("pids") is not None:  # root: the step's own pids cgroup
+    if ROOT and find_v1("pids") is not None:  # root: the step's own pids cgroup
         assert "-build" in out.split("pids:", 1)[1].split("\n", 1)[0]
 
 

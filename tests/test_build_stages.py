@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from dockerfile_plans import AMD64, BASE, env_of, error, plan
 
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.tasks.dockerfile_parse import parse_dockerfile
 from sequester.imagebuild.plan import StageBase, StagePlanner, needed_stages, stage_graph, stage_names, target_stage
 from sequester.imagebuild.steps import CopyStep

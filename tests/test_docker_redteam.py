@@ -186,7 +186,7 @@ def _kill_namespace(namespace: str | None) -> None:
     """Test cleanup: SIGKILL every process of a PID namespace from the host, until none is left."""
     import signal
 
-    from sequester.environments.docker.procs import pid_namespace
+    from sequester.sandbox.procs import pid_namespace
 
     for _ in range(200):
         found = [int(n) for n in os.listdir("/proc") if n.isdigit() and pid_namespace(int(n)) == namespace]

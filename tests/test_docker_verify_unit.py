@@ -252,7 +252,7 @@ def test_kill_tree_kills_every_descendant():
     import subprocess
     import time
 
-    from sequester.environments.docker import procs
+    from sequester.sandbox import procs
 
     shell = subprocess.Popen(["/bin/sh", "-c", "sleep 1005 & sh -c 'sleep 1006 & wait' & wait"])
     time.sleep(0.3)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from sequester.agents import load_agent
-from sequester.environments.local.episode import Episode, EpisodeError
+from sequester.environments.local.episode import Episode
+from sequester.errors import EpisodeError
 from sequester.environments.settings import EpisodeSettings
 from sequester.errors import TaskError
 from tasks import make_task, writable_usr

@@ -25,10 +25,10 @@ import pytest
 
 import sequester
 from sequester.environments.local.episode import Episode
-from sequester.environments.local.freeze import CgroupFreezer, FreezeOutcome, SignalFreezer, make_freezer
-from sequester.sandbox.cgroups.freezer import Hierarchy, _mounts
+from sequester.sandbox.freeze import CgroupFreezer, FreezeOutcome, SignalFreezer, make_freezer
+from sequester.sandbox.cgroups.freezer import Hierarchy, freezer_mounts
 from sequester.sandbox.procs import parse_stat
-from sequester.sandbox.bwrap import descendants
+from sequester.sandbox.procs import descendants
 
 TASK = Path(__file__).resolve().parent.parent / "examples" / "tasks" / "python-csv-stats"
 STORM = ("(while :; do echo t >> /app/ticks; done) >/dev/null 2>&1 &\n"
@@ -150,9 +150,9 @@ def test_root_cgroup_freezer_holds_and_verifies_membership(storm):
 
 
 @requires_root
-@pytest.mark.skipif(not any(not v2 for _, _, v2 in _mounts()), reason="no cgroup v1 freezer here")
+@pytest.mark.skipif(not any(not m.v2 for m in freezer_mounts()), reason="no cgroup v1 freezer here")
 def test_root_v1_freezer_holds(storm):
-    mount, root, _ = next(m for m in _mounts() if not m[2])
+    mount, root = next((m.mount, m.root) for m in freezer_mounts() if not m.v2)
     freezer = CgroupFreezer(storm.init_pid, Hierarchy(mount, root, False, False, mount))
     try:
         outcome = freezer.freeze()
@@ -280,12 +280,12 @@ def test_hostile_comm_and_a_dead_leader_do_not_hide_a_process(tmp_path):
 
 USER = "seqfreeze"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
-CGROUP2 = next((m for m, root, v2 in _mounts() if v2 and root == "/"), None)
+CGROUP2 = next((m.mount for m in freezer_mounts() if m.v2 and m.root == "/"), None)
 
 HARNESS = r'''
 import json, sys, time
 from sequester.environments.local.episode import Episode
-from sequester.environments.local.freeze import make_freezer
+from sequester.sandbox.freeze import make_freezer
 with Episode() as ep:
     ep.reset(sys.argv[1])
     ep.exec(sys.stdin.readline().replace("\\n", "\n"))

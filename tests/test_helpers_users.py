@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from users import temporary_user, user_exists
 
-from sequester.environments.settings import FROZEN_TIMEOUT_NOTE, FROZEN_ZERO_NOTE, frozen_evaluation_note
+from sequester.environments.verdict import FROZEN_TIMEOUT_NOTE, FROZEN_ZERO_NOTE, frozen_evaluation_note
 
 NAME = "seqtmpuser"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creating a user needs root (CI runs as root)")

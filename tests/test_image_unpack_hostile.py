@@ -74,7 +74,7 @@ def test_whiteout_used_as_a_folder_and_unknown_types_are_refused(tmp_path: Path)
 
 def test_rename_never_replaces_an_empty_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The folder appears between the check and the rename (simulated: the check is blind)."""
-    from sequester.images._tarsafe import rename_noreplace
+    from sequester.sandbox.rename import rename_noreplace
     (tmp_path / "ours").mkdir()
     (tmp_path / "ours/f").write_text("ours")
     (tmp_path / "theirs").mkdir()

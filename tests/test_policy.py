@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from sequester import Endpoint, Isolation, Limits, Policy, PolicyError, load_policy, parse_endpoint
-from sequester.policy import policy_from_mapping
+from sequester.config import policy_from_mapping
 
 REPO = Path(__file__).resolve().parent.parent
 

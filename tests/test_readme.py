@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sequester.cli import build_parser
-from sequester.environments.local.shell import ExecResult
+from sequester.environments.base import ExecResult
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

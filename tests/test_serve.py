@@ -400,7 +400,7 @@ def test_a_kernel_session_closed_mid_cell_kills_its_kernel_at_once(server):
     keepers = lambda: [t for t in template._templates.values() if t.alive]  # noqa: E731
     before = time.monotonic()
     run(busy())
-    from sequester.sandbox.bwrap import descendants
+    from sequester.sandbox.procs import descendants
 
     def kernels_left() -> list[int]:
         return [pid for t in keepers() for pid in descendants(t.host_pids()[-1])]

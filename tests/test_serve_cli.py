@@ -19,7 +19,7 @@ import pytest
 
 from conftest import VISIBLE_DIR
 from serve_harness import EXAMPLES, ROOT, TOKEN, Server, ask, connect, http, pid_alive
-from sequester.sandbox.bwrap import descendants
+from sequester.sandbox.procs import descendants
 
 TASK = "python-csv-stats"
 

@@ -41,7 +41,7 @@ def launched(monkeypatch):
     """Every KernelProcess the client launches in the test (and this process's children
     before it), to check that nothing of them is left."""
     from sequester.kernel import client
-    from sequester.sandbox.bwrap import descendants
+    from sequester.sandbox.procs import descendants
 
     real = client.launch_kernel
     seen = {"before": set(descendants(os.getpid())), "pids": []}
@@ -57,7 +57,7 @@ def launched(monkeypatch):
 
 def assert_all_gone(launched) -> None:
     """No process of the kernels launched, and no new child of this process, is running."""
-    from sequester.sandbox.bwrap import descendants
+    from sequester.sandbox.procs import descendants
 
     left = [p for p in launched["pids"] if pid_alive(p)]
     left += [p for p in set(descendants(os.getpid())) - launched["before"] if pid_alive(p)]

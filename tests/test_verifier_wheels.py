@@ -26,7 +26,7 @@ EXTRA_PIN = "markupsafe==3.0.2"  # a binary wheel (cp313 manylinux), 23 kB
 
 
 def _runner_has_313() -> bool:
-    from sequester.environments.local.start import runner_tree
+    from sequester.verifier.tree import runner_tree
     tree = runner_tree(default_toolchain_dir())
     return tree is not None and any(p.name.startswith("cpython-3.13.") for p in (tree / "python").iterdir())
 

@@ -165,7 +165,7 @@ def test_the_views_own_files_are_no_lock_channel_between_kernels(two_kernels, pr
 def _real_host_pid(kernel: Kernel) -> int | None:
     """The kernel's host pid found independently of its handle: the keeper's descendant
     whose stdout is this kernel's stdout pipe."""
-    from sequester.sandbox.bwrap import descendants
+    from sequester.sandbox.procs import descendants
 
     inode = os.fstat(kernel.process.stdout).st_ino
     for pid in descendants(kernel.process.view_template._started.pid):

@@ -24,7 +24,7 @@ from sequester.policy import Isolation
 from sequester.kernel import from_template as from_template_module
 from sequester.kernel.bootstrap import bootstrap_config
 from sequester.kernel import template as template_module
-from sequester.sandbox.bwrap import descendants
+from sequester.sandbox.procs import descendants
 from sequester.sandbox.probe import namespace_support
 
 from stages import native_available  # tests/helpers

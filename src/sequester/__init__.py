@@ -56,7 +56,7 @@ _WHERE = {
     "Isolation": "sequester.policy",
     "Limits": "sequester.policy",
     "Policy": "sequester.policy",
-    "load_policy": "sequester.policy",
+    "load_policy": "sequester.config",
     "parse_endpoint": "sequester.policy",
     "KernelClosedError": "sequester.errors",
     "KernelError": "sequester.errors",
@@ -66,7 +66,7 @@ _WHERE = {
     "SequesterError": "sequester.errors",
     "TaskError": "sequester.errors",
     "Episode": "sequester.environments.local.episode",
-    "ExecResult": "sequester.environments.local.shell",
+    "ExecResult": "sequester.environments.base",
     "EpisodeSettings": "sequester.environments.settings",
     "VerifierError": "sequester.environments.verdict",
     "VerifierResult": "sequester.environments.verdict",
@@ -96,10 +96,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from sequester.environments import Capabilities, Environment, open_environment
     from sequester.environments.local.episode import Episode
     from sequester.environments.settings import EpisodeSettings
-    from sequester.environments.local.shell import ExecResult
+    from sequester.environments.base import ExecResult
     from sequester.environments.verdict import VerifierError, VerifierResult
     from sequester.errors import KernelClosedError, KernelError, PolicyError, SandboxError, SandboxUnavailableError, SequesterError, TaskError
     from sequester.tasks import Task, find_tasks, load_task
     from sequester.kernel.client import Kernel
     from sequester.kernel.results import CellError, CellResult
-    from sequester.policy import Endpoint, Isolation, Limits, Policy, load_policy, parse_endpoint
+    from sequester.config import load_policy
+    from sequester.policy import Endpoint, Isolation, Limits, Policy, parse_endpoint

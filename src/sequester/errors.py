@@ -11,6 +11,8 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── SandboxError             launching or staging a sandbox failed (nothing was left running)
     ├── TaskError                a task directory is malformed; names the file and field
     ├── ImageError               an image cannot be had, unpacked or used; names the reference and why
+    │   └── BuildError           a Dockerfile sequester cannot build; names the line and why
+    │       └── BuildTimeout     the build outlived its deadline
     ├── KernelError              misuse of a kernel or a kernel that cannot go on
     │   └── KernelClosedError    the kernel was closed (or its lifetime ran out)
     ├── EpisodeError             an episode used out of order, or given a bad working directory
@@ -32,6 +34,8 @@ __all__ = [
     "KernelClosedError",
     "TaskError",
     "ImageError",
+    "BuildError",
+    "BuildTimeout",
     "EpisodeError",
 ]
 
@@ -80,6 +84,21 @@ class ImageError(SequesterError, ValueError):
     unreachable registry, digest mismatch, malformed or hostile layer, no manifest for
     this platform). The message names the reference or layer and the reason; nothing
     half-made is ever left in the store."""
+
+
+class BuildError(ImageError):
+    """A Dockerfile that is malformed, or asks for something sequester does not do.
+
+    A subclass of :class:`ImageError` because a build is one more way of getting an
+    image: code that already catches ``ImageError`` (the CLI, an episode's image
+    resolution) then catches build failures too, without knowing about builds. The
+    message starts with ``"<source>:<line>: "`` and names the instruction, e.g.
+    ``Dockerfile:4: RUN --mount is a BuildKit feature sequester does not support``.
+    """
+
+
+class BuildTimeout(BuildError):
+    """The build outlived its deadline (the task's ``[environment] build_timeout_sec``)."""
 
 
 class EpisodeError(SequesterError):

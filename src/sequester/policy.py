@@ -1,6 +1,6 @@
 """What a kernel may see and do, as plain frozen data.
 
-A :class:`Policy` is built from a TOML file (:func:`load_policy`), from CLI flags
+A :class:`Policy` is built from a TOML file (:func:`sequester.config.load_policy`), from CLI flags
 (:meth:`Policy.with_overrides`) or directly in Python; every other module only reads it.
 Each way in validates the same way and names the key or value it rejects.
 
@@ -28,7 +28,6 @@ import enum
 import ipaddress
 import os
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,8 @@ from urllib.parse import urlsplit
 
 from sequester.errors import PolicyError
 
-__all__ = ["Isolation", "Endpoint", "Limits", "Policy", "load_policy", "parse_endpoint"]
+__all__ = ["ENV_NAME", "Isolation", "Endpoint", "Limits", "Policy", "endpoint_at", "existing_path", "parse_endpoint",
+           "parse_isolation"]
 
 
 class Isolation(enum.Enum):
@@ -55,7 +55,7 @@ class Isolation(enum.Enum):
     OFF = "off"
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?(?:\.[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?)*\.?$")
 
@@ -154,14 +154,14 @@ class Policy:
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
-        isolation, hide = _parse_isolation(self.isolation, "isolation")
+        isolation, hide = parse_isolation(self.isolation, "isolation")
         object.__setattr__(self, "isolation", isolation)
         object.__setattr__(self, "hide", _paths((*hide, *self.hide), "hide"))
         object.__setattr__(self, "readonly", _paths(self.readonly, "readonly"))
-        allow = tuple(e if isinstance(e, Endpoint) else _endpoint(e, f"allow[{i}]") for i, e in enumerate(self.allow))
+        allow = tuple(e if isinstance(e, Endpoint) else endpoint_at(e, f"allow[{i}]") for i, e in enumerate(self.allow))
         object.__setattr__(self, "allow", tuple(dict.fromkeys(allow)))
         for i, name in enumerate(self.env):
-            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
                 raise PolicyError(f"env[{i}]: {name!r} is not an environment variable name")
         object.__setattr__(self, "env", tuple(self.env))
         if not isinstance(self.limits, Limits):
@@ -185,12 +185,12 @@ class Policy:
             self,
             isolation=self.isolation if isolation is None else isolation,
             allow=(*self.allow, *allow),
-            readonly=(*self.readonly, *(_existing(base / p, "--readonly") for p in readonly)),
-            hide=(*self.hide, *(_existing(base / p, "--hide") for p in hide)),
+            readonly=(*self.readonly, *(existing_path(base / p, "--readonly") for p in readonly)),
+            hide=(*self.hide, *(existing_path(base / p, "--hide") for p in hide)),
         )
 
 
-def _parse_isolation(value: Any, key: str) -> tuple[Isolation, tuple[Any, ...]]:
+def parse_isolation(value: Any, key: str) -> tuple[Isolation, tuple[Any, ...]]:
     if isinstance(value, Isolation):
         return value, ()
     if value is True:
@@ -206,7 +206,7 @@ def _parse_isolation(value: Any, key: str) -> tuple[Isolation, tuple[Any, ...]]:
         unknown = set(value) - {"mode", "hide"}
         if unknown:
             raise PolicyError(f"{key}: unknown key {sorted(unknown)[0]!r} (expected 'mode' and 'hide')")
-        mode, _ = _parse_isolation(value.get("mode", True), f"{key}.mode")
+        mode, _ = parse_isolation(value.get("mode", True), f"{key}.mode")
         if mode is Isolation.OFF:
             raise PolicyError(f"{key}: hiding paths needs isolation, but mode is false")
         hide = value.get("hide", [])
@@ -224,11 +224,11 @@ def _paths(values: Iterable[Any], key: str) -> tuple[Path, ...]:
         path = Path(value)
         if not path.is_absolute():
             raise PolicyError(f"{key}[{i}]: {str(value)!r} is not an absolute path")
-        out.append(_existing(path, f"{key}[{i}]"))
+        out.append(existing_path(path, f"{key}[{i}]"))
     return tuple(dict.fromkeys(out))
 
 
-def _existing(path: Path, key: str) -> Path:
+def existing_path(path: Path, key: str) -> Path:
     try:
         return Path(path).resolve(strict=True)
     except (FileNotFoundError, NotADirectoryError):
@@ -237,108 +237,8 @@ def _existing(path: Path, key: str) -> Path:
         raise PolicyError(f"{key}: {str(path)!r} cannot be resolved: {exc.strerror}") from None
 
 
-def _endpoint(value: Any, key: str) -> Endpoint:
+def endpoint_at(value: Any, key: str) -> Endpoint:
     try:
         return parse_endpoint(value)
     except PolicyError as exc:
         raise PolicyError(f"{key}: {exc}") from None
-
-
-_RUNTIME_KEYS = {"isolation", "readonly", "allow", "env"}
-TABLES = ("runtime", "limits", "episodes", "images", "serve")  # every table a config file may have
-
-
-def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "policy") -> Policy:
-    """Build a policy from parsed TOML. Relative paths are taken from ``base_dir``."""
-    # [episodes] belongs to sequester.environments.settings, read from the same file
-    # (sequester.config validates the three together).
-    unknown = sorted(set(data) - set(TABLES))
-    if unknown:
-        key = unknown[0]
-        kind = "table" if isinstance(data[key], Mapping) else "key"
-        raise PolicyError(f"{source}: unknown {kind} {key!r} (a config file has the tables "
-                          f"{', '.join(f'[{t}]' for t in TABLES)}, and nothing else)")
-    runtime = config_table(data, "runtime", set(_RUNTIME_KEYS), source)
-    limits = config_table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
-
-    def rel(values: Any, key: str) -> list[Path]:
-        if not isinstance(values, list):
-            raise PolicyError(f"{source}: {key}: expected a list, got {values!r}")
-        bad = [v for v in values if not isinstance(v, str)]
-        if bad:
-            raise PolicyError(f"{source}: {key}: {bad[0]!r} is not a path")
-        return [_existing(base_dir / v, f"{key}") for v in values]
-
-    try:
-        isolation, hide = _parse_isolation(runtime.get("isolation", True), "runtime.isolation")
-        allow = runtime.get("allow", [])
-        if not isinstance(allow, list):
-            raise PolicyError(f"runtime.allow: expected a list, got {allow!r}")
-        env = runtime.get("env", [])
-        if not isinstance(env, list):
-            raise PolicyError(f"runtime.env: expected a list, got {env!r}")
-        for i, name in enumerate(env):
-            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-                raise PolicyError(f"runtime.env[{i}]: {name!r} is not an environment variable name")
-        return Policy(
-            isolation=isolation,
-            hide=tuple(rel(list(hide), "runtime.isolation.hide")),
-            readonly=tuple(rel(runtime.get("readonly", []), "runtime.readonly")),
-            allow=tuple(_endpoint(v, f"runtime.allow[{i}]") for i, v in enumerate(allow)),
-            env=tuple(env),
-            limits=Limits(**limits),
-        )
-    except PolicyError as exc:
-        raise PolicyError(f"{source}: {exc}") from None
-
-
-def _table(data: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, Mapping):
-        raise PolicyError(f"{source}: {key!r} must be a table ([{key}]), got {value!r}")
-    return value
-
-
-def config_table(data: Mapping[str, Any], key: str, known: set[str], source: str) -> dict[str, Any]:
-    """The config file's ``[key]`` table (empty when absent), with no key but ``known``:
-    every table of the file is checked the same way, naming the first unknown key."""
-    table = _table(data, key, source)
-    unknown = set(table) - known
-    if unknown:
-        raise PolicyError(f"{source}: unknown key '{key}.{sorted(unknown)[0]}'")
-    return dict(table)
-
-
-def read_config(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], Path, str]:
-    """Parse a config file (``None``: the embedded ``configs/default.toml``).
-
-    Returns the data, the folder relative paths are taken from, and a name for messages.
-    """
-    if path is None:
-        from importlib.resources import files
-
-        text = files("sequester").joinpath("default.toml").read_text()
-        return _parse_toml(text, "default.toml"), Path.cwd(), "default.toml"
-    file = Path(path)
-    try:
-        text = file.read_text()
-    except OSError as exc:
-        raise PolicyError(f"config {str(file)!r}: {exc.strerror}") from None
-    return _parse_toml(text, str(file)), file.resolve().parent, str(file)
-
-
-def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
-    """Load a policy from a TOML file; ``None`` loads the embedded default (``configs/default.toml``).
-
-    The whole file is validated, its ``[episodes]`` table included (:mod:`sequester.config`).
-    """
-    from sequester.config import load_config
-
-    return load_config(path).policy
-
-
-def _parse_toml(text: str, source: str) -> dict[str, Any]:
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"{source}: not valid TOML: {exc}") from None

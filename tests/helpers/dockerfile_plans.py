@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.tasks.dockerfile_parse import parse_dockerfile
 from sequester.imagebuild.plan import StagePlanner, stage_graph, stage_names
 from sequester.imagebuild.steps import CopyStep, RunStep

@@ -10,7 +10,6 @@ say why), 2 for bad input (no such task, a malformed task.toml, a bad option).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sequester.imagebuild import BuildResult, StepReport, build_task
+from sequester.cli.common import positive
 from sequester.config import load_config
 from sequester.errors import ImageError, PolicyError
 from sequester.images import ImageStore
@@ -32,7 +32,7 @@ _err = Console(stderr=True)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from sequester.environments.local.start import runner_tree
+    from sequester.verifier.tree import runner_tree
     from sequester.net.build.network import parse_build_network
     from sequester.tasks import find_tasks
 
@@ -96,21 +96,6 @@ def cmd_build(args: argparse.Namespace) -> int:
 def _first_line(text: str) -> str:
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= 120 else line[:117] + "..."
-
-
-def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse type: a positive ``kind``; the error names the value."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
-        return value
-
-    return parse
 
 
 def add_build_command(sub: argparse._SubParsersAction) -> None:

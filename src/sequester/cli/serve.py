@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 
 from sequester.cli.backend import add_backend_arguments, apply_backend_arguments
-from sequester.cli.build import positive
+from sequester.cli.common import positive
 from sequester.config import load_config
 from sequester.errors import PolicyError, SequesterError
 from sequester.images.image_settings import IMAGE_SOURCES
+from sequester.tasks.finder import has_task_toml
 
 __all__ = ["add_serve_command", "cmd_serve"]
 
@@ -75,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     episodes = apply_backend_arguments(args, episodes)
     if settings.tasks_dir is not None and not settings.tasks_dir.is_dir():
         raise PolicyError(f"--tasks-dir {str(settings.tasks_dir)!r}: not a folder")
-    if settings.tasks_dir is not None and (settings.tasks_dir / "task.toml").exists():
+    if settings.tasks_dir is not None and has_task_toml(settings.tasks_dir):
         raise PolicyError(f"--tasks-dir {str(settings.tasks_dir)!r} is a task: give the folder of tasks it is in")
     config = dataclasses.replace(config, serve=settings, episodes=episodes)
     tasks = count_tasks(settings.tasks_dir)  # a malformed task is exit 2 now, not a client's error later

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from sequester.errors import EpisodeError
 from sequester.environments.settings import EpisodeSettings
-from sequester.environments.local.shell import ExecResult
+from sequester.environments.base import ExecResult
 from sequester.environments.verdict import VerifierError
 from sequester.cluster.bundles import hold_task
 from sequester.cluster.connect import ClusterError, ray_dirs, require_ray

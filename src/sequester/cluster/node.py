@@ -30,7 +30,8 @@ from pathlib import Path
 from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
 from sequester.images.image_settings import default_store_dir
 from sequester.jobs.results import TrialResult
-from sequester.jobs.trial import TrialCancel, run_trial
+from sequester.jobs.trial import run_trial
+from sequester.jobs.cancel import Cancellation
 from sequester.tasks import load_task
 from sequester.cluster.bundles import TaskBundle, evict_unused, pack_folder, task_on_node
 
@@ -97,7 +98,7 @@ def node_info(node_id: str | None = None) -> dict[str, object]:
     return {"node_id": node_id, "hostname": socket.gethostname(), "pid": os.getpid(), "machine": platform.machine()}
 
 
-def run_order(order: TrialOrder, bundle: TaskBundle, *, cancel: TrialCancel, node_id: str | None = None,
+def run_order(order: TrialOrder, bundle: TaskBundle, *, cancel: Cancellation, node_id: str | None = None,
               also_hide: tuple[Path, ...] = ()) -> TrialReturn:
     """Run ``order`` on this machine; never raises for what happens in the trial."""
     cache = cluster_cache()

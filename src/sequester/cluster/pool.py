@@ -225,7 +225,7 @@ class EpisodePool:
 
     # -- tasks ------------------------------------------------------------------------------
     def _folder(self, task_id: str) -> Path:
-        from sequester.serve import protocol as p
+        from sequester.serve import protocol
         from sequester.serve.sessions import resolve_task
 
         if self._shut:
@@ -234,7 +234,7 @@ class EpisodePool:
             raise PolicyError(f"task_id: {type(task_id).__name__} is not the name of a task of the tasks folder")
         try:  # attack stopped: naming a task outside tasks_dir (see resolve_task)
             return resolve_task(self.tasks_dir, task_id, "task_id")
-        except p.FrameError as exc:
+        except protocol.FrameError as exc:
             raise PolicyError(exc.message) from None
 
     def _bundle(self, folder: Path) -> tuple[str, Any]:

@@ -16,7 +16,7 @@ import asyncio
 import threading
 from typing import Any
 
-from sequester.jobs.trial import TrialCancel
+from sequester.jobs.cancel import Cancellation
 from sequester.cluster.bundles import TaskBundle
 from sequester.cluster.connect import ray_dirs, require_ray
 from sequester.cluster.node import TrialOrder, TrialReturn, run_order
@@ -34,7 +34,7 @@ def trial_task(order: TrialOrder, bundle: TaskBundle, monitor: Any) -> TrialRetu
     # Not awaited: the monitor's first call waits for its worker to start (about a second),
     # which no trial should; the call is on its way before the trial does anything.
     monitor.started.remote(order.name, order.attempt, node_id, os.getpid())
-    cancel = TrialCancel()
+    cancel = Cancellation()
     done = threading.Event()
 
     def watch() -> None:

@@ -38,7 +38,7 @@ from sequester.environments import UnsupportedByBackend
 from sequester.errors import PolicyError
 from sequester.jobs.results import TrialResult, utc_now
 from sequester.jobs.schedule import JobRun, PlannedTrial
-from sequester.jobs.trial import TrialCancelled
+from sequester.jobs.cancel import TrialCancelled
 from sequester.tasks import Task
 from sequester.cluster.bundles import pack_task
 from sequester.cluster.connect import ClusterError, connect, system_failures

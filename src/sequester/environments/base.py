@@ -22,14 +22,40 @@ from sequester.errors import SequesterError
 
 if TYPE_CHECKING:
     from sequester.environments.settings import EpisodeSettings
-    from sequester.environments.local.shell import ExecResult
     from sequester.environments.verdict import VerifierResult
     from sequester.tasks import Task
     from sequester.tasks.task_toml import Artifact
 
-__all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "separate_artifacts",
+__all__ = ["Capabilities", "Environment", "ExecResult", "UnsupportedByBackend", "missing_capabilities", "separate_artifacts",
            "wanted_verifier_env",
            "wants_freeze"]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What ``environment.exec(command)`` returns, whatever the backend.
+
+    ``stdout``, ``stderr``: the command's output, decoded as UTF-8 (undecodable bytes as
+    U+FFFD), each capped at ``output_bytes`` (see :class:`_Capture`); ``exit_code``: its
+    status (``None`` when the shell itself went away); ``timed_out``: it ran over its
+    timeout and was interrupted (``^C``), then killed; ``duration``: seconds; ``note``: what
+    else happened (the cap cut the output, the shell was restarted), else ``""``.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    timed_out: bool
+    duration: float
+    note: str = ""
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def to_dict(self) -> dict[str, object]:
+        return {"stdout": self.stdout, "stderr": self.stderr, "exit_code": self.exit_code,
+                "timed_out": self.timed_out, "duration": self.duration, "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -59,7 +85,10 @@ class Environment(Protocol):
     def capabilities(self) -> Capabilities: ...
 
     def start(self, task: Task | str | os.PathLike[str]) -> Environment:
-        """Start on ``task`` (replacing an earlier episode); the environment itself."""
+        """Start on ``task`` (replacing an earlier episode); the environment itself. A
+        backend that runs on this machine's image store (the local one) also takes
+        ``image=`` a :class:`~sequester.images.choose.Choice` made for it, so that a job
+        chooses each task's system once."""
 
     @property
     def task(self) -> Task: ...

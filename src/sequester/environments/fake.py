@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from sequester.environments.settings import EpisodeSettings
-from sequester.environments.local.shell import ExecResult
+from sequester.environments.base import ExecResult
 from sequester.environments.verdict import VerifierResult
 from sequester.errors import EpisodeError
 from sequester.tasks import Task, load_task

@@ -19,21 +19,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
-from sequester.policy import config_table
 from sequester.images.image_settings import ImageSettings
 
 BACKENDS = ("local", "docker")
 
-__all__ = ["BACKENDS", "EpisodeSettings", "settings_from_mapping", "default_state_dir", "default_toolchain_dir",
-           "cluster_cache_dir",
-           "frozen_evaluation_note"]
+__all__ = ["BACKENDS", "EpisodeSettings", "cluster_cache_dir", "default_state_dir", "default_toolchain_dir"]
 
 
 def default_state_dir() -> Path:
@@ -99,48 +95,3 @@ def _reward_range(value: Any) -> tuple[float, float] | None:
             and value[0] <= value[1]):
         return (float(value[0]), float(value[1]))
     raise PolicyError(f"episodes.reward_range: {value!r} is not [low, high] (finite, low <= high) or \"any\"")
-
-
-def settings_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> EpisodeSettings:
-    raw = data.get("episodes")
-    if isinstance(raw, Mapping) and "on_tamper" in raw:
-        raise PolicyError(f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "
-                          "(the verifier's runner is out of the agent's reach); the report stays in the results")
-    values = config_table(data, "episodes", {f.name for f in dataclasses.fields(EpisodeSettings)} - {"images"}, source)
-    for key in ("state_dir", "toolchain_dir"):
-        if key in values:
-            if not isinstance(values[key], str):
-                raise PolicyError(f"{source}: episodes.{key}: {values[key]!r} is not a path")
-            values[key] = base_dir / values[key]
-    try:
-        return EpisodeSettings(**values)
-    except PolicyError as exc:
-        raise PolicyError(f"{source}: {exc}") from None
-
-
-FROZEN_TIMEOUT_NOTE = (
-    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent), and the tests ran "
-    "out of time: a task scored on a live service the agent started (a server the tests connect to) needs "
-    "freeze_agent = false")
-FROZEN_ZERO_NOTE = (
-    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent): if this task is "
-    "scored on a live service the agent started, the service could not answer; such a task needs "
-    "freeze_agent = false")
-
-
-def frozen_evaluation_note(frozen: str | None, *, timed_out: bool, reward: float | None = None) -> str | None:
-    """The note a trial needs when a frozen evaluation ends badly, else None.
-
-    ``frozen``: how the agent was frozen (``VerifierResult.frozen``; None: it was not);
-    ``timed_out``: the verifier ran over its ``timeout_sec``; ``reward``: the verdict's
-    reward. A frozen (or, as a fallback, killed) agent cannot answer the tests: a service
-    it started hangs them until the timeout, or refuses them, and the trial shows only a
-    timeout or a 0 without saying why.
-    """
-    if not frozen:
-        return None
-    if timed_out:
-        return FROZEN_TIMEOUT_NOTE
-    if reward is not None and reward == 0:
-        return FROZEN_ZERO_NOTE
-    return None

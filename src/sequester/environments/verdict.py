@@ -1,41 +1,51 @@
-"""The verifier: what runs, with what environment, and how its verdict is read.
+"""The verdict, whatever ran the tests: its errors, the strict reading of ``reward.json`` /
+``reward.txt``, and who is to blame when there is no verdict.
 
-Staging and running happen in the namespace helper (see :mod:`._nsexec_server`): the
-pristine ``tests/`` of the source task, streamed from the host, unpacked in a tmpfs at
-``/tests`` that only the verifier's private mount namespace has, next to a fresh
-``/logs/verifier``. Here: the pure parts (the command, the scrubbed environment, the
-strict reading of ``reward.json``/``reward.txt``) and the errors that tell "the tests ran
-and failed" (a reward of 0) from "the verifier could not run" (an exception).
+Every backend runs the task's pristine tests its own way (the local backend through the
+namespace helper, :mod:`sequester.environments.local.evaluation`; the docker backend in a
+container, :mod:`sequester.environments.docker.verify`) and hands :func:`judge` an
+:class:`Evaluation`:
+
+============================================  ==========================================
+what happened                                  result
+============================================  ==========================================
+the tests wrote a valid reward                 that reward
+the verifier ran over ``timeout_sec``          0 for the agent (its programs were under test)
+no reward file, or an invalid one              0 for the agent (its programs can kill or
+                                               overwrite the test script's; a task whose
+                                               own script never writes one shows up as 0
+                                               for the oracle too)
+``uvx`` started but pytest never did           :class:`VerifierCouldNotRun`: the runner's
+                                               bootstrap failed (a Python or pinned package
+                                               the runner lacks); the agent cannot cause it
+the runner could not stage or start            :class:`VerifierCouldNotRun` (the harness)
+============================================  ==========================================
+
+Every :class:`VerifierCouldNotRun` is checked once more by running the same tests in the
+task's pristine environment (:meth:`sequester.environments.local.episode.Episode.evaluate`):
+if the runner works there, the failure was the agent's doing (a view that breaks the
+verifier's set-up, a forged report of the runner's) and is its 0. An error is the
+harness's or the task's, never the agent's doing: trainers drop errored trials, so
+nothing an agent does may turn its failing trial into one.
 """
 
 from __future__ import annotations
 
-import io
+import base64
 import json
 import math
-import os
-import tarfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from sequester.errors import SequesterError
 from sequester.tasks import Task
-from sequester.verifier import layout
-from sequester.verifier.environ import runner_env
-from sequester.verifier.tree import PINNED
+from sequester.verifier.invocation import tests_mention
 
 __all__ = [
-    "VerifierError", "VerifierCouldNotRun", "VerifierTimeout", "RewardFileMissing", "RewardInvalid",
-    "VerifierResult", "tests_archive", "tests_mention", "verifier_argv", "verifier_env", "parse_rewards", "primary_reward",
+    "BootstrapFailed", "DEFAULT_REWARD_RANGE", "Evaluation", "FROZEN_TIMEOUT_NOTE", "FROZEN_ZERO_NOTE",
+    "RewardFileMissing", "RewardInvalid", "VerifierCouldNotRun", "VerifierError", "VerifierResult", "VerifierTimeout",
+    "frozen_evaluation_note", "judge", "parse_rewards", "primary_reward", "runner_works", "zero_result",
 ]
-
-RUNNER_FD = 3  # in the test script: the pipe on which the runner reports that pytest started
-# pytest's configuration files, in the order it looks for them in a folder. When the
-# task's tests have none, the staged /tests gets an empty .pytest.ini: pytest then takes
-# /tests as its root and looks no further up (the view's root folder is the agent's, and
-# a pytest.ini + conftest.py there would configure the verifier's pytest).
-PYTEST_CONFIGS = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
 
 class VerifierError(SequesterError):
@@ -85,94 +95,6 @@ class VerifierResult:
     @property
     def reward(self) -> float:
         return primary_reward(self.rewards)
-
-
-def tests_archive(task: Task) -> bytes:
-    """An uncompressed tar of the task's tests folder (its real path, read only), plus
-    the ``.pytest.ini`` that pins pytest's root to ``/tests`` when the task has none."""
-    root = task.tests_dir.resolve(strict=True)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for current, dirs, files in os.walk(root):
-            dirs.sort()
-            for name in sorted([*dirs, *files]):
-                path = Path(current, name)
-                if path.is_symlink() or path.is_dir() or path.is_file():
-                    tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
-        if not any(_configures_pytest(root / name) for name in PYTEST_CONFIGS):
-            data = b"# sequester: pytest's root is /tests (see sequester.environments.verdict)\n[pytest]\n"
-            info = tarfile.TarInfo(".pytest.ini")
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-_MENTION_FILES, _MENTION_BYTES = 2000, 64 << 20
-
-
-def tests_mention(task: Task, word: bytes) -> bool:
-    """Whether any file of the task's pristine tests contains ``word`` (bounded: the first
-    2000 files, 64 MiB; links are not followed). Unreadable tests count as mentioning it."""
-    try:
-        root = task.tests_dir.resolve(strict=True)
-    except OSError:
-        return True
-    seen = read = 0
-    for current, dirs, files in os.walk(root):
-        for name in files:
-            path = Path(current, name)
-            seen += 1
-            if seen > _MENTION_FILES or read > _MENTION_BYTES:
-                return True
-            if path.is_symlink() or not path.is_file():
-                continue
-            try:
-                data = path.read_bytes()[:_MENTION_BYTES]
-            except OSError:
-                return True
-            read += len(data)
-            if word in data:
-                return True
-    return False
-
-
-def _configures_pytest(path: Path) -> bool:
-    """Whether pytest takes ``path`` as its configuration file (its own rules)."""
-    if path.name in ("pytest.ini", ".pytest.ini"):
-        return path.is_file()
-    try:
-        text = path.read_text(errors="replace") if path.is_file() else ""
-    except OSError:
-        return False
-    section = {"pyproject.toml": "[tool.pytest.ini_options]", "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}
-    return section[path.name] in text
-
-
-def verifier_argv(task: Task) -> list[str]:
-    """The tree's ``bash /tests/test.sh``; without one, pinned pytest on the staged tests."""
-    bash = str(layout.BIN / "bash")
-    if task.test_script is not None:
-        return [bash, "/tests/test.sh"]
-    pytest = next(p for p in PINNED if p.startswith("pytest=="))
-    script = (
-        f"uvx -p python3 -w {pytest} pytest /tests -rA\n"
-        "rc=$?\n"
-        # 0: passed, 1: some failed. Anything else (no tests, usage or internal error,
-        # a failed bootstrap) is not a verdict.
-        'case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;'
-        ' *) echo "sequester: pytest could not run the tests (exit $rc)" >&2;; esac\n'
-    )
-    return [bash, "-c", script]
-
-
-def verifier_env(task: Task, *, task_wheels: bool = False) -> dict[str, str]:
-    """The runner's environment (see :func:`sequester.verifier.environ.runner_env`):
-    the image's own variables (Dockerfile ENV), the task's ``[verifier] env``, and the
-    runner's; nothing of the agent shell's. ``task_wheels``: uv also finds the task's
-    pinned wheels (:data:`~sequester.verifier.layout.TASK_WHEELS`)."""
-    image = task.dockerfile.env_map if task.dockerfile is not None else {}
-    return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD,
-                      find_links=(str(layout.TASK_WHEELS),) if task_wheels else ())
 
 
 DEFAULT_REWARD_RANGE = (0.0, 1.0)
@@ -225,3 +147,102 @@ def primary_reward(rewards: dict[str, float]) -> float:
     if len(rewards) == 1:
         return next(iter(rewards.values()))
     raise RewardInvalid(f"reward.json has several values ({', '.join(sorted(rewards))}) and no 'reward'")
+
+
+class BootstrapFailed(VerifierCouldNotRun):
+    """uvx started, pytest never did. Whether that is the runner's failing or the agent's
+    doing is decided by running the same tests in the task's pristine environment (see
+    :meth:`sequester.environments.local.episode.Episode.evaluate`): the runner's own report could
+    have been forged there by a program of the agent's, in the pristine one it cannot."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What one run of the verifier produced, as the host read it."""
+
+    report: dict[str, Any] | None  # None: it ran over its time and was killed
+    output: bytes                  # head and tail, at most the configured cap
+    runner_said: tuple[str, ...]   # how far the runner got: "uvx", "pytest"
+    duration: float
+
+
+def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str | None,
+          notes: tuple[str, ...] = (),
+          reward_range: tuple[float, float] | None = DEFAULT_REWARD_RANGE) -> VerifierResult:
+    """The verdict of one evaluation (see the table above), or :class:`VerifierCouldNotRun`."""
+    text = ev.output.decode(errors="replace")
+    seen: dict[str, Any] = {"output": text, "duration": ev.duration, "tampering": tampering}
+    notes = (*notes, *(ev.report or {}).get("notes", ()))
+
+    def zero(reason: str, exit_code: int | None = None, files: dict[str, bytes] | None = None) -> VerifierResult:
+        return zero_result(ev, reason, tampering=tampering, frozen=frozen, notes=notes, exit_code=exit_code,
+                           files=files)
+
+    if ev.report is None:
+        return zero(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed")
+    if "error" in ev.report:
+        raise VerifierCouldNotRun(f"the verifier could not run: {ev.report['error']}", **seen)
+    exit_code = ev.report.get("exit_code")
+    files = {name: base64.b64decode(data) for name, data in ev.report.get("files", {}).items()}
+    seen.update(exit_code=exit_code, files=files)
+    if "uvx" in ev.runner_said and "pytest" not in ev.runner_said:
+        raise BootstrapFailed(
+            "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
+            f"test script asks for; the script exited {exit_code})", **seen)
+    if "reward.json" in files and not tests_mention(task, b"reward.json"):
+        # Attack: a program the tests ran (the agent's) writing reward.json, which wins over
+        # the reward.txt the script writes. A task whose tests never name reward.json gets
+        # its verdict from reward.txt only.
+        files = {k: val for k, val in files.items() if k != "reward.json"}
+        notes = (*notes, "reward.json ignored: none of the task's tests write it (a program they ran did)")
+    try:
+        rewards = parse_rewards(files, reward_range)
+    except VerifierError as exc:
+        return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
+    return VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
+
+
+def runner_works(ev: Evaluation) -> bool:
+    """Whether the runner got as far as the tests in ``ev``: it was set up, and if uvx
+    started, pytest did too (a timeout counts: the tests were running)."""
+    if ev.report is None:
+        return True
+    if "error" in ev.report:
+        return False
+    return not ("uvx" in ev.runner_said and "pytest" not in ev.runner_said)
+
+
+def zero_result(ev: Evaluation, reason: str, *, tampering: tuple[str, ...], frozen: str | None,
+                notes: tuple[str, ...], exit_code: int | None = None,
+                files: dict[str, bytes] | None = None) -> VerifierResult:
+    """The agent's 0 for an evaluation without a valid verdict, with the reason."""
+    return VerifierResult({"reward": 0.0}, ev.output.decode(errors="replace"), exit_code, ev.duration,
+                            dict(files or {}), tampering, frozen, zero_reason=reason, notes=notes)
+
+
+FROZEN_TIMEOUT_NOTE = (
+    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent), and the tests ran "
+    "out of time: a task scored on a live service the agent started (a server the tests connect to) needs "
+    "freeze_agent = false")
+FROZEN_ZERO_NOTE = (
+    "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent): if this task is "
+    "scored on a live service the agent started, the service could not answer; such a task needs "
+    "freeze_agent = false")
+
+
+def frozen_evaluation_note(frozen: str | None, *, timed_out: bool, reward: float | None = None) -> str | None:
+    """The note a trial needs when a frozen evaluation ends badly, else None.
+
+    ``frozen``: how the agent was frozen (``VerifierResult.frozen``; None: it was not);
+    ``timed_out``: the verifier ran over its ``timeout_sec``; ``reward``: the verdict's
+    reward. A frozen (or, as a fallback, killed) agent cannot answer the tests: a service
+    it started hangs them until the timeout, or refuses them, and the trial shows only a
+    timeout or a 0 without saying why.
+    """
+    if not frozen:
+        return None
+    if timed_out:
+        return FROZEN_TIMEOUT_NOTE
+    if reward is not None and reward == 0:
+        return FROZEN_ZERO_NOTE
+    return None

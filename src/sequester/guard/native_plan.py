@@ -94,8 +94,8 @@ def _workspace_steps(workspace: dict[str, Any], template: bool) -> list[Step]:
 
 
 def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool = True) -> list[Step]:
-    """The native stage's steps for ``config`` (what :func:`sequester.kernel.bootstrap.
-    bootstrap_config` made for a sandboxed kernel), ending in the ``execve`` of
+    """The native stage's steps for ``config`` (what
+    :func:`sequester.kernel.bootstrap.bootstrap_config` made for a sandboxed kernel), ending in the ``execve`` of
     ``command`` (the cell runner's, with its stage-two configuration; ``timing``: the
     stage's timestamps appended as its last argument, which a plain command must not get)."""
     if config.get("mode") != "sandbox":

@@ -1,16 +1,16 @@
 """``docker build`` without a daemon: the one place that composes a build.
 
-1. parse the Dockerfile (:mod:`.parse`) and find the stages the result needs
+1. parse the Dockerfile (:mod:`sequester.tasks.dockerfile_parse`) and find the stages the result needs
    (:mod:`.plan`; a stage nothing uses is not built, as with BuildKit);
 2. plan every needed stage on its base (an image from the store or pulled, an earlier
-   stage, or ``scratch``) and key every step (:mod:`.cache`): pure, nothing runs;
+   stage, or ``scratch``) and key every step (:mod:`sequester.images.build_cache`): pure, nothing runs;
 3. carry out, in order, each step whose layer is not in the cache (:mod:`.execute`), on
    the layers below it; commit its folder as a layer (:mod:`.layer`);
 4. record the last stage as an image of the store (:mod:`.record`).
 
-A step that fails is a :class:`~.errors.BuildError` naming the Dockerfile's line, its
+A step that fails is a :class:`~sequester.errors.BuildError` naming the Dockerfile's line, its
 exit status and the tail of its output; the whole build shares one deadline
-(:class:`~.errors.BuildTimeout`). The store's ``gc.lock`` is held shared throughout, so
+(:class:`~sequester.errors.BuildTimeout`). The store's ``gc.lock`` is held shared throughout, so
 no prune removes a layer under a build.
 """
 
@@ -30,9 +30,9 @@ from sequester.images.manifest import ImageConfig
 from sequester.images.records import ImageRecord, LayerRef, hex_of
 from sequester.images.store import ImageStore
 from sequester.net.build.network import BuildNetwork
-from sequester.imagebuild.cache import BuildCache, base_key, step_key
+from sequester.images.build_cache import BuildCache, base_key, step_key
 from sequester.imagebuild.context import context_sources
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.imagebuild.execute import StepContext, execute_step
 from sequester.imagebuild.layer import commit_layer, drop_mount_stubs
 from sequester.tasks.dockerfile_parse import parse_dockerfile

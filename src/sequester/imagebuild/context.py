@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sequester.errors import TaskError
-from sequester.tasks.context import _inside, _is_archive, _matches, _walk
-from sequester.imagebuild.errors import BuildError
+from sequester.tasks.context import inside_context, is_archive, context_matches, walk_context
+from sequester.errors import BuildError
 from sequester.imagebuild.steps import CopyStep
 
 __all__ = ["ContextSources", "context_sources"]
@@ -54,17 +54,17 @@ def context_sources(step: CopyStep, context: Path, source: str) -> ContextSource
     archives: list[str] = []
     try:
         for src in step.sources:
-            for path in _matches(context, src, where):
-                real = _inside(path, real_root, where, src)
+            for path in context_matches(context, src, where):
+                real = inside_context(path, real_root, where, src)
                 rel = real.relative_to(real_root).as_posix()
                 inner = "/" + rel if rel != "." else "/"
                 if real.is_dir():
-                    _walk(real, "/", real_root, where, src)  # checks every entry
+                    walk_context(real, "/", real_root, where, src)  # checks every entry
                     _digest_tree(real, real_root, digest)
                     copies.append(inner)
                 elif real.is_file():
                     _digest_file(real, real_root, digest)
-                    if step.add and _is_archive(real) and _python_reads(real):
+                    if step.add and is_archive(real) and _python_reads(real):
                         archives.append(inner)
                     else:
                         copies.append(inner)

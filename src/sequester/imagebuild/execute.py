@@ -1,5 +1,5 @@
 """Carrying out one filesystem step of a build: RUN, COPY/ADD, WORKDIR, each in its own
-sandbox on the stage's layers so far (:mod:`.sandbox`), producing the folder that
+sandbox on the stage's layers so far (:mod:`.step_sandbox`), producing the folder that
 becomes the step's layer (:mod:`.layer`).
 
 ``RUN`` runs the image's own programs as the Dockerfile's ``USER``. ``COPY``, ``ADD`` and
@@ -22,7 +22,7 @@ from sequester.errors import ImageError, SandboxError
 from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.verifier.layout import RUNNER_MOUNT
 from sequester.imagebuild.context import context_sources
-from sequester.imagebuild.errors import BuildError, BuildTimeout
+from sequester.errors import BuildError, BuildTimeout
 from sequester.imagebuild.step_sandbox import AUX, StepOutcome, StepRun, run_step
 from sequester.imagebuild.steps import CopyStep, RunStep, WorkdirStep
 

@@ -9,7 +9,7 @@ an ENV (or base image variable) of the same name, the later wins, as in BuildKit
 unlike the task loader, the planner knows the base image's environment, so "undefined"
 really means undefined.
 
-The lexer itself (quotes, escapes, ``${VAR:-default}``) is :mod:`..tasks._syntax`, shared
+The lexer itself (quotes, escapes, ``${VAR:-default}``) is :mod:`sequester.tasks.dockerfile_syntax`, shared
 with the task loader.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 
 from sequester.images.manifest import Platform
 from sequester.tasks.dockerfile_syntax import WordError, expand, split_raw
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.tasks.dockerfile_parse import Dockerfile, Instruction
 
 __all__ = ["PROXY_ARGS", "Defined", "Scope", "fail", "platform_args", "global_scope", "name_values"]
@@ -36,7 +36,7 @@ _ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class Defined(Mapping[str, "str | None"]):
     """Variables in which every name is defined: one nobody set is unset (None).
 
-    :func:`.._syntax.expand` raises ``UnknownVariable`` for a name not in its mapping
+    :func:`sequester.tasks.dockerfile_syntax.expand` raises ``UnknownVariable`` for a name not in its mapping
     (what the task loader wants); at build time Docker expands such a name to "" instead,
     and ``${NAME-default}`` takes the default.
     """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sequester.images.manifest import Platform, host_platform
 from sequester.tasks.dockerfile_syntax import WordError, expand
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.imagebuild.expand import Defined, fail, global_scope
 from sequester.tasks.dockerfile_parse import Dockerfile, Instruction
 

@@ -1,7 +1,7 @@
 """A build step's writable folder, made into a layer of the store.
 
 The folder overlayfs wrote is already in the store's layer format (see
-:mod:`.sandbox`); two things are left. The mount points bwrap had to make for the step's
+:mod:`.step_sandbox`); two things are left. The mount points bwrap had to make for the step's
 own view (``/proc``, ``/dev``, the runner's folder for a copier) are not the step's
 work: they are taken out again when the layers below did not have them. Then the folder
 is renamed into ``layers/<key>`` (``renameat2(RENAME_NOREPLACE)``: a concurrent build of
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from sequester.sandbox.remove import remove_tree
-from sequester.images._tarsafe import rename_noreplace
+from sequester.sandbox.rename import rename_noreplace
 from sequester.images.stack import image_path_kind
 
 __all__ = ["drop_mount_stubs", "commit_layer", "layer_size"]

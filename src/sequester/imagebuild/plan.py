@@ -27,7 +27,7 @@ from sequester.images.manifest import ImageConfig, Platform, host_platform
 from sequester.tasks.dockerfile_syntax import WordError, expand_words
 from sequester.tasks.dockerfile import absolute_path
 from sequester.imagebuild.config_args import check_stop_signal, exposed_ports, healthcheck_test, volumes
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 from sequester.imagebuild.expand import Scope, fail, global_scope, name_values
 from sequester.imagebuild.graph import StageBase, needed_stages, resolve_from, stage_graph, stage_names, target_stage
 from sequester.tasks.dockerfile_parse import Dockerfile, Instruction, exec_form

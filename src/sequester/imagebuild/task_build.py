@@ -22,7 +22,7 @@ from sequester.images.store import ImageStore
 from sequester.net.build.network import parse_build_network
 from sequester.tasks import Task
 from sequester.imagebuild.builder import BuildOptions, BuildResult, StepReport, build_image
-from sequester.imagebuild.errors import BuildError
+from sequester.errors import BuildError
 
 __all__ = ["build_task", "task_image_name", "has_dockerfile", "BuildLog"]
 
@@ -128,10 +128,10 @@ _failed: dict[tuple[str, str, int], tuple[float, str]] = {}
 def ensure_built(task: Task, store: ImageStore, settings, *, log_path: Path | None = None,
                  on_step: Callable[[StepReport, bool], None] | None = None):
     """The image of ``task``'s Dockerfile, built (or found in the build cache) with the
-    ``[images]`` build network of ``settings`` (an :class:`~sequester.environments.local.EpisodeSettings`).
+    ``[images]`` build network of ``settings`` (an :class:`~sequester.environments.settings.EpisodeSettings`).
     A build that failed is not tried again by this process for two minutes while the
     Dockerfile is unchanged: every trial of the task gets the same :class:`BuildError`."""
-    from sequester.environments.local.start import runner_tree
+    from sequester.verifier.tree import runner_tree
 
     dockerfile = task.environment_dir / "Dockerfile"
     try:

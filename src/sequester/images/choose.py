@@ -6,7 +6,7 @@
   image that cannot be had is an :class:`ImageError` before any episode starts;
 * ``dockerfile``: the task's ``environment/Dockerfile``, built (:mod:`sequester.imagebuild`;
   cached, so only the first episode of a task builds); a build that fails is a
-  :class:`~sequester.imagebuild.errors.BuildError`, which ends the trial as an environment error;
+  :class:`~sequester.errors.BuildError`, which ends the trial as an environment error;
 * ``host``: the host's own system plus the Dockerfile's ``COPY`` lines (the mode of
   tasks with no image);
 * ``auto`` (default): ``prebuilt`` when the task names an image that can be had, else
@@ -33,7 +33,7 @@ from sequester.images.records import ImageRecord
 from sequester.images.image_settings import IMAGE_SOURCES
 from sequester.images.store import ImageStore
 
-__all__ = ["Choice", "choose_image", "prefetch_images", "Builder"]
+__all__ = ["Choice", "choose_image", "Builder"]
 
 Builder = Callable[[Task], ImageRecord]
 
@@ -83,7 +83,7 @@ def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progre
     else:
         notes.append("the task names no image ([environment] docker_image)")
     if dockerfile.is_file() and build is not None:
-        from sequester.imagebuild.errors import BuildError
+        from sequester.errors import BuildError
         key = f"dockerfile:{dockerfile}"
         earlier = _remembered(store, key)
         if earlier is None:
@@ -110,18 +110,3 @@ def _remember(store: ImageStore, what: str, message: str) -> str:
     with _failed_lock:
         _failed[(str(store.root), what)] = (time.monotonic(), message)
     return message
-
-
-def prefetch_images(tasks: list[Task], source: str, store: ImageStore, *, progress: Progress = NO_PROGRESS) -> None:
-    """Have every prebuilt image the ``tasks`` will run on before any of them starts: with
-    ``prebuilt``, an image that cannot be had raises :class:`ImageError` here; with
-    ``auto``, it is remembered, and its trials build or run in host mode with the note.
-    (Builds are not started here: see :func:`sequester.imagebuild.prebuild_images`.)"""
-    if source not in ("prebuilt", "auto"):
-        return
-    seen: set[str] = set()
-    for task in tasks:
-        image = task.config.environment.docker_image
-        if image and image not in seen:
-            seen.add(image)
-            choose_image(task, source, store, progress=progress)

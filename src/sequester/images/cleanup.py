@@ -40,7 +40,7 @@ def drop_record(self: ImageStore, record: ImageRecord) -> None:
 
 def collect_garbage(self: ImageStore) -> int:
     """Remove what no record needs; the caller holds gc.lock exclusively."""
-    from sequester.imagebuild.cache import BuildCache
+    from sequester.images.build_cache import BuildCache
     records = self.records()
     keep_layers = {hex_of(layer.diff_id) for r in records for layer in r.layers} | BuildCache(self.root).layers()
     keep_blobs = {hex_of(d) for r in records for d in (r.id, r.config_digest)}

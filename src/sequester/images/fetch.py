@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sequester.errors import ImageError
-from sequester.images import skopeo as sk
+from sequester.images import skopeo
 from sequester.images.credentials import authfile_for
 from sequester.images.manifest import DIGEST, INDEX_TYPES, is_index, parse_json, select_platform, sha256_digest
 from sequester.images.progress import Progress
@@ -40,16 +40,16 @@ Fetched = tuple[str, str, "str | None"]  # manifest digest, where it came from, 
 def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progress,
                  what: str) -> Iterator[Fetched]:
     """Copy ``source``'s blobs into the store; yields while the image's fetch lock is held."""
-    skopeo = sk.skopeo_path()
+    program = skopeo.skopeo_path()
     common = dict(policy=store.root / "policy.json", plat=store.platform, tmpdir=tmp)
     if source.kind is not SourceKind.REGISTRY:
         if source.kind is SourceKind.OCI_LAYOUT:
             _check_layout_platform(store, source, what)
         with store.lock(_lock_name(source.skopeo), fcntl.LOCK_EX):
             progress.phase(f"importing {Path(source.location).name}", None)
-            sk.run_skopeo(sk.copy_argv(skopeo, source.skopeo, tmp / "layout", store.root / "blobs",
+            skopeo.run_skopeo(skopeo.copy_argv(program, source.skopeo, tmp / "layout", store.root / "blobs",
                                        daemon_host=os.environ.get("DOCKER_HOST"), **common), what,
-                          on_line=sk.progress_lines(progress))
+                          on_line=skopeo.progress_lines(progress))
             yield _layout_manifest(tmp, what), source.skopeo, None
         return
     ref = parse_reference(source.location)
@@ -58,7 +58,7 @@ def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progr
     with authfile_for(fetch.registry) as authfile:
         # skopeo takes a tag or a digest, not both; the digest is what counts.
         asked = f"{fetch.name}@{ref.digest}" if ref.digest else str(fetch)
-        raw = sk.run_skopeo(sk.inspect_argv(skopeo, f"docker://{asked}", tls_verify=tls, authfile=authfile,
+        raw = skopeo.run_skopeo(skopeo.inspect_argv(program, f"docker://{asked}", tls_verify=tls, authfile=authfile,
                                             **common), what)
         source_digest = ref.digest or sha256_digest(raw)
         if ref.digest and sha256_digest(raw) != ref.digest:
@@ -72,8 +72,8 @@ def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progr
                 yield chosen, location, source_digest
                 return
             progress.phase(f"pulling {ref.short}", None)
-            sk.run_skopeo(sk.copy_argv(skopeo, location, tmp / "layout", store.root / "blobs", tls_verify=tls,
-                                       authfile=authfile, **common), what, on_line=sk.progress_lines(progress))
+            skopeo.run_skopeo(skopeo.copy_argv(program, location, tmp / "layout", store.root / "blobs", tls_verify=tls,
+                                       authfile=authfile, **common), what, on_line=skopeo.progress_lines(progress))
             yield _layout_manifest(tmp, what), location, source_digest
 
 
@@ -96,7 +96,7 @@ def _stored_whole(store: "ImageStore", manifest_digest: str) -> bool:
 
 def _layout_manifest(tmp: Path, what: str) -> str:
     index = parse_json((tmp / "layout" / "index.json").read_bytes(), f"{what}: the fetched layout's index")
-    return sk.select_manifest(index, what)
+    return skopeo.select_manifest(index, what)
 
 
 def _check_layout_platform(store: "ImageStore", source: Source, what: str) -> None:

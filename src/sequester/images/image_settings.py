@@ -21,13 +21,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sequester.errors import PolicyError
-from sequester.policy import config_table
 from sequester.images.reference import is_loopback_host
 
-__all__ = ["ImageSettings", "IMAGE_SOURCES", "BUILD_NETWORKS", "images_from_mapping", "default_store_dir"]
+__all__ = ["ImageSettings", "IMAGE_SOURCES", "BUILD_NETWORKS", "default_store_dir"]
 
 IMAGE_SOURCES = ("auto", "prebuilt", "dockerfile", "host")
 BUILD_NETWORKS = ("public", "none", "allowlist")
@@ -79,23 +77,3 @@ class ImageSettings:
         object.__setattr__(self, "store_dir", Path(self.store_dir))
 
 
-def images_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> ImageSettings:
-    values = config_table(data, "images", {f.name for f in dataclasses.fields(ImageSettings)}, source)
-    if "store_dir" in values:
-        if not isinstance(values["store_dir"], str):
-            raise PolicyError(f"{source}: images.store_dir: {values['store_dir']!r} is not a path")
-        values["store_dir"] = base_dir / values["store_dir"]
-    aliases = values.get("aliases")
-    if isinstance(aliases, Mapping):
-        # A file on the right of an alias is taken relative to the config file.
-        values["aliases"] = {k: (str(base_dir / v) if isinstance(v, str) and v.startswith((".", "/")) else v)
-                             for k, v in aliases.items()}
-    for key in ("insecure", "build_allowed_hosts"):
-        if key in values and isinstance(values[key], list):
-            values[key] = tuple(values[key])
-    try:
-        return ImageSettings(**values)
-    except PolicyError as exc:
-        raise PolicyError(f"{source}: {exc}") from None
-    except TypeError as exc:
-        raise PolicyError(f"{source}: [images]: {exc}") from None

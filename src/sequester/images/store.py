@@ -5,7 +5,7 @@
       layers/<diff-id hex>/  each layer unpacked once: an overlayfs lower folder
                              (or a build step's layer, named by its cache key: sequester.imagebuild)
       layers/<hex>.json      what unpacking (or the build step) found (sizes, counts)
-      build-cache/<key>      the layer a build step made (sequester.imagebuild.cache)
+      build-cache/<key>      the layer a build step made (sequester.images.build_cache)
       images/<id hex>.json   one record per image (:mod:`.records`); <hex>.used: last use
       tmp/                   skopeo's layouts and temporary files, removed after each fetch
       gc.lock, lock          fetches and builds hold gc.lock shared, prune exclusive; lock: record writes
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sequester.errors import ImageError
-from sequester.images import skopeo as sk
+from sequester.images import skopeo
 from sequester.images.fetch import skopeo_fetch
 from sequester.images.manifest import Descriptor, Platform, declared_compression, host_platform, parse_config, parse_json, parse_manifest, sha256_digest
 from sequester.images.progress import NO_PROGRESS, Progress
@@ -85,7 +85,7 @@ class ImageStore:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
             policy = self.root / "policy.json"
             if not policy.exists():
-                policy.write_text(sk.POLICY)
+                policy.write_text(skopeo.POLICY)
         except OSError as exc:  # another user's store, a read-only disk: say which, never a traceback
             raise ImageError(f"the image store {self.root} cannot be used: {exc.strerror or exc} "
                              "([images] store_dir names another)") from None
@@ -317,7 +317,7 @@ class ImageStore:
         """Remove images not used for ``unused_for`` seconds (None: none) and the build
         cache's entries not used for as long (None: all of them), then every layer, blob
         and temporary folder no image needs. Returns the removed images and bytes freed."""
-        from sequester.imagebuild.cache import BuildCache
+        from sequester.images.build_cache import BuildCache
         removed = []
         with self.lock("gc.lock", fcntl.LOCK_EX):
             BuildCache(self.root).drop(unused_for)

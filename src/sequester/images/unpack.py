@@ -31,7 +31,8 @@ from pathlib import Path
 from sequester.sandbox.remove import remove_tree
 from sequester.errors import ImageError
 from sequester.images._layerstream import CHUNK, HEADER_BUDGET, MEDIA_TYPES, PROGRESS_EVERY, Abort, Blob, LayerStream, ZstdError, bounded_tarinfo, decoder_for
-from sequester.images._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, rename_noreplace, split_name
+from sequester.images._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, split_name
+from sequester.sandbox.rename import rename_noreplace
 
 __all__ = ["UnpackStats", "unpack_layer",
            # re-exported from ._layerstream, still importable from here

@@ -10,9 +10,10 @@
 from sequester.jobs.job import default_job_name, run_job
 from sequester.jobs.paths import JobPaths, TrialPaths
 from sequester.jobs.results import ExceptionInfo, JobResult, TimingInfo, TrialResult, VerifierOutcome
-from sequester.jobs.trial import TrialCancel, TrialCancelled, new_trial_name, run_trial
+from sequester.jobs.trial import new_trial_name, run_trial
+from sequester.jobs.cancel import Cancellation, TrialCancelled
 
 __all__ = [
     "run_job", "run_trial", "default_job_name", "new_trial_name", "JobPaths", "TrialPaths", "JobResult",
-    "TrialResult", "TimingInfo", "ExceptionInfo", "VerifierOutcome", "TrialCancel", "TrialCancelled",
+    "TrialResult", "TimingInfo", "ExceptionInfo", "VerifierOutcome", "Cancellation", "TrialCancelled",
 ]

@@ -14,12 +14,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from sequester.environments import Environment
-from sequester.environments.local.episode import EpisodeError, ExecResult
+from sequester.errors import EpisodeError
+from sequester.environments.base import ExecResult
 from sequester.jobs.paths import TrialPaths
 from sequester.jobs.results import utc_now
 
 if TYPE_CHECKING:
-    from sequester.jobs.trial import TrialCancel
+    from sequester.jobs.cancel import Cancellation
 
 __all__ = ["RecordingEnvironment"]
 
@@ -36,7 +37,7 @@ class RecordingEnvironment:
     ``start``/``reset``/``evaluate``/``close``/``abort`` are refused: an agent that could run
     the verifier could search for the reward instead of solving the task."""
 
-    def __init__(self, episode: Environment, paths: TrialPaths, cancel: TrialCancel | None):
+    def __init__(self, episode: Environment, paths: TrialPaths, cancel: Cancellation | None):
         self._episode, self._paths, self._cancel = episode, paths, cancel
         self._n_commands = 0
 

@@ -12,24 +12,26 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from sequester.imagebuild import StepReport, prebuild_images
 from sequester.agents import load_agent
 from sequester.environments.settings import EpisodeSettings
-from sequester.images import ImageStore
-from sequester.images.choose import prefetch_images
+from sequester.imagebuild import StepReport
 from sequester.images.progress import NO_PROGRESS, Progress
+from sequester.jobs.images import ImagePlan, choose_job_images
+from sequester.sandbox.remove import remove_tree
 from sequester.errors import PolicyError
 from sequester.tasks import Task, find_tasks
+from sequester.tasks.finder import looks_like_task
 from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
 from sequester.jobs.paths import JobPaths, check_name
 from sequester.jobs.results import JobResult, TrialResult, utc_now
 from sequester.jobs.schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
 from sequester.jobs.trial import new_trial_name, settings_to_dict, write_json
 
-__all__ = ["run_job", "default_job_name", "job_config"]
+__all__ = ["PreparedJob", "default_job_name", "job_config", "prepare_job", "run_job"]
 
 
 def default_job_name() -> str:
@@ -51,8 +53,82 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     On an interrupt, running trials are stopped, the job's ``result.json`` is written with
     what finished, and the interrupt propagates. ``scheduler``: where the trials run
     (:class:`~.schedule.LocalScheduler` of ``concurrency`` threads by default; a
-    :class:`sequester.cluster.RayScheduler` for a Ray cluster).
+    :class:`sequester.cluster.RayScheduler` for a Ray cluster). The same as
+    :func:`prepare_job`, then :meth:`PreparedJob.run`.
     """
+    job = prepare_job(task_paths, agent_spec, jobs_dir=jobs_dir, job_name=job_name, concurrency=concurrency,
+                      settings=settings, image_progress=image_progress, build_progress=build_progress,
+                      scheduler=scheduler)
+    return job.run(progress)
+
+
+@dataclass
+class PreparedJob:
+    """A job whose input is checked, whose folder is made and whose tasks' systems are
+    chosen (:mod:`.images`): what is left is to run its trials."""
+
+    name: str
+    paths: JobPaths
+    agent_spec: str
+    settings: EpisodeSettings
+    scheduler: TrialScheduler
+    trials: list[PlannedTrial]
+    hide: tuple[Path, ...]
+    config: dict[str, object]
+
+    def run(self, progress: Callable[[TrialResult], None] | None = None) -> JobResult:
+        """Run the trials; write the job's ``result.json`` as each finishes (see :func:`run_job`)."""
+        started_at = utc_now()
+        job_id = str(uuid.uuid4())
+        write_json(self.paths.config_path, {**self.config, "started_at": started_at})
+        finished: dict[str, TrialResult] = {}
+        lock = threading.Lock()
+        running: set[str] = set()
+        names = [trial.name for trial in self.trials]
+
+        def write_result(finished_at: str | None) -> JobResult:
+            with lock:
+                in_order = [finished[name] for name in names if name in finished]
+                result = JobResult.from_trials(self.name, started_at, finished_at, len(names), in_order,
+                                               job_id=job_id, n_running=len(running - finished.keys()))
+                write_json(self.paths.result_path, result.to_dict())
+            return result
+
+        def started(name: str) -> None:
+            with lock:
+                running.add(name)
+
+        def finish(trial: TrialResult) -> None:
+            with lock:
+                finished[trial.trial_name] = trial
+                running.discard(trial.trial_name)
+
+        write_result(None)
+        job = JobRun(self.agent_spec, self.settings, self.hide, job_id)
+        try:
+            for trial in self.scheduler.run(job, self.trials, started):
+                finish(trial)
+                write_result(None)
+                if progress is not None:
+                    progress(trial)
+        except BaseException:
+            for trial in self.scheduler.stop():  # running trials stop at once and write their results
+                finish(trial)
+            raise
+        finally:
+            result = write_result(utc_now())
+        return result
+
+
+def prepare_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jobs_dir: str | os.PathLike[str],
+                job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
+                image_progress: Progress = NO_PROGRESS,
+                build_progress: Callable[[str, StepReport, bool], None] | None = None,
+                scheduler: TrialScheduler | None = None) -> PreparedJob:
+    """Everything of :func:`run_job` before its trials: the input checked, the job's folder
+    made, each task's system chosen once (fetched, or built with its log in the job's
+    folder). Bad input raises before anything is made; an image that cannot be had with
+    ``--image-source prebuilt`` raises after, and the job's folder is removed again."""
     settings = settings or EpisodeSettings()
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise PolicyError(f"concurrency {concurrency!r} is not a positive integer")
@@ -60,13 +136,7 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     if not tasks:
         raise PolicyError("no tasks given")
     load_agent(agent_spec)  # a bad spec fails here, before any folder is made
-    # The tasks' images, before any trial starts: one that cannot be had is an ImageError
-    # here with --image-source prebuilt (auto: those trials run in host mode, with a note).
     scheduler = scheduler or LocalScheduler(concurrency)
-    # An engine (docker backend) pulls and builds its own images, a cluster's nodes theirs.
-    local = settings.backend == "local" and scheduler.runs_here
-    if local:
-        prefetch_images(tasks, settings.images.source, ImageStore(settings.images), progress=image_progress)
     job_name = default_job_name() if job_name is None else job_name
     try:
         check_name(job_name, "job name")
@@ -83,60 +153,28 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
         paths.root.mkdir()
     except FileExistsError:
         raise PolicyError(f"job {job_name!r}: {paths.root} already exists; choose another job name") from None
-
-    # The tasks' Dockerfiles (--image-source dockerfile, or auto without a prebuilt image):
-    # built once each, logged in the job's folder; a failed build fails that task's trials.
-    if local:
-        prebuild_images(tasks, settings, ImageStore(settings.images), paths.build_log, on_step=build_progress)
-    started_at = utc_now()
-    job_id = str(uuid.uuid4())
-    hide = [*(task.path for task in tasks), jobs_root]
-    planned = _plan(tasks)
+    # The tasks' systems, once, before any trial: an engine (docker backend) pulls and
+    # builds its own images, a cluster's nodes theirs.
+    images: dict[Path, ImagePlan] = {}
+    if settings.backend == "local" and scheduler.runs_here:
+        try:
+            images = choose_job_images(tasks, settings, log_path=paths.build_log, progress=image_progress,
+                                       on_step=build_progress)
+        except BaseException:
+            remove_tree(paths.root)
+            raise
+    hide = (*(task.path for task in tasks), jobs_root)
     datasets, sources = _datasets(task_paths, tasks)
-    config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, started_at)
-    write_json(paths.config_path, {**config, "scheduler": scheduler.describe()})
-    finished: dict[str, TrialResult] = {}
-    lock = threading.Lock()
-    running: set[str] = set()
-
-    def write_result(finished_at: str | None) -> JobResult:
-        with lock:
-            in_order = [finished[name] for name, _ in planned if name in finished]
-            result = JobResult.from_trials(job_name, started_at, finished_at, len(planned), in_order, job_id=job_id,
-                                           n_running=len(running - finished.keys()))
-            write_json(paths.result_path, result.to_dict())
-        return result
-
-    def started(name: str) -> None:
-        with lock:
-            running.add(name)
-
-    def finish(trial: TrialResult) -> None:
-        with lock:
-            finished[trial.trial_name] = trial
-            running.discard(trial.trial_name)
-
-    write_result(None)
-    job = JobRun(agent_spec, settings, tuple(hide), job_id)
-    trials = [PlannedTrial(name, task, paths.trial_dir(name), sources[task.name]) for name, task in planned]
-    try:
-        for trial in scheduler.run(job, trials, started):
-            finish(trial)
-            write_result(None)
-            if progress is not None:
-                progress(trial)
-    except BaseException:
-        for trial in scheduler.stop():  # running trials stop at once and write their results
-            finish(trial)
-        raise
-    finally:
-        result = write_result(utc_now())
-    return result
+    config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, None)
+    trials = [PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path))
+              for name, task in _plan(tasks)]
+    return PreparedJob(job_name, paths, agent_spec, settings, scheduler, trials, hide,
+                       {**config, "scheduler": scheduler.describe()})
 
 
 def job_config(job_name: str, jobs_root: Path, agent_spec: str, concurrency: int, tasks: list[Task],
                datasets: list[Path], sources: dict[str, str | None], settings: EpisodeSettings,
-               started_at: str) -> dict[str, object]:
+               started_at: str | None) -> dict[str, object]:
     """The job's ``config.json``: Harbor's ``JobConfig`` (``agents``, ``n_concurrent_trials``,
     each folder of tasks as a local dataset and each task given by itself under
     ``tasks``), plus sequester's ``settings``, the exact ``task_names`` in order and the
@@ -157,7 +195,7 @@ def _datasets(task_paths: Sequence[str | os.PathLike[str]], tasks: list[Task]
     """The folders of tasks among ``task_paths`` (Harbor's local datasets) and, for each
     task, the name of the one it came from (``None``: the task was given by itself)."""
     given = [Path(os.path.abspath(p)) for p in task_paths]
-    folders = [p for p in dict.fromkeys(given) if not ((p / "task.toml").exists() or (p / "instruction.md").exists())]
+    folders = [p for p in dict.fromkeys(given) if not looks_like_task(p)]
     sources: dict[str, str | None] = {}
     for task in tasks:
         path = Path(os.path.abspath(task.path))

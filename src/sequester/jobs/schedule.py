@@ -14,8 +14,9 @@ from typing import Protocol
 
 from sequester.environments.settings import EpisodeSettings
 from sequester.tasks import Task
+from sequester.jobs.images import ImagePlan
 from sequester.jobs.results import TrialResult
-from sequester.jobs.trial import TrialCancel, run_trial
+from sequester.jobs.trial import Cancellation, run_trial
 
 __all__ = ["PlannedTrial", "JobRun", "TrialScheduler", "LocalScheduler"]
 
@@ -26,6 +27,9 @@ class PlannedTrial:
     task: Task
     trial_dir: Path  # in the job folder, on the driver's machine
     source: str | None
+    # The system its episode runs on, chosen once for the job (:mod:`.images`), or why it
+    # cannot be had; None: the backend chooses (a Docker engine, a cluster's node).
+    image: ImagePlan | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class LocalScheduler:
 
     def __init__(self, concurrency: int):
         self.concurrency = concurrency
-        self._cancel = TrialCancel()
+        self._cancel = Cancellation()
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[Future[TrialResult], str] = {}
         self._yielded: set[str] = set()
@@ -76,7 +80,8 @@ class LocalScheduler:
         def one(trial: PlannedTrial) -> TrialResult:
             started(trial.name)
             return run_trial(trial.task, job.agent_spec, trial.trial_dir, settings=job.settings, hide=list(job.hide),
-                             cancel=self._cancel, source=trial.source, job_id=job.job_id)
+                             cancel=self._cancel, source=trial.source, job_id=job.job_id,
+                             image=trial.image)
 
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="trial")
         self._futures = {self._pool.submit(one, trial): trial.name for trial in trials}

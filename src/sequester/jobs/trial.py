@@ -29,29 +29,25 @@ from pathlib import Path
 from typing import Any
 
 from sequester.agents import load_agent
-from sequester.verifier.wheels import ensure_task_wheels
 from sequester.environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
 from sequester.environments.base import wanted_verifier_env
-from sequester.environments.local.episode import EpisodeError
+from sequester.errors import EpisodeError, ImageError
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.verdict import VerifierError
-from sequester.errors import SequesterError
 from sequester.tasks import Task
 from sequester.jobs.agent_view import RecordingEnvironment
+from sequester.jobs.cancel import Cancellation, TrialCancelled
 from sequester.jobs.capture import capture_thread_output
+from sequester.jobs.images import ImagePlan
 from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
 from sequester.jobs.paths import TEST_STDOUT, TrialPaths
 from sequester.jobs.results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
 
-__all__ = ["run_trial", "trial_config", "new_trial_name", "settings_to_dict", "write_json", "TrialCancel", "TrialCancelled"]
+__all__ = ["run_trial", "trial_config", "new_trial_name", "settings_to_dict", "write_json"]
 
 log = logging.getLogger("sequester.jobs")
 
 _ALPHABET = string.ascii_lowercase + string.digits
-
-
-class TrialCancelled(SequesterError):
-    """The trial was stopped from outside (the job was interrupted) before it had a verdict."""
 
 
 def new_trial_name(task_name: str) -> str:
@@ -80,44 +76,6 @@ def write_json(path: Path, data: object) -> None:
     temp = path.with_name(f".{path.name}.tmp")
     temp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(temp, path)
-
-
-class TrialCancel:
-    """Stops running trials from another thread (the job's, on Ctrl-C): the agents' next
-    ``exec`` is refused, and each running episode is aborted, which ends the command in
-    flight at once instead of after its timeout."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._episodes: set[Environment] = set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._event.set()
-            for episode in self._episodes:
-                episode.abort()
-
-    def check(self) -> None:
-        if self.cancelled:
-            raise TrialCancelled("the job was interrupted")
-
-    @contextlib.contextmanager
-    def watching(self, episode: Environment) -> Iterator[None]:
-        """While inside, :meth:`cancel` aborts ``episode``."""
-        with self._lock:
-            self._episodes.add(episode)
-            if self.cancelled:
-                episode.abort()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._episodes.discard(episode)
 
 
 class _TrialLog:
@@ -187,14 +145,15 @@ def trial_config(task: Task, agent_spec: str, trial_dir: Path, *, settings: Epis
 
 
 def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
-              cancel: TrialCancel | None = None, source: str | None = None, job_id: str | None = None,
-              open_env: Callable[..., Environment] = open_environment) -> TrialResult:
+              cancel: Cancellation | None = None, source: str | None = None, job_id: str | None = None,
+              open_env: Callable[..., Environment] = open_environment, image: ImagePlan | None = None) -> TrialResult:
     """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
     episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
     exist; its name is the trial's name). ``source`` is the dataset the task belongs to
     and ``job_id`` the job's id (both for Harbor's grouping). ``open_env``: makes the
-    environment (``settings.backend``'s; tests pass a fake). Returns the result it wrote
-    to ``result.json``."""
+    environment (``settings.backend``'s; tests pass a fake). ``image``: the system the
+    job chose for the task (:mod:`.images`), or why it cannot be had (the trial's error);
+    None: the backend chooses. Returns the result it wrote to ``result.json``."""
     paths = TrialPaths(trial_dir)
     paths.mkdir()
     started_at = utc_now()
@@ -225,9 +184,8 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                 with phase("environment_setup", trial_log):
                     if cancel is not None:
                         cancel.check()
-                    # The wheels the test script pins beyond the runner's (fetched once, on the
-                    # host): before the agent runs, so a pin that cannot be had costs no agent run.
-                    ensure_task_wheels(task, settings.toolchain_dir)
+                    if isinstance(image, ImageError):
+                        raise image
                     episode = open_env(settings, hide=hide)
                     # What the trial needs of its backend, before anything starts: a trial
                     # that asks for a separate verifier or a frozen agent never gets less.
@@ -235,7 +193,8 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                     missing = missing_capabilities(episode.capabilities, task, settings)
                     if missing:
                         raise UnsupportedByBackend("; ".join(missing))
-                    episode.start(task)
+                    # (a backend that chooses its own system is never passed one)
+                    episode.start(task) if image is None else episode.start(task, image=image)
                     system = episode.system
                     if cancel is not None:
                         watch.enter_context(cancel.watching(episode))

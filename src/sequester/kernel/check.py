@@ -154,7 +154,8 @@ def run_check(policy: Policy) -> CheckReport:
                 _own_memory(kernel),
                 _kernels_apart(kernel, probe_policy),
                 _ctypes(kernel),
-                ctypes_unloadable(kernel, facts.ffi_libraries),  # last: it switches the audit hook off
+                # last: it switches the audit hook off
+                Finding("ctypes unloadable (hook off)", *ctypes_unloadable(kernel, facts.ffi_libraries)),
             ]
     return CheckReport(mode, tuple(findings), first_stage, view)
 

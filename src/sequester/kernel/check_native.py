@@ -19,7 +19,7 @@ from sequester.policy import Isolation
 
 __all__ = ["DISABLE_HOOK", "NATIVE_PROBE", "ctypes_unloadable", "sample_library"]
 
-# Switches the kernel's audit hook off from Python (the attack of issue #6). Leaves
+# Switches the kernel's audit hook off from Python. Leaves
 # ``hook_off`` = "disabled" or the reason it could not.
 DISABLE_HOOK = r'''
 def _disable_hook():
@@ -101,15 +101,13 @@ def sample_library() -> str:
     raise FileNotFoundError("no extension library in lib-dynload")
 
 
-def ctypes_unloadable(kernel: Kernel, libraries: Iterable[Path]):  # type: ignore[no-untyped-def]
-    """The check row. Disables the kernel's audit hook: run it last on a kernel."""
-    from sequester.kernel.check import Finding
-
+def ctypes_unloadable(kernel: Kernel, libraries: Iterable[Path]) -> tuple[bool, str]:
+    """The check row's result and evidence. Disables the kernel's audit hook: run it last on a kernel."""
     paths = sorted({str(p) for p in libraries if p.name.startswith("_ctypes.")})
     code = f"LIBRARIES = {paths!r}\nSAMPLE = {sample_library()!r}\n" + NATIVE_PROBE
     result = kernel.run(code, timeout=30)
     if result.error is not None:
-        return Finding("ctypes unloadable (hook off)", False, str(result.error))
+        return False, str(result.error)
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     loaded = [k for k, v in seen.items() if isinstance(v, str) and v.startswith(("LOADED", "MAPPED", "CREATED"))]
     if seen["ctypes types in memory"]:
@@ -129,4 +127,4 @@ def ctypes_unloadable(kernel: Kernel, libraries: Iterable[Path]):  # type: ignor
     if kernel.mode is Isolation.GUARD:
         evidence += (" (guard only: Landlock withholds _ctypes, but it has no right for executable mappings, so a "
                      "library written to the workspace can be loaded)")
-    return Finding("ctypes unloadable (hook off)", ok, evidence)
+    return ok, evidence

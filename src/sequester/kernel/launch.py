@@ -34,7 +34,7 @@ from sequester.net.broker import Broker
 from sequester.policy import Isolation, Policy
 from sequester.kernel.environ import kernel_environment
 from sequester.sandbox.host import HostFacts, gather_host_facts
-from sequester.sandbox.mounts import hidden_paths, mount_backs
+from sequester.sandbox.mounts import ROOT_SECRETS, hidden_paths, mount_backs
 from sequester.sandbox.native import ctypes_library
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.probe import resolve_isolation
@@ -45,12 +45,6 @@ from sequester.kernel.template import TemplateSandbox, ViewTemplate, templates_e
 
 __all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "run_confined",
            "kernel_command", "bootstrap_config"]
-
-# Root-only files a guard-only kernel running as uid 0 must not read (Landlock grants
-# everything else of /etc).
-ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
-                                        "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
-
 
 @dataclass
 class KernelProcess:

@@ -18,7 +18,8 @@ from sequester.net.broker import Broker
 from sequester.net.plan import NetworkPlan, plan_network
 from sequester.policy import Policy
 from sequester.sandbox.argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, TEMPLATE_CAPS, Identity, SandboxSpec
-from sequester.sandbox.bwrap import StartedBwrap, close_fd, descendants, start_bwrap
+from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
+from sequester.sandbox.procs import descendants
 from sequester.kernel.environ import kernel_environment
 from sequester.sandbox.host import HostFacts
 from sequester.sandbox.mounts import MountKind, MountOp, plan_mounts

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sequester.errors import SandboxError
-from sequester.sandbox.bwrap import close_fd, descendants, readable
+from sequester.sandbox.bwrap import close_fd, readable
+from sequester.sandbox.procs import descendants
 from sequester.kernel.spawn import KernelNetwork
 
 if TYPE_CHECKING:  # pragma: no cover

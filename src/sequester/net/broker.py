@@ -38,7 +38,7 @@ from sequester.net.http import Refused, Request, origin_headers, parse_direct, p
 from sequester.net.plan import is_allowed
 from sequester.net.stats import BrokerStats
 
-__all__ = ["Broker", "BrokerStats", "MAX_CHANNELS"]
+__all__ = ["Broker", "BrokerStats", "MAX_CHANNELS", "shared_loop"]
 
 log = logging.getLogger("sequester.net")
 
@@ -48,7 +48,7 @@ MAX_CHANNELS = 64
 
 
 @lru_cache(maxsize=1)
-def _shared_loop() -> asyncio.AbstractEventLoop:
+def shared_loop() -> asyncio.AbstractEventLoop:
     """One event loop, in one daemon thread, serves the brokers of every sandbox of this
     process: starting a sandbox then costs no thread and no loop of its own."""
     loop = asyncio.new_event_loop()
@@ -66,7 +66,7 @@ class Broker:
         self.head_timeout = head_timeout
         self.max_channels = max_channels
         self.stats = BrokerStats()
-        self._loop = loop or _shared_loop()
+        self._loop = loop or shared_loop()
         self._control: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 

@@ -10,7 +10,6 @@ what started.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import platform
@@ -28,7 +27,7 @@ from sequester.guard.privileges import KERNEL_HOST_ID, NOBODY
 from sequester.sandbox.argv import Identity, LaunchFds, SandboxSpec, build_argv
 from sequester.sandbox.probe import bwrap_path
 
-__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "readable", "descendants", "read_pending"]
+__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "readable", "read_pending"]
 
 # Inside, a root caller's kernel drops to nobody; on the host that id is KERNEL_HOST_ID,
 # which no host process has. Attack (red team): mapped to the host's own nobody, every
@@ -100,37 +99,6 @@ def close_fd(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (breadth first), from ``/proc/PID/task/*/children``.
-    A walk with a queue, not recursion: a chain of thousands of nested processes (a
-    sandbox's) would overflow Python's stack."""
-    seen: set[int] = set()
-    out: list[int] = []
-    queue = collections.deque([pid])
-    while queue:
-        for child in _children(queue.popleft()):
-            if child not in seen:
-                seen.add(child)
-                out.append(child)
-                queue.append(child)
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: list[int], stdout: int | None,

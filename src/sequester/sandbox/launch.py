@@ -8,11 +8,11 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
-__all__ = ["launch_kernel", "run_confined", "run_in_sandbox"]
+_NAMES = ("launch_kernel", "run_confined", "run_in_sandbox")
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in _NAMES:
         from sequester.kernel import launch
 
         return getattr(launch, name)

@@ -36,7 +36,7 @@ from pathlib import Path
 from sequester.policy import Policy
 from sequester.sandbox.host import DirEntry, HostFacts
 
-__all__ = ["MountKind", "MountOp", "SYSTEM_DIRS", "WORKSPACE", "hidden_paths", "mount_backs", "plan_mounts"]
+__all__ = ["MountKind", "MountOp", "ROOT_SECRETS", "SYSTEM_DIRS", "WORKSPACE", "hidden_paths", "mount_backs", "plan_mounts"]
 
 WORKSPACE = Path("/tmp/workspace")
 
@@ -44,6 +44,11 @@ WORKSPACE = Path("/tmp/workspace")
 # kernel images and System.map are no business of a program). Anything else
 # at the top (/home, /root, /srv, /mnt, /media, /data, /work, ...) holds somebody's data.
 SYSTEM_DIRS = frozenset({"bin", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var", "nix", "snap"})
+
+# Root-only files no sandbox of a root caller may show (a guard-only kernel running as
+# uid 0, which Landlock grants the rest of /etc; an episode's view of the host).
+ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
+                                        "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
 
 # Replaced wholesale by the sandbox; never bound, hidden or scanned.
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})

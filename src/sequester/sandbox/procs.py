@@ -18,17 +18,25 @@ Everything here is chosen so that an agent cannot steer it:
   may hold spaces and parentheses), and ``status`` is read by exact ``Key:`` prefixes,
   skipping ``Name:`` (the kernel escapes newlines there, so it cannot fake a line).
   ``cmdline`` and ``comm`` themselves are never read.
+
+Signals by pid go through pidfds (:func:`open_pidfd`): a pidfd always refers to the
+process it was opened on, and membership of the namespace is checked after opening, so a
+number the host reused is never hit. The docker backend uses the same helpers on a
+container's processes when its engine runs on this host.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Namespace", "Proc", "Thread", "Identity", "parse_stat", "reopen", "SIGSTOP_BIT"]
+__all__ = ["Namespace", "Proc", "Thread", "Identity", "parse_stat", "reopen", "SIGSTOP_BIT", "pid_namespace",
+           "open_pidfd", "kill_tree", "kill_init", "signal_group_in", "descendants"]
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)
@@ -226,3 +234,145 @@ def reopen(ident: Identity) -> Proc | None:
         proc.close()
         return None
     return proc
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (breadth first), from ``/proc/PID/task/*/children``.
+    A walk with a queue, not recursion: a chain of thousands of nested processes (a
+    sandbox's) would overflow Python's stack."""
+    seen: set[int] = set()
+    out: list[int] = []
+    queue = collections.deque([pid])
+    while queue:
+        for child in _children(queue.popleft()):
+            if child not in seen:
+                seen.add(child)
+                out.append(child)
+                queue.append(child)
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def pid_namespace(pid: int) -> str | None:
+    """``pid:[N]`` of ``pid``'s PID namespace, or None when it cannot be seen from here."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def open_pidfd(pid: int, namespace: str) -> int | None:
+    """A pidfd of ``pid`` if it exists and is in ``namespace`` (checked after opening: the
+    fd pins the process, so the check cannot be raced by a reused pid), else None."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if pid_namespace(pid) != namespace:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _signal(fd: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, OSError):
+        signal.pidfd_send_signal(fd, sig)
+
+
+def kill_tree(pid: int, namespace: str, rounds: int = 10, pidfd: int | None = None) -> bool:
+    """SIGKILL ``pid`` and every descendant, each only if it is in ``namespace``. The tree
+    is stopped first (SIGSTOP, round after round until no new process appears) so that a
+    process forking as fast as it can does not leave children behind the walk. Whether
+    ``pid`` itself could be opened (False: it was already gone or is not ours). ``pidfd``:
+    one already open on ``pid`` (used, not closed)."""
+    root = os.dup(pidfd) if pidfd is not None else open_pidfd(pid, namespace)
+    if root is None:
+        return False
+    fds = {pid: root}
+    try:
+        _signal(root, signal.SIGSTOP)
+        _stop_rounds(lambda: descendants(pid), namespace, fds, rounds)
+        for fd in fds.values():
+            _signal(fd, signal.SIGKILL)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return True
+
+
+def _stop_rounds(candidates: Callable[[], Iterable[int]], namespace: str, fds: dict[int, int], rounds: int) -> None:
+    """SIGSTOP each of ``candidates()`` in ``namespace`` not yet in ``fds`` (its pidfd is
+    added), round after round until a round finds none new: a process forking during the
+    first rounds has its children stopped in the next."""
+    for _ in range(rounds):
+        new = [p for p in candidates() if p not in fds]
+        if not new:
+            break
+        for p in new:
+            fd = open_pidfd(p, namespace)
+            if fd is not None:
+                fds[p] = fd
+                _signal(fd, signal.SIGSTOP)
+
+
+def kill_init(pid: int, namespace: str) -> bool:
+    """SIGKILL the container's init (``pid``, checked to be in ``namespace`` through a
+    pidfd): the kernel then kills every process of its PID namespace, a fork bomb's too,
+    without the engine (which a bombed container slows to minutes). Whether it was sent."""
+    fd = open_pidfd(pid, namespace)
+    if fd is None:
+        return False
+    try:
+        _signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+    return True
+
+
+def signal_group_in(pid_ns: str | None, group: int, sig: int, *, session: bool = False) -> int:
+    """Send ``sig`` to the processes of process group ``group`` (``session``: of the
+    session ``group``) that are in the PID namespace ``pid_ns``, each through a pidfd.
+    Returns how many were signalled; none when the namespace is unknown."""
+    if pid_ns is None:
+        return 0
+    index = 3 if session else 2  # /proc/PID/stat after the command: state ppid pgrp session
+    candidates = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > index and fields[index] == str(group).encode():
+            candidates.append(int(entry))
+    sent = 0
+    for pid in candidates:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            if pid_namespace(pid) == pid_ns:  # checked after the pidfd holds the process
+                signal.pidfd_send_signal(fd, sig)
+                sent += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return sent

@@ -19,23 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sequester import __version__
-from sequester.config import Config
 from sequester.serve.serve_settings import ServeSettings
-from sequester.serve import protocol as p
+from sequester.serve import protocol
 from sequester.serve.auth import TokenGuard, load_token
 from sequester.serve.connection import Connection
 from sequester.serve.sessions import SessionManager, log_event
+
+if TYPE_CHECKING:
+    from sequester.config import Config
 
 __all__ = ["create_app", "count_tasks", "uvicorn_config"]
 
@@ -87,19 +88,19 @@ class _StepRequest(BaseModel):
     request_id: str | None = Field(default=None, max_length=255)
 
 
-def _status(exc: p.FrameError) -> int:
+def _status(exc: protocol.FrameError) -> int:
     """The HTTP status of a refusal: 413 too large, 400 not JSON, 500 a task that cannot be
     loaded (the operator's), else 422 (a field is wrong; the message names it)."""
     if isinstance(exc, _TooLarge):
         return 413
-    return {p.ErrorCode.INVALID_JSON: 400, p.ErrorCode.FACTORY_ERROR: 500}.get(exc.code, 422)
+    return {protocol.ErrorCode.INVALID_JSON: 400, protocol.ErrorCode.FACTORY_ERROR: 500}.get(exc.code, 422)
 
 
-def _refusal(status: int, code: p.ErrorCode, message: str) -> JSONResponse:
+def _refusal(status: int, code: protocol.ErrorCode, message: str) -> JSONResponse:
     return JSONResponse({"detail": message, "code": code.value}, status_code=status)
 
 
-class _TooLarge(p.FrameError):
+class _TooLarge(protocol.FrameError):
     """A body over the limit: answered 413."""
 
 
@@ -110,17 +111,17 @@ async def _body(request: Request, limit: int) -> Any:
     would read whole into memory before any route saw it."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise _TooLarge(p.ErrorCode.VALIDATION_ERROR, f"body: larger than {limit} bytes")
+        raise _TooLarge(protocol.ErrorCode.VALIDATION_ERROR, f"body: larger than {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _TooLarge(p.ErrorCode.VALIDATION_ERROR, f"body: larger than {limit} bytes")
+            raise _TooLarge(protocol.ErrorCode.VALIDATION_ERROR, f"body: larger than {limit} bytes")
         chunks.append(chunk)
     data = b"".join(chunks)
     if not data.strip():
         return {}
-    return p.parse_json(data)
+    return protocol.parse_json(data)
 
 
 class _DenialIsNotAnError(logging.Filter):
@@ -142,18 +143,12 @@ def count_tasks(tasks_dir: Path | None, depth: int = 3) -> int:
     if tasks_dir is None:
         return 0
     from sequester.tasks import load_task
+    from sequester.tasks.finder import served_task_folders
 
-    root, count = Path(tasks_dir).resolve(), 0
-    for current, dirs, files in os.walk(root):
-        here = Path(current)
-        if "task.toml" in files and here != root:
-            load_task(here)
-            count += 1
-            dirs.clear()  # a task's own folders hold no tasks
-            continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
-        if len(here.relative_to(root).parts) >= depth:
-            dirs.clear()
+    count = 0
+    for folder in served_task_folders(Path(tasks_dir), depth):
+        load_task(folder)
+        count += 1
     return count
 
 
@@ -190,7 +185,7 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
 
     @app.get("/schema")
     async def schema() -> dict[str, Any]:
-        return p.schemas()
+        return protocol.schemas()
 
     @app.get("/state")
     async def state() -> dict[str, Any]:
@@ -206,26 +201,26 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
         try:
             body = await _body(request, limit)
             if not isinstance(body, dict):
-                raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, "body: not a JSON object")
-            reset_request = p.parse_reset(body, where="body")
+                raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, "body: not a JSON object")
+            reset_request = protocol.parse_reset(body, where="body")
             if not manager.try_acquire():
-                return _refusal(503, p.ErrorCode.CAPACITY_REACHED, f"all {manager.max_sessions} sessions are in use")
+                return _refusal(503, protocol.ErrorCode.CAPACITY_REACHED, f"all {manager.max_sessions} sessions are in use")
             try:
                 try:
                     session = manager.new_session(secrets.token_hex(8), reset_request, where="body")
-                except p.FrameError:
+                except protocol.FrameError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - as a start that failed
-                    return _refusal(500, p.ErrorCode.FACTORY_ERROR, f"the session could not be made: {exc}")
+                    return _refusal(500, protocol.ErrorCode.FACTORY_ERROR, f"the session could not be made: {exc}")
                 try:
                     observation = await session.start()
                 except Exception as exc:  # noqa: BLE001 - an image that cannot be had, a sandbox that did not start
-                    return _refusal(500, p.ErrorCode.FACTORY_ERROR, f"the {session.kind} could not start: {exc}")
+                    return _refusal(500, protocol.ErrorCode.FACTORY_ERROR, f"the {session.kind} could not start: {exc}")
                 finally:
                     await session.close()
             finally:
                 manager.release()
-        except p.FrameError as exc:
+        except protocol.FrameError as exc:
             return _refusal(_status(exc), exc.code, exc.message)
         log_event("http_reset", session=session.id, kind=session.kind, task=session.task)
         return JSONResponse({"observation": observation.model_dump(mode="json"), "reward": None, "done": False})
@@ -235,15 +230,15 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
         try:
             body = await _body(request, limit)
             if not isinstance(body, dict):
-                raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, "body: not a JSON object")
+                raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, "body: not a JSON object")
             try:
                 checked = _StepRequest.model_validate(body)
             except ValidationError as exc:
-                raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, p.error_text(exc, "body")) from None
-            p.parse_action(checked.action, where="body.action")
-        except p.FrameError as exc:
+                raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, protocol.error_text(exc, "body")) from None
+            protocol.parse_action(checked.action, where="body.action")
+        except protocol.FrameError as exc:
             return _refusal(_status(exc), exc.code, exc.message)
-        return _refusal(400, p.ErrorCode.SESSION_ERROR, "a step needs a session, and plain HTTP has none: open the "
+        return _refusal(400, protocol.ErrorCode.SESSION_ERROR, "a step needs a session, and plain HTTP has none: open the "
                         "WebSocket /ws, send a reset, then step there")
 
     @app.websocket("/ws")

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from sequester.serve import protocol as p
+from sequester.serve import protocol
 from sequester.serve.sessions import Session, SessionManager, log_event
 
 __all__ = ["Connection", "IDLE_CLOSE_CODE"]
@@ -138,7 +138,7 @@ class Connection:
                         raise _Gone(f"disconnected during a step ({message.get('code', 1006)})")
                     self._held = message  # answered after this step
                 if not done:
-                    await self._send(p.progress_frame(time.monotonic() - started))
+                    await self._send(protocol.progress_frame(time.monotonic() - started))
         finally:
             if not job.done():  # the connection ends first: nobody will read the result
                 job.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -150,29 +150,29 @@ class Connection:
         text = message.get("text")
         if text is None:
             # Binary frames carry nothing of this protocol; refused rather than guessed at.
-            await self._error(p.ErrorCode.INVALID_JSON, "binary frames are not accepted: send JSON as a text frame")
+            await self._error(protocol.ErrorCode.INVALID_JSON, "binary frames are not accepted: send JSON as a text frame")
             return True
         try:
-            frame = p.parse_frame(text)
+            frame = protocol.parse_frame(text)
             if frame.type == "close":
                 return False
             if frame.type == "state":
-                state = self.session.state() if self.session is not None else p.SessionState()
-                await self._send(p.state_frame(state))
+                state = self.session.state() if self.session is not None else protocol.SessionState()
+                await self._send(protocol.state_frame(state))
             elif frame.type == "reset":
                 await self._reset(frame.data)
             else:
                 await self._step(frame.data)
-        except p.FrameError as exc:
+        except protocol.FrameError as exc:
             await self._error(exc.code, exc.message)
         return True
 
     async def _reset(self, data: dict[str, Any]) -> None:
-        request = p.parse_reset(data)
+        request = protocol.parse_reset(data)
         acquired = self.session is None  # else the new session takes over this connection's slot
         if acquired and not self.manager.try_acquire():
             log_event("refused", reason="capacity", active=self.manager.active, max=self.manager.max_sessions)
-            raise p.FrameError(p.ErrorCode.CAPACITY_REACHED, f"all {self.manager.max_sessions} sessions are in use; "
+            raise protocol.FrameError(protocol.ErrorCode.CAPACITY_REACHED, f"all {self.manager.max_sessions} sessions are in use; "
                                "try again later")
         session_id = secrets.token_hex(8)
         started = time.monotonic()
@@ -181,8 +181,8 @@ class Connection:
         except BaseException as exc:
             if acquired:
                 self.manager.release()
-            if isinstance(exc, Exception) and not isinstance(exc, p.FrameError):
-                raise p.FrameError(p.ErrorCode.FACTORY_ERROR, _cut(f"the session could not be made: {exc}")) from None
+            if isinstance(exc, Exception) and not isinstance(exc, protocol.FrameError):
+                raise protocol.FrameError(protocol.ErrorCode.FACTORY_ERROR, _cut(f"the session could not be made: {exc}")) from None
             raise
         await self._end_session("reset", release=False)
         self.progress = request.progress
@@ -195,35 +195,35 @@ class Connection:
                 raise
             log_event("factory_error", session=session_id, kind=session.kind, task=session.task,
                       duration_ms=_ms(started), error=_cut(str(exc), 500))
-            raise p.FrameError(p.ErrorCode.FACTORY_ERROR, _cut(f"the {session.kind} could not start: {exc}")) from None
+            raise protocol.FrameError(protocol.ErrorCode.FACTORY_ERROR, _cut(f"the {session.kind} could not start: {exc}")) from None
         self.session = session
         log_event("reset", session=session_id, kind=session.kind, task=session.task, duration_ms=_ms(started))
-        await self._send(p.observation_frame(observation))
+        await self._send(protocol.observation_frame(observation))
 
     async def _step(self, data: dict[str, Any]) -> None:
-        action = p.parse_action(data)
+        action = protocol.parse_action(data)
         session = self.session
         if session is None:
-            raise p.FrameError(p.ErrorCode.SESSION_ERROR, "no session: send a reset first")
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "no session: send a reset first")
         if action.type not in session.actions:
-            raise p.FrameError(p.ErrorCode.SESSION_ERROR, f"this {session.kind} session takes "
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, f"this {session.kind} session takes "
                                f"{', '.join(sorted(session.actions))} actions, not {action.type!r}")
         if session.done:
-            raise p.FrameError(p.ErrorCode.SESSION_ERROR, "the episode is done (it was evaluated): reset to start "
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "the episode is done (it was evaluated): reset to start "
                                "another")
         started = time.monotonic()
         try:
             observation, reward, done = await self._watched(session.step(action))
-        except (_Gone, p.FrameError):
+        except (_Gone, protocol.FrameError):
             raise
         except Exception as exc:  # noqa: BLE001 - this step's error; the session goes on
             log.debug("session %s: %s failed", session.id, action.type, exc_info=True)
             log_event("step", session=session.id, task=session.task, action=action.type, duration_ms=_ms(started),
                       error=_cut(str(exc), 500))
-            raise p.FrameError(p.ErrorCode.EXECUTION_ERROR, _cut(f"{action.type} failed: {exc}")) from None
+            raise protocol.FrameError(protocol.ErrorCode.EXECUTION_ERROR, _cut(f"{action.type} failed: {exc}")) from None
         log_event("step", session=session.id, task=session.task, action=action.type, duration_ms=_ms(started),
                   reward=reward)
-        await self._send(p.observation_frame(observation, reward, done))
+        await self._send(protocol.observation_frame(observation, reward, done))
 
     # -- ends -----------------------------------------------------------------------------
 
@@ -239,12 +239,12 @@ class Connection:
 
     async def _send(self, frame: dict[str, Any]) -> None:
         try:
-            await self.ws.send_text(p.encode_frame(frame))
+            await self.ws.send_text(protocol.encode_frame(frame))
         except (OSError, RuntimeError, WebSocketDisconnect) as exc:  # the client is gone
             raise _Gone(f"disconnected (a send failed: {type(exc).__name__})") from None
 
-    async def _error(self, code: p.ErrorCode, message: str) -> None:
-        await self._send(p.error_frame(code, message))
+    async def _error(self, code: protocol.ErrorCode, message: str) -> None:
+        await self._send(protocol.error_frame(code, message))
 
     async def _close_ws(self, code: int, reason: str) -> None:
         try:

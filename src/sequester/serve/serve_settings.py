@@ -22,15 +22,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sequester.errors import PolicyError
-from sequester.policy import config_table
 
-__all__ = ["ServeSettings", "serve_from_mapping", "check_token", "MIN_TOKEN_CHARS"]
+__all__ = ["ServeSettings", "check_token", "MIN_TOKEN_CHARS"]
 
 # A bearer token shorter than this could be guessed by a client that just keeps trying
 # (the server does not rate-limit wrong tokens; 16 URL-safe characters are 96 bits).
@@ -84,13 +81,3 @@ class ServeSettings:
             object.__setattr__(self, "tasks_dir", Path(self.tasks_dir))
 
 
-def serve_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> ServeSettings:
-    values = config_table(data, "serve", {f.name for f in dataclasses.fields(ServeSettings)}, source)
-    if "tasks_dir" in values:
-        if not isinstance(values["tasks_dir"], str):
-            raise PolicyError(f"{source}: serve.tasks_dir: {values['tasks_dir']!r} is not a path")
-        values["tasks_dir"] = base_dir / values["tasks_dir"]
-    try:
-        return ServeSettings(**values)
-    except PolicyError as exc:
-        raise PolicyError(f"{source}: {exc}") from None

@@ -29,13 +29,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, TypeVar
 
-from sequester.config import Config
 from sequester.errors import KernelClosedError, SequesterError
 from sequester.environments.verdict import VerifierError
 from sequester.tasks import Task, load_task
-from sequester.serve import protocol as p
+from sequester.tasks.finder import has_task_toml
+from sequester.serve import protocol
 
 if TYPE_CHECKING:
+    from sequester.config import Config
     from sequester.kernel.pool import KernelPool
 
 __all__ = ["Session", "EpisodeSession", "KernelSession", "SessionManager", "resolve_task", "log_event"]
@@ -117,11 +118,11 @@ class Session:
         finally:
             self._running -= 1
 
-    def state(self) -> p.SessionState:
-        return p.SessionState(session_id=self.id, kind=self.kind, task=self.task,  # type: ignore[arg-type]
+    def state(self) -> protocol.SessionState:
+        return protocol.SessionState(session_id=self.id, kind=self.kind, task=self.task,  # type: ignore[arg-type]
                               steps=self.steps, done=self.done, started_at=self.started_at)
 
-    async def start(self) -> p.ResetObservation:
+    async def start(self) -> protocol.ResetObservation:
         observation = await self._call(self._start)
         self.started_at = time.time()
         return observation
@@ -163,7 +164,7 @@ class Session:
             log.error("session %s was not closed cleanly: %s", self.id, closing.exception())
 
     # -- on the worker -------------------------------------------------------------------
-    def _start(self) -> p.ResetObservation:
+    def _start(self) -> protocol.ResetObservation:
         raise NotImplementedError
 
     def _step(self, action: Any) -> StepResult:
@@ -180,7 +181,7 @@ class EpisodeSession(Session):
     """An :class:`Episode` on one task. ``evaluate`` ends it (``done``)."""
 
     kind = "episode"
-    actions = p.EPISODE_ACTIONS
+    actions = protocol.EPISODE_ACTIONS
 
     def __init__(self, session_id: str, task: Task, config: Config, hide: tuple[Path, ...], read_cap: int):
         super().__init__(session_id, task.name)
@@ -197,7 +198,7 @@ class EpisodeSession(Session):
         self._episode = open_environment(config.episodes, hide=hide, nsexec=nsexec)
         self._read_cap = read_cap
 
-    def _start(self) -> p.ResetObservation:
+    def _start(self) -> protocol.ResetObservation:
         from sequester.environments import UnsupportedByBackend, missing_capabilities
 
         missing = missing_capabilities(self._episode.capabilities, self._task, self._episode.settings)
@@ -208,7 +209,7 @@ class EpisodeSession(Session):
         except BaseException:
             self._episode.close()
             raise
-        return p.ResetObservation(session_id=self.id, kind="episode", task=self.task,
+        return protocol.ResetObservation(session_id=self.id, kind="episode", task=self.task,
                                   instruction=self._episode.instruction, workdir=self._episode.workdir)
 
     @property
@@ -218,24 +219,24 @@ class EpisodeSession(Session):
 
     def _step(self, action: Any) -> StepResult:
         ep = self._episode
-        if isinstance(action, p.ExecAction):
+        if isinstance(action, protocol.ExecAction):
             r = ep.exec(action.command, action.timeout)
-            return p.ExecObservation(stdout=r.stdout, stderr=r.stderr, exit_code=r.exit_code, timed_out=r.timed_out,
+            return protocol.ExecObservation(stdout=r.stdout, stderr=r.stderr, exit_code=r.exit_code, timed_out=r.timed_out,
                                      duration=r.duration, note=r.note), None, False
-        if isinstance(action, p.WriteFileAction):
+        if isinstance(action, protocol.WriteFileAction):
             data = action.data()
             ep.write_file(action.path, data, mode=action.mode)
-            return p.WriteFileObservation(path=action.path, bytes=len(data)), None, False
-        if isinstance(action, p.ReadFileAction):
+            return protocol.WriteFileObservation(path=action.path, bytes=len(data)), None, False
+        if isinstance(action, protocol.ReadFileAction):
             data = ep.read_file(action.path)
             cap = self._read_cap if action.limit is None else min(action.limit, self._read_cap)
             truncated, data = len(data) > cap, data[:cap]
             content = (base64.b64encode(data).decode() if action.encoding == "base64"
                        else data.decode("utf-8", "replace"))
-            return p.ReadFileObservation(content=content, encoding=action.encoding, truncated=truncated), None, False
-        if isinstance(action, p.EvaluateAction):
+            return protocol.ReadFileObservation(content=content, encoding=action.encoding, truncated=truncated), None, False
+        if isinstance(action, protocol.EvaluateAction):
             return self._evaluate()
-        raise p.FrameError(p.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action")
+        raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action")
 
     def _evaluate(self) -> StepResult:
         """The verdict only: neither the tests' output nor the files they left (the client
@@ -243,13 +244,13 @@ class EpisodeSession(Session):
         try:
             result = self._episode.evaluate()
         except VerifierError as exc:  # the verifier could not run: no verdict, the trial is an error
-            verdict = p.VerifierObservation(reward=None, rewards={}, zero_reason=None, tampering=list(exc.tampering),
+            verdict = protocol.VerifierObservation(reward=None, rewards={}, zero_reason=None, tampering=list(exc.tampering),
                                             notes=[], error=str(exc))
-            return p.EvaluateObservation(verifier=verdict), None, True
-        verdict = p.VerifierObservation(reward=result.reward, rewards=dict(result.rewards),
+            return protocol.EvaluateObservation(verifier=verdict), None, True
+        verdict = protocol.VerifierObservation(reward=result.reward, rewards=dict(result.rewards),
                                         zero_reason=result.zero_reason, tampering=list(result.tampering),
                                         notes=list(result.notes), error=None)
-        return p.EvaluateObservation(verifier=verdict), result.reward, True
+        return protocol.EvaluateObservation(verifier=verdict), result.reward, True
 
     def _interrupt(self) -> None:
         self._episode.abort()  # every process of the episode is killed: an exec in flight ends
@@ -262,7 +263,7 @@ class KernelSession(Session):
     """A :class:`Kernel` under the config's policy; actions are code cells."""
 
     kind = "kernel"
-    actions = p.KERNEL_ACTIONS
+    actions = protocol.KERNEL_ACTIONS
 
     def __init__(self, session_id: str, config: Config, pool: KernelPool | None = None):
         super().__init__(session_id)
@@ -271,23 +272,23 @@ class KernelSession(Session):
         self._pool = pool
         self._kernel = Kernel(config.policy)
 
-    def _start(self) -> p.ResetObservation:
+    def _start(self) -> protocol.ResetObservation:
         if self._pool is not None:  # a warm kernel, all this session's (it is closed with it, never reused)
             self._kernel = self._pool.acquire()
         else:
             self._kernel.start()
-        return p.ResetObservation(session_id=self.id, kind="kernel")
+        return protocol.ResetObservation(session_id=self.id, kind="kernel")
 
     def _step(self, action: Any) -> StepResult:
-        if not isinstance(action, p.CellAction):
-            raise p.FrameError(p.ErrorCode.SESSION_ERROR, f"a kernel session takes no {action.type!r} action")
+        if not isinstance(action, protocol.CellAction):
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, f"a kernel session takes no {action.type!r} action")
         try:
             r = self._kernel.run(action.code, timeout=action.timeout)
         except KernelClosedError as exc:  # its lifetime (limits.kernel_timeout) is over
-            raise p.FrameError(p.ErrorCode.EXECUTION_ERROR, f"{exc}: reset for a new kernel") from None
-        error = None if r.error is None else p.CellErrorModel(type=r.error.type, message=r.error.message,
+            raise protocol.FrameError(protocol.ErrorCode.EXECUTION_ERROR, f"{exc}: reset for a new kernel") from None
+        error = None if r.error is None else protocol.CellErrorModel(type=r.error.type, message=r.error.message,
                                                               traceback=r.error.traceback)
-        return p.CellObservation(stdout=r.stdout, stderr=r.stderr, value=r.value, error=error, duration=r.duration,
+        return protocol.CellObservation(stdout=r.stdout, stderr=r.stderr, value=r.value, error=error, duration=r.duration,
                                  timed_out=r.timed_out, restarted=r.restarted), None, False
 
     def _interrupt(self) -> None:
@@ -319,20 +320,20 @@ def resolve_task(root: Path, task_id: str, where: str = "data.task") -> Path:
     then its real path must lie inside ``root``'s.
     """
     if task_id.startswith("/") or "\\" in task_id:
-        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: an absolute path is refused: name a task of the "
+        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: an absolute path is refused: name a task of the "
                            "tasks folder by its folder name or its path relative to it")
     parts = task_id.split("/")
     if parts[-1] == "":  # "python-csv-stats/"
         parts = parts[:-1]
     if not parts or any(part == "" or part.startswith(".") for part in parts):
-        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: '..', '.', empty and hidden path components are "
+        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: '..', '.', empty and hidden path components are "
                            "refused: name a task of the tasks folder")
     real = Path(os.path.realpath(root.joinpath(*parts)))
     if real == root or root not in real.parents:
-        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: resolves outside the tasks folder (a symlink "
+        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: resolves outside the tasks folder (a symlink "
                            "pointing out of it?): refused")
-    if not (real / "task.toml").is_file():
-        raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}: no task {task_id[:200]!r} in the tasks folder")
+    if not has_task_toml(real):
+        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: no task {task_id[:200]!r} in the tasks folder")
     return real
 
 
@@ -372,18 +373,18 @@ class SessionManager:
     def release(self) -> None:
         self.active = max(0, self.active - 1)
 
-    def new_session(self, session_id: str, request: p.EpisodeReset | p.KernelReset, where: str = "data") -> Session:
+    def new_session(self, session_id: str, request: protocol.EpisodeReset | protocol.KernelReset, where: str = "data") -> Session:
         """A session for a reset (not started); :class:`FrameError` for a task that cannot be named or loaded."""
-        if isinstance(request, p.KernelReset):
+        if isinstance(request, protocol.KernelReset):
             return KernelSession(session_id, self.config, self.kernel_pool)
         if self.tasks_dir is None:
-            raise p.FrameError(p.ErrorCode.VALIDATION_ERROR, f"{where}.task: this server serves no tasks (it was "
+            raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}.task: this server serves no tasks (it was "
                                "started without --tasks-dir); only kernel sessions ({\"kind\": \"kernel\"})")
         folder = resolve_task(self.tasks_dir, request.task, f"{where}.task")
         try:
             task = load_task(folder)
         except SequesterError as exc:  # a malformed task: the operator's, not the client's
-            raise p.FrameError(p.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}") from None
+            raise protocol.FrameError(protocol.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}") from None
         return EpisodeSession(session_id, task, self.config, self.hide, self.settings.max_message_bytes)
 
     async def close_all(self) -> None:

@@ -12,9 +12,10 @@ to concrete host files of the build context. Every malformed input is a
 :class:`sequester.errors.TaskError` naming the file and the field or line.
 """
 
-from sequester.tasks.task_toml import TaskConfig, parse_task_config
 from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile, resolve_copies
-from sequester.tasks.task import Task, find_tasks, load_task
+from sequester.tasks.task_toml import TaskConfig, parse_task_config
+from sequester.tasks.finder import find_tasks
+from sequester.tasks.task import Task, load_task
 
 __all__ = [
     "Task",

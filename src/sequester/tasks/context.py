@@ -27,7 +27,7 @@ from sequester.errors import TaskError
 if TYPE_CHECKING:  # pragma: no cover
     from sequester.tasks.dockerfile import DockerfilePlan
 
-__all__ = ["resolve_copies"]
+__all__ = ["context_matches", "inside_context", "is_archive", "resolve_copies", "walk_context"]
 
 _GLOB = frozenset("*?[")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -55,14 +55,14 @@ def resolve_copies(plan: DockerfilePlan, context: Path) -> list[tuple[Path, str]
     pairs: list[tuple[Path, str]] = []
     for step in plan.copies:
         where = f"{plan.source}:{step.line}"
-        matches = [(src, path) for src in step.sources for path in _matches(root, src, where)]
+        matches = [(src, path) for src in step.sources for path in context_matches(root, src, where)]
         into = step.dest_is_dir or len(matches) > 1
         for src, path in matches:
-            real = _inside(path, real_root, where, src)
+            real = inside_context(path, real_root, where, src)
             if real.is_dir():
-                pairs += _walk(real, step.dest, real_root, where, src)
+                pairs += walk_context(real, step.dest, real_root, where, src)
             elif real.is_file():
-                if step.instruction == "ADD" and _is_archive(real):
+                if step.instruction == "ADD" and is_archive(real):
                     raise TaskError(f"{where}: ADD {src}: {path.name} is an archive Docker would extract; "
                                     "not supported")
                 pairs.append((real, posixpath.join(step.dest, path.name) if into else step.dest))
@@ -73,7 +73,7 @@ def resolve_copies(plan: DockerfilePlan, context: Path) -> list[tuple[Path, str]
     return pairs
 
 
-def _matches(root: Path, src: str, where: str) -> list[Path]:
+def context_matches(root: Path, src: str, where: str) -> list[Path]:
     if src.startswith("/"):
         raise TaskError(f"{where}: source {src!r} is an absolute path; sources are relative to the build context")
     norm = posixpath.normpath(src)
@@ -90,7 +90,7 @@ def _matches(root: Path, src: str, where: str) -> list[Path]:
     return [path]
 
 
-def _inside(path: Path, real_root: Path, where: str, src: str) -> Path:
+def inside_context(path: Path, real_root: Path, where: str, src: str) -> Path:
     """``path`` with every symlink resolved; a TaskError if that leaves the context."""
     real = Path(os.path.realpath(path))
     if real != real_root and real_root not in real.parents:
@@ -98,7 +98,7 @@ def _inside(path: Path, real_root: Path, where: str, src: str) -> Path:
     return real
 
 
-def _walk(top: Path, dest: str, real_root: Path, where: str, src: str) -> list[tuple[Path, str]]:
+def walk_context(top: Path, dest: str, real_root: Path, where: str, src: str) -> list[tuple[Path, str]]:
     def fail(exc: OSError) -> None:
         raise TaskError(f"{where}: source {src!r}: cannot read {exc.filename}: {exc.strerror}")
 
@@ -111,14 +111,14 @@ def _walk(top: Path, dest: str, real_root: Path, where: str, src: str) -> list[t
             entry = base / name
             mode = entry.lstat().st_mode
             if stat.S_ISLNK(mode):
-                _inside(entry, real_root, where, src)
+                inside_context(entry, real_root, where, src)
             elif not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
                 raise TaskError(f"{where}: source {src!r}: {entry} is not a file, directory or symlink")
             pairs.append((entry, posixpath.normpath(posixpath.join(target, name))))
     return pairs
 
 
-def _is_archive(path: Path) -> bool:
+def is_archive(path: Path) -> bool:
     """Whether Docker's ADD would unpack this file: a tar, plain or compressed (by content)."""
     try:
         with open(path, "rb") as f:

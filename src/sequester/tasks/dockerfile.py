@@ -25,13 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sequester.errors import TaskError
-from sequester.tasks.dockerfile_syntax import UnknownVariable, Variables, WordError, expand, expand_words, logical_lines, split_raw
+from sequester.tasks.dockerfile_syntax import UnknownVariable, Variables, WordError, expand, expand_words, logical_lines, split_instruction, split_raw
 from sequester.tasks.context import resolve_copies
 
 __all__ = ["CopyStep", "UnsupportedInstruction", "DockerfilePlan", "parse_dockerfile", "resolve_copies",
            "absolute_path"]
 
-_INSTRUCTION = re.compile(r"^(\S+)(?:\s+(.*))?$", re.S)
 _ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Docker auto-extracts a local tar archive given to ADD (plain, gzip, bzip2, xz, zstd).
@@ -122,9 +121,8 @@ def parse_dockerfile(text: str, source: str, *, base_env: Mapping[str, str] | No
         raise TaskError(f"{source}:{exc}") from None
     parser = _Parser(source, escape, dict(base_env or {}))
     for number, body, full in instructions:
-        match = _INSTRUCTION.match(body)
-        assert match is not None  # body is stripped and non-empty
-        parser.dispatch(number, match[1].upper(), (match[2] or "").strip(), full)
+        keyword, rest = split_instruction(body)
+        parser.dispatch(number, keyword, rest, full)
     if parser.base_image is None:
         raise TaskError(f"{source}: no FROM instruction")
     return DockerfilePlan(parser.base_image, parser.workdir, tuple(parser.copies), tuple(parser.env_steps),

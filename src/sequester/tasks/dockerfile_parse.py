@@ -1,10 +1,10 @@
 """A Dockerfile read into stages of instructions, as Docker's parser reads it. Pure.
 
 This is the *structural* pass, done once for the whole file before anything is built:
-line continuations and parser directives (by :func:`.._syntax.logical_lines`, shared with
+line continuations and parser directives (by :func:`sequester.tasks.dockerfile_syntax.logical_lines`, shared with
 the task loader), each instruction's keyword and leading ``--flags``, and the split into
 build stages at every ``FROM``. Nothing is expanded here: ``$VAR`` depends on build
-arguments and on the base image's environment, which only the planner (:mod:`.plan`)
+arguments and on the base image's environment, which only the planner (:mod:`sequester.imagebuild.plan`)
 knows.
 
 What is checked here is what Docker checks at parse time, for every stage whether or not
@@ -19,8 +19,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from sequester.tasks.dockerfile_syntax import _HEREDOC, WordError, logical_lines
-from sequester.imagebuild.errors import BuildError
+from sequester.tasks.dockerfile_syntax import HEREDOC, WordError, logical_lines, split_instruction
+from sequester.errors import BuildError
 
 __all__ = ["Instruction", "Stage", "Dockerfile", "parse_dockerfile", "exec_form", "KEYWORDS"]
 
@@ -151,9 +151,8 @@ def exec_form(rest: str) -> list[str] | None:
 
 def _instruction(source: str, line: int, joined: str) -> Instruction:
     """One logical line as an Instruction, with the checks Docker makes at parse time."""
-    word, *tail = joined.split(None, 1)  # logical_lines strips: never empty
-    after = tail[0] if tail else ""
-    keyword = word.upper()
+    keyword, after = split_instruction(joined)
+    word = joined.split(None, 1)[0]
     fail = f"{source}:{line}: "
     if keyword == "ONBUILD":
         raise BuildError(fail + "ONBUILD is not supported")
@@ -169,7 +168,7 @@ def _instruction(source: str, line: int, joined: str) -> Instruction:
     if keyword in ("RUN", "COPY", "ADD"):
         # logical_lines already took the heredoc's body out of the instruction stream; the
         # same test on the same words tells which instructions it did that for.
-        heredoc = next((w for w in joined.split()[1:] if _HEREDOC.match(w)), None)
+        heredoc = next((w for w in joined.split()[1:] if HEREDOC.match(w)), None)
         if heredoc is not None:
             raise BuildError(fail + f"{keyword} with a heredoc ({heredoc}) is not supported; put the text in a file "
                              f"of the build context and COPY it")

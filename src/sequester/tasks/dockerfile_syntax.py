@@ -16,13 +16,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["UnknownVariable", "WordError", "Variables", "logical_lines", "split_raw", "expand", "expand_words"]
+__all__ = ["HEREDOC", "split_instruction", "UnknownVariable", "WordError", "Variables", "logical_lines", "split_raw", "expand", "expand_words"]
 
 Variables = Mapping[str, "str | None"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DIRECTIVE = re.compile(r"^#\s*([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(.*?)\s*$")
-_HEREDOC = re.compile(r"^\d*<<(-?)([\"']?)([A-Za-z0-9_.-]+)\2$")
+HEREDOC = re.compile(r"^\d*<<(-?)([\"']?)([A-Za-z0-9_.-]+)\2$")
 _OPERATORS = (":-", ":+", ":?", "-", "+", "?")
 
 
@@ -74,7 +74,7 @@ def logical_lines(text: str) -> tuple[str, list[tuple[int, str, str]]]:
         keyword = body.split(None, 1)[0].upper()
         if keyword in ("RUN", "COPY", "ADD"):  # BuildKit heredocs: the body lines are not instructions
             for word in body.split()[1:]:
-                if heredoc := _HEREDOC.match(word):
+                if heredoc := HEREDOC.match(word):
                     while i < len(lines):
                         full.append(lines[i])
                         i += 1
@@ -82,6 +82,13 @@ def logical_lines(text: str) -> tuple[str, list[tuple[int, str, str]]]:
                             break
         out.append((number, body, "\n".join(full)))
     return escape, out
+
+
+def split_instruction(line: str) -> tuple[str, str]:
+    """A logical line (as :func:`logical_lines` gives it: stripped, never empty) as its
+    keyword, upper-cased, and the rest of the line."""
+    word, *tail = line.split(None, 1)
+    return word.upper(), tail[0].strip() if tail else ""
 
 
 def split_raw(text: str, escape: str = "\\") -> list[str]:

@@ -4,7 +4,7 @@
 
     hello/
       instruction.md          required: what the agent is asked to do
-      task.toml               required: see :mod:`.config`
+      task.toml               required: see :mod:`.task_toml`
       environment/Dockerfile  optional; environment/ is its build context
       tests/                  required: test.sh and/or test_*.py
       solution/solve.sh       optional: a reference solution
@@ -18,7 +18,6 @@ the task directory is refused: a task must not be able to pull host files into a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from sequester.errors import TaskError
 from sequester.tasks.task_toml import TaskConfig, parse_task_config
 from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile
 
-__all__ = ["Task", "load_task", "find_tasks"]
+__all__ = ["Task", "load_task"]
 
 
 @dataclass(frozen=True)
@@ -112,32 +111,3 @@ def load_task(path: str | os.PathLike[str]) -> Task:
     if docker_path.exists() or docker_path.is_symlink():
         dockerfile = parse_dockerfile(_read(docker_path, root), str(docker_path))
     return Task(task_dir.name, task_dir, instruction, config, dockerfile)
-
-
-def find_tasks(paths: Iterable[str | os.PathLike[str]]) -> list[Task]:
-    """Load the tasks in ``paths``, in order: each is a task directory (it has ``task.toml``)
-    or a folder whose every immediate subfolder is one (loaded sorted by name; subfolders
-    whose names start with ``.`` or ``_`` and plain files are left out).
-
-    Two tasks with the same name are an error, even from different folders: results are
-    keyed by task name.
-    """
-    tasks: list[Task] = []
-    seen: dict[str, Path] = {}
-    for given in paths:
-        folder = Path(os.path.abspath(given))
-        if (folder / "task.toml").exists() or (folder / "instruction.md").exists():
-            found = [load_task(folder)]  # a task, possibly a broken one: its own error is clearer
-        elif folder.is_dir():
-            subfolders = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
-            if not subfolders:
-                raise TaskError(f"{folder}: neither a task (no task.toml) nor a folder of tasks")
-            found = [load_task(p) for p in subfolders]
-        else:
-            raise TaskError(f"{folder}: does not exist" if not folder.exists() else f"{folder}: not a directory")
-        for task in found:
-            if task.name in seen:
-                raise TaskError(f"{task.path}: duplicate task name {task.name!r} (also {seen[task.name]})")
-            seen[task.name] = task.path
-            tasks.append(task)
-    return tasks

@@ -2,6 +2,6 @@
 and the environment they run with. See :mod:`.tree` for what it holds and why."""
 
 from sequester.verifier.layout import RUNNER_MOUNT
-from sequester.verifier.tree import PINNED, ensure_runner
+from sequester.verifier.tree import PINNED, ensure_runner, runner_tree
 
-__all__ = ["RUNNER_MOUNT", "PINNED", "ensure_runner"]
+__all__ = ["RUNNER_MOUNT", "PINNED", "ensure_runner", "runner_tree"]

@@ -4,7 +4,7 @@ their site-packages.
 Test scripts ask for a version (``uvx -p 3.13``, Terminal-Bench 2's standard) or just
 ``python3``. The runner offers the Python that runs sequester and, when the host has
 one, Python 3.13; uv sees them as its *managed* installations and nothing else (see
-:mod:`.environment`), so a version the runner lacks fails to bootstrap instead of
+:mod:`.environ`), so a version the runner lacks fails to bootstrap instead of
 falling back to an interpreter of the agent's.
 """
 

@@ -35,9 +35,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
-from sequester.errors import SandboxError
+from sequester.errors import SandboxError, SequesterError
 from sequester.verifier import layout
 from sequester.verifier.closure import library_closure
 from sequester.verifier.elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
@@ -45,7 +46,7 @@ from sequester.verifier.pysite import write_sitecustomize
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
 from sequester.verifier.shims import write_shims
 
-__all__ = ["PINNED", "ensure_runner", "BUILD_FORMAT"]
+__all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
@@ -296,3 +297,20 @@ def _open_up(root: Path) -> None:
             path = Path(current, name)
             if not path.is_symlink():
                 os.chmod(path, 0o755 if os.access(path, os.X_OK) or path.parent.name in ("bin", "libexec") else 0o644)
+
+
+_runner_lock = threading.Lock()
+_runners: dict[Path, Path | None] = {}
+
+
+def runner_tree(folder: Path) -> Path | None:
+    """The verifier's runner tree (built once per process and folder); ``None`` when it
+    cannot be built: episodes still start, and their evaluations say why they cannot run."""
+    with _runner_lock:
+        if folder not in _runners:
+            try:
+                _runners[folder] = ensure_runner(folder)
+            except SequesterError as exc:
+                log.error("the verifier's runner could not be built in %s: %s", folder, exc)
+                _runners[folder] = None
+        return _runners[folder]

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sequester.errors import EpisodeError, SandboxError
-from sequester.environments import verdict as v
-from sequester.environments.local.evaluation import Evaluation, zero_result
-from sequester.environments.settings import EpisodeSettings, frozen_evaluation_note
-from sequester.environments.local.shell import ExecResult
+from sequester.environments import verdict
+from sequester.environments.verdict import Evaluation, zero_result
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import frozen_evaluation_note
+from sequester.environments.base import ExecResult
 from sequester.tasks import Task, load_task
 from sequester.environments.base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
 from sequester.environments.docker import files
@@ -36,7 +37,7 @@ from sequester.environments.docker.container import ImageChoice, container_workd
 from sequester.environments.docker.engine import EngineError, connect, reap_once
 from sequester.environments.docker.exec import run_exec
 from sequester.environments.docker.ops import ContainerHandle, kill_from_host
-from sequester.environments.docker.procs import stop_namespace
+from sequester.sandbox.freeze import SignalFreezer
 from sequester.environments.docker.verify import NOT_WIPED, evaluate_separate, evaluate_shared, wipe_staged
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]
@@ -226,7 +227,7 @@ class DockerEnvironment:
                                      workdir=run.workdir, network=network_for(run.task))
         return ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=True)
 
-    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> v.VerifierResult:
+    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> verdict.VerifierResult:
         """The task's pristine tests, scored (see :mod:`.verify`): in a fresh container of
         the same image holding the task's artifacts (``separate``), or in the agent's
         (``shared``). ``freeze``: the agent's container is paused (separate), or each of
@@ -253,21 +254,23 @@ class DockerEnvironment:
                     paused, frozen = True, "pause"
                 except Exception as exc:  # noqa: BLE001 - e.g. the agent ended its container: nothing runs
                     if self._is_running(run):
-                        raise v.VerifierCouldNotRun(f"the agent's container could not be paused: {exc}") from exc
+                        raise verdict.VerifierCouldNotRun(f"the agent's container could not be paused: {exc}") from exc
             else:
-                assert run.ops.namespace is not None
-                stopped, frozen = stop_namespace(run.ops.namespace), "sigstop"
+                assert run.ops.init_pid is not None
+                stopped = SignalFreezer(run.ops.init_pid)
+                outcome = stopped.freeze()
+                frozen = "sigstop" if outcome.held else outcome.method
         try:
             if mode == "separate":
-                verdict = evaluate_separate(run.ops, self._start_verifier, task, frozen=frozen, **common)
+                scored = evaluate_separate(run.ops, self._start_verifier, task, frozen=frozen, **common)
             else:
                 # Unfrozen, the agent's processes ran beside the tests and could read them
                 # all along; wiping them before its next call (or never, when the trial
                 # closes the container next) shows them nothing more, and saves an exec.
                 # Frozen, they never saw them: wiped before they resume.
-                verdict = evaluate_shared(run.ops, task, frozen=frozen, start_verifier=self._start_verifier,
+                scored = evaluate_shared(run.ops, task, frozen=frozen, start_verifier=self._start_verifier,
                                           wipe_after=stopped is not None, **common)
-                run.staged = verdict.staged
+                run.staged = scored.staged
         finally:
             if paused:
                 try:
@@ -275,10 +278,10 @@ class DockerEnvironment:
                 except Exception as exc:  # noqa: BLE001 - the verdict stands; the next exec says what broke
                     run.notes.append(f"the agent's container could not be unpaused: {exc}")
             if stopped is not None:
-                stopped.resume()
-        if not verdict.clean:
+                stopped.remove()
+        if not scored.clean:
             run.notes.append("the agent's container was killed after scoring (the tests could not be removed)")
-        result = verdict.result
+        result = scored.result
         said = frozen_evaluation_note(frozen, timed_out=bool(result.zero_reason and "ran over" in result.zero_reason),
                                       reward=result.reward)
         return dataclasses.replace(result, notes=(*result.notes, said)) if said else result

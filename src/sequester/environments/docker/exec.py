@@ -10,7 +10,7 @@ pidfd, or the engine's ``exec_inspect``); its background processes live on.
 The timeout: an image need not have a ``timeout`` binary, and one the agent could write
 would be the agent's to disarm. With the engine on this host the exec's process is a host
 pid (``exec_inspect()["Pid"]``): at the deadline its whole tree is killed from the host,
-through pidfds (:mod:`.procs`). An engine elsewhere: the command is started through a
+through pidfds (:mod:`sequester.sandbox.procs`). An engine elsewhere: the command is started through a
 one-line ``sh`` wrapper that reports its pid inside the container, and a second exec
 kills that tree (best effort: that second exec runs the container's own ``sh``).
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sequester.environments.docker.engine import EngineError
-from sequester.environments.docker.procs import kill_tree, open_pidfd
+from sequester.sandbox.procs import kill_tree, open_pidfd
 
 __all__ = ["RawExec", "run_exec", "Demux"]
 

@@ -13,7 +13,7 @@ from sequester.environments.docker import files
 from sequester.environments.docker.container import KEEP_ALIVE, remove_container
 from sequester.environments.docker.engine import EngineError
 from sequester.environments.docker.exec import run_exec
-from sequester.environments.docker.procs import kill_init, pid_namespace
+from sequester.sandbox.procs import kill_init, pid_namespace
 from sequester.environments.docker.verify import WIPE
 
 __all__ = ["ContainerHandle", "host_namespace", "kill_from_host"]
@@ -62,6 +62,8 @@ class ContainerHandle:
     def __init__(self, client: Any, container: Any, output_limit: int, *, remove_on_discard: bool):
         self.client, self.container, self.output_limit = client, container, output_limit
         self.namespace = host_namespace(container)
+        # The container's init as this host sees it (None: the engine's processes are not visible here).
+        self.init_pid: int | None = ((container.attrs.get("State") or {}).get("Pid") or None) if self.namespace else None
         self._remove = remove_on_discard
 
     def exec(self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None,

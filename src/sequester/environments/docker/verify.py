@@ -45,8 +45,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sequester.environments import verdict as v
-from sequester.environments.local.evaluation import Evaluation, judge, zero_result
+from sequester.environments import verdict
+from sequester.verifier.invocation import tests_archive
+from sequester.environments.verdict import Evaluation, judge, zero_result
 from sequester.tasks import Task
 from sequester.tasks.task_toml import Artifact
 from sequester.environments.base import separate_artifacts
@@ -98,7 +99,7 @@ class ContainerOps(Protocol):
 class Verdict:
     """A scoring's result; ``clean``: nothing of the tests is left where the agent is."""
 
-    result: v.VerifierResult
+    result: verdict.VerifierResult
     clean: bool = True
     staged: bool = False  # the tests are still in the agent's container (``wipe_after=False``)
 
@@ -119,7 +120,7 @@ def docker_verifier_argv(task: Task) -> list[str]:
 def docker_verifier_env(task: Task) -> dict[str, str]:
     """The exec's variables on top of the container's (the image's ENV, set at its
     creation, which the agent cannot change): the task's ``[verifier] env``. Not
-    :func:`~sequester.environments.verdict.verifier_env`: its paths are the trusted runner's,
+    :func:`~sequester.verifier.invocation.verifier_env`: its paths are the trusted runner's,
     which no container image has."""
     return {"HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", **task.config.verifier.env}
 
@@ -129,10 +130,10 @@ def _wipe(ops: ContainerOps, paths: Sequence[str]) -> bool:
 
 
 def _score(ops: ContainerOps, task: Task, *, workdir: str, output_limit: int,
-           reward_range: tuple[float, float] | None, frozen: str | None, notes: tuple[str, ...]) -> v.VerifierResult:
+           reward_range: tuple[float, float] | None, frozen: str | None, notes: tuple[str, ...]) -> verdict.VerifierResult:
     """Stage the pristine tests, run them, judge what they left (see :func:`judge`)."""
     ops.put_tar("/", dir_tar(list(VERIFIER_PATHS)))
-    ops.put_tar("/tests", v.tests_archive(task))
+    ops.put_tar("/tests", tests_archive(task))
     started = time.monotonic()
     code, output, timed_out = ops.exec(docker_verifier_argv(task), task.config.verifier.timeout_sec,
                                        env=docker_verifier_env(task), workdir=workdir)
@@ -153,12 +154,12 @@ def _score(ops: ContainerOps, task: Task, *, workdir: str, output_limit: int,
     return judge(task, ev, tampering=(), frozen=frozen, notes=notes, reward_range=reward_range)
 
 
-def _could_not_run(exc: EngineError) -> v.VerifierCouldNotRun:
-    return v.VerifierCouldNotRun(f"the verifier could not run: {exc}")
+def _could_not_run(exc: EngineError) -> verdict.VerifierCouldNotRun:
+    return verdict.VerifierCouldNotRun(f"the verifier could not run: {exc}")
 
 
 def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit: int,
-                    reward_range: tuple[float, float] | None = v.DEFAULT_REWARD_RANGE,
+                    reward_range: tuple[float, float] | None = verdict.DEFAULT_REWARD_RANGE,
                     frozen: str | None = None, notes: tuple[str, ...] = (),
                     start_verifier: Callable[[], ContainerOps] | None = None, wipe_after: bool = True) -> Verdict:
     """The tests in the agent's own container (see the module for what this trusts).
@@ -223,14 +224,14 @@ def wipe_staged(ops: ContainerOps) -> bool:
 
 
 def _blame(failure: EngineError, task: Task, start_verifier: Callable[[], ContainerOps] | None, *, workdir: str,
-           frozen: str | None, notes: tuple[str, ...]) -> v.VerifierResult:
+           frozen: str | None, notes: tuple[str, ...]) -> verdict.VerifierResult:
     """The agent's 0 for an engine failure in its container, if the pristine container
     runs the same tests without one; else :class:`VerifierCouldNotRun` (see above)."""
     if start_verifier is None:
         raise _could_not_run(failure)
     try:
         evaluate_separate(None, start_verifier, task, workdir=workdir, output_limit=4096, with_artifacts=False)
-    except v.VerifierCouldNotRun:
+    except verdict.VerifierCouldNotRun:
         raise _could_not_run(failure) from None
     return zero_result(Evaluation({}, b"", (), 0.0),
                        f"the engine failed a request in the agent's container ({failure}), but not in the task's "
@@ -297,7 +298,7 @@ _PARENT = 'mkdir -p -- "$1" && [ "$(cd -- "$1" && pwd -P)" = "$1" ]'
 
 def evaluate_separate(agent: ContainerOps | None, start_verifier: Callable[[], ContainerOps], task: Task, *,
                       workdir: str, output_limit: int,
-                      reward_range: tuple[float, float] | None = v.DEFAULT_REWARD_RANGE,
+                      reward_range: tuple[float, float] | None = verdict.DEFAULT_REWARD_RANGE,
                       frozen: str | None = None, notes: tuple[str, ...] = (),
                       artifact_limit: int = ARTIFACT_LIMIT, with_artifacts: bool = True) -> Verdict:
     """The tests in a fresh container from the pristine image plus the artifacts copied

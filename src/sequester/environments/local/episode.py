@@ -8,7 +8,7 @@
 
 The one place that orders the steps of an episode. ``reset``: load the task, start its
 sandbox (:mod:`.start`: the view, the environment's files, the init, its freezer), and
-start the agent's shell through the namespace helper (:mod:`.nsexec`). ``evaluate``:
+start the agent's shell through the namespace helper (:mod:`sequester.sandbox.nsexec`). ``evaluate``:
 freeze the agent if asked, first; run the pristine tests in a namespace only the verifier
 has, through the runner the agent cannot write, in the agent's view or a separate one
 (:mod:`.evaluation`, :mod:`.separate`); then list the tampering, for information
@@ -39,13 +39,17 @@ from sequester.images.stack import image_path_kind
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.probe import namespace_support
 from sequester.tasks import Task, load_task
-from sequester.environments import verdict as v
-from sequester.environments.local.evaluation import judge, run_tests, runner_works, zero_result
+from sequester.environments import verdict
+from sequester.environments.local.evaluation import run_tests
+from sequester.environments.verdict import judge, runner_works, zero_result
 from sequester.environments.local.layers import report_episode
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.environments.local.separate import evaluate_separately
-from sequester.environments.settings import EpisodeSettings, frozen_evaluation_note
-from sequester.environments.local.shell import SHELL_SETUP, ExecResult, Shell, pid_namespace
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import frozen_evaluation_note
+from sequester.environments.local.shell import SHELL_SETUP, Shell
+from sequester.sandbox.procs import pid_namespace
+from sequester.environments.base import ExecResult
 from sequester.environments.local.start import RunningEpisode
 from sequester.environments.local.system import start_system
 
@@ -112,9 +116,10 @@ class Episode:
         """What the local backend can do (see :mod:`sequester.environments.base`)."""
         return LOCAL_CAPABILITIES
 
-    def start(self, task: Task | str | os.PathLike[str]) -> Episode:
-        """:meth:`reset` on ``task``, as :class:`~sequester.environments.base.Environment` names it."""
-        return self.reset(task)
+    def start(self, task: Task | str | os.PathLike[str], *, image: Choice | None = None) -> Episode:
+        """:meth:`reset` on ``task``, as :class:`~sequester.environments.base.Environment`
+        names it; ``image``: the system chosen for it (else chosen here)."""
+        return self.reset(task, choice=image)
 
     def _running(self) -> RunningEpisode:
         if self._aborted.is_set():
@@ -127,13 +132,15 @@ class Episode:
     # -- lifecycle ----------------------------------------------------------------------
 
     def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None, shell: bool = True,
-              image_source: str | None = None, image: ImageRecord | None | object = _CHOOSE) -> Episode:
+              image_source: str | None = None, image: ImageRecord | None | object = _CHOOSE,
+              choice: Choice | None = None) -> Episode:
         """Start the episode on ``task`` (a loaded task or its folder), replacing any
         earlier one. ``workdir`` overrides the task's working directory; ``shell=False``
         starts no agent shell (a separate verifier's environment). ``image_source``
         (default: the settings' ``[images] source``, ``auto``): the system the episode
         runs on (see :mod:`sequester.images.choose`); ``image``: this image record, or
-        ``None`` for host mode, instead of choosing. An image that cannot be had raises
+        ``None`` for host mode, instead of choosing; ``choice``: a choice already made
+        (a job's, with its notes). An image that cannot be had raises
         :class:`~sequester.errors.ImageError` before anything starts."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
@@ -141,7 +148,9 @@ class Episode:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
-        if image is _CHOOSE:
+        if choice is not None:
+            pass
+        elif image is _CHOOSE:
             store = ImageStore(self.settings.images)
             choice = choose_image(task, image_source or self.settings.images.source, store,
                                   build=lambda t: ensure_built(t, store, self.settings))
@@ -270,6 +279,20 @@ class Episode:
             tar.add(Path(source).resolve(), arcname=".")
         self._nsexec_call().extract(self._running().bwrap.pid, self._absolute(dest), buf.getvalue())
 
+    def _fresh(self) -> Episode:
+        """A new episode of these settings and this helper: a separate verifier's environment."""
+        return Episode(self.settings, hide=self.extra_hidden, nsexec=self._nsexec)
+
+    @property
+    def runner(self) -> Path | None:
+        """The verifier's runner tree on the host (None: it could not be built)."""
+        return self._running().runner
+
+    @property
+    def wheels(self) -> Path | None:
+        """The wheels the task's test script pins beyond the runner's, on the host."""
+        return self._running().wheels
+
     def _nsexec_call(self) -> NsExec:
         self._running()
         assert self._nsexec is not None
@@ -301,7 +324,7 @@ class Episode:
                 found.append(f"replaced /{op.dest.name} (a symlink to {op.target}) at the top of the tree")
         return found
 
-    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> v.VerifierResult:
+    def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> verdict.VerifierResult:
         """Run the task's pristine tests where only the verifier sees them, through the
         runner the agent cannot write (:mod:`sequester.verifier`); read the verdict.
 
@@ -327,10 +350,10 @@ class Episode:
             frozen, notes = outcome.method, (outcome.note,)
         try:
             if mode == "separate":
-                ev, more = evaluate_separately(self, run.bwrap.pid)
+                ev, more = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid)
                 notes += more
             else:
-                ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner,
+                ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner, wheels=run.wheels,
                                output_limit=self.settings.output_bytes, max_processes=self.settings.max_processes)
         finally:
             if wanted:
@@ -345,12 +368,13 @@ class Episode:
                            reward_range=self.settings.reward_range)
             said = frozen_evaluation_note(frozen, timed_out=ev.report is None, reward=result.reward)
             return dataclasses.replace(result, notes=(*result.notes, said)) if said else result
-        except v.VerifierCouldNotRun as exc:
+        except verdict.VerifierCouldNotRun as exc:
             # The runner's fault, or the agent's (a view that breaks the verifier's set-up or
             # bootstrap, a forged report)? The same tests in the task's pristine environment,
             # where nothing of the agent's is, decide: trainers drop errors, so only a
             # failure that happens there too may stay one.
-            pristine, _ = evaluate_separately(self, run.bwrap.pid, with_artifacts=False)
+            pristine, _ = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid,
+                                              with_artifacts=False)
             if not runner_works(pristine):
                 raise
             return zero_result(ev, f"{exc} -- but the task's pristine environment does not fail that way: the "

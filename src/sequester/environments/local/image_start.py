@@ -24,7 +24,8 @@ from sequester.sandbox.cgroups.limits import LimitGroups
 from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
 from sequester.environments.local.layers import view_points
 from sequester.environments.settings import EpisodeSettings
-from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init, runner_tree
+from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
+from sequester.verifier.tree import runner_tree
 from sequester.environments.local.state import EpisodeDirs
 
 __all__ = ["start_on_image", "image_workdir", "image_shell"]

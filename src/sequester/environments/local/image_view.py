@@ -45,7 +45,7 @@ def overlay_option_bytes(op: MountOp) -> int:
 
 def plan_image_view(tops: Iterable[TopEntry], dirs: EpisodeDirs, *, toolchain: Path,
                     new_tops: Iterable[str] = (), sys_cpu: Path | None = None) -> tuple[MountOp, ...]:
-    """``tops``: the merged image's top level (:func:`~..images.stack.merge_tops`);
+    """``tops``: the merged image's top level (:func:`~sequester.images.stack.merge_tops`);
     ``new_tops``: top-level folders the task needs (its working directory's)."""
     ops: list[tuple[int, int, MountOp]] = []
 

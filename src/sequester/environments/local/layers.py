@@ -4,7 +4,7 @@ Input: the episode's layer folders on the host; output: a stream of :class:`~.ta
 and a :class:`Scan` saying whether it saw everything. Whatever the layers hold, the scan
 does not raise, recurse, follow a symlink, open anything but folders, or run unbounded:
 
-* it walks with a :class:`~.fdwalk.Cursor` (one descriptor, no paths built, ``O_NOFOLLOW``):
+* it walks with a :class:`~sequester.sandbox.fdwalk.Cursor` (one descriptor, no paths built, ``O_NOFOLLOW``):
   a chain 10,000 folders deep is walked like any other (``os.walk`` raised
   ``RecursionError`` at ~1,000);
 * every entry is only ``lstat``-ed: fifos, sockets and devices are never opened; overlay
@@ -17,7 +17,7 @@ does not raise, recurse, follow a symlink, open anything but folders, or run unb
   exception; below a folder the host lacks, nothing is asked at all.
 
 What is scanned (:func:`episode_layers`): every overlay layer (the operating system's
-folders, :data:`~..sandbox.mounts.SYSTEM_DIRS`), fresh folders with a system name, and the
+folders, :data:`~sequester.sandbox.mounts.SYSTEM_DIRS`), fresh folders with a system name, and the
 start-up/configuration part of home folders (``/root`` and each ``/home/*``: every entry
 whose name starts with a dot, with all below it). The agent's own work (``/app``, ``/srv``)
 is not: no verifier trusts it.

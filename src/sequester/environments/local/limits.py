@@ -9,7 +9,7 @@ episode's process limit, applied where this machine allows; the rest said in the
   host root): for them the ``pids`` cgroup below is what holds (measured: without it, one
   agent's fork bomb took all 32768 pids of the host);
 * memory, CPUs and processes: cgroups of the episode's own where this process may make
-  them (:mod:`.cgroup_limits`: root on a cgroup v1 or hybrid hierarchy). Elsewhere the
+  them (:mod:`sequester.sandbox.cgroups.limits`: root on a cgroup v1 or hybrid hierarchy). Elsewhere the
   note says so: an address-space rlimit is not a memory limit (runtimes that reserve
   address space, Node's and the JVM's, fail under one).
 * storage: the writable layer is a folder on the host's disk; local mode cannot cap it

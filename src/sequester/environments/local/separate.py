@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 from sequester.environments.base import separate_artifacts
 from sequester.errors import SequesterError
-from sequester.environments.local.evaluation import Evaluation, run_tests
+from sequester.environments.local.evaluation import run_tests
+from sequester.environments.verdict import Evaluation
 
 if TYPE_CHECKING:
     from sequester.environments.local.episode import Episode
+    from sequester.sandbox.nsexec.client import NsExec
 
 __all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
 
@@ -29,17 +31,15 @@ log = logging.getLogger("sequester.environments.local")
 ARTIFACT_LIMIT = 256 << 20  # the tar is held in the host's memory while it is copied
 
 
-def evaluate_separately(episode: Episode, agent_init: int, *,
+def evaluate_separately(episode: Episode, fresh: Episode, nsexec: NsExec, agent_init: int, *,
                         with_artifacts: bool = True) -> tuple[Evaluation, tuple[str, ...]]:
-    """The tests in a fresh pristine view of ``episode``'s task; ``with_artifacts``: with
-    the task's artifacts copied from the agent's view (else nothing of the agent's)."""
-    from sequester.environments.local.episode import Episode  # the environment is an episode of its own
-
-    task, workdir, nsexec = episode.task, episode.workdir, episode._nsexec_call()
+    """The tests in ``fresh`` (a new, unstarted episode of the same settings) started as a
+    pristine view of ``episode``'s task; ``with_artifacts``: with the task's artifacts
+    copied from the agent's view (else nothing of the agent's)."""
+    task, workdir = episode.task, episode.workdir
     notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
     artifacts, said = separate_artifacts(task, workdir) if with_artifacts else ((), None)
     notes += [said] if said else []
-    fresh = Episode(episode.settings, hide=episode.extra_hidden, nsexec=nsexec)
     try:
         fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
         if artifacts:
@@ -50,7 +50,7 @@ def evaluate_separately(episode: Episode, agent_init: int, *,
                 notes += [f"artifact {path} does not exist in the agent's environment" for path in missing]
             except SequesterError as exc:  # the agent's content could not be copied: its loss
                 notes.append(f"the artifacts were not copied: {exc}")
-        ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh._running().runner,
+        ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh.runner, wheels=fresh.wheels,
                        output_limit=episode.settings.output_bytes, max_processes=episode.settings.max_processes)
     finally:
         # Its processes die now; removing its layers (slow on overlayfs: ~1 ms a folder)

@@ -18,42 +18,17 @@ import select
 import signal
 import termios
 import time
-from dataclasses import dataclass
 
-__all__ = ["ExecResult", "Shell", "SHELL_SETUP"]
+from sequester.environments.base import ExecResult
+from sequester.sandbox.procs import pid_namespace, signal_group_in
+
+__all__ = ["Shell", "SHELL_SETUP"]
 
 log = logging.getLogger("sequester.environments.local")
 
 # trap : INT -- a job killed by ^C must not make the (non-interactive) shell exit.
 SHELL_SETUP = "set -m\ntrap : INT\n"
 _KILL_GRACE = 2.0
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What ``episode.exec(command)`` returns.
-
-    ``stdout``, ``stderr``: the command's output, decoded as UTF-8 (undecodable bytes as
-    U+FFFD), each capped at ``output_bytes`` (see :class:`_Capture`); ``exit_code``: its
-    status (``None`` when the shell itself went away); ``timed_out``: it ran over its
-    timeout and was interrupted (``^C``), then killed; ``duration``: seconds; ``note``: what
-    else happened (the cap cut the output, the shell was restarted), else ``""``.
-    """
-
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    timed_out: bool
-    duration: float
-    note: str = ""
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def to_dict(self) -> dict[str, object]:
-        return {"stdout": self.stdout, "stderr": self.stderr, "exit_code": self.exit_code,
-                "timed_out": self.timed_out, "duration": self.duration, "note": self.note}
 
 
 class Shell:
@@ -248,46 +223,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def pid_namespace(pid: int) -> str | None:
-    """``readlink /proc/PID/ns/pid`` (None when the process is gone)."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
-
-
-def signal_group_in(pid_ns: str | None, group: int, sig: int, *, session: bool = False) -> int:
-    """Send ``sig`` to the processes of process group ``group`` (``session``: of the
-    session ``group``) that are in the PID namespace ``pid_ns``, each through a pidfd.
-    Returns how many were signalled; none when the namespace is unknown."""
-    if pid_ns is None:
-        return 0
-    index = 3 if session else 2  # /proc/PID/stat after the command: state ppid pgrp session
-    candidates = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if len(fields) > index and fields[index] == str(group).encode():
-            candidates.append(int(entry))
-    sent = 0
-    for pid in candidates:
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            if pid_namespace(pid) == pid_ns:  # checked after the pidfd holds the process
-                signal.pidfd_send_signal(fd, sig)
-                sent += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return sent

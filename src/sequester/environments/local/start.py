@@ -10,24 +10,23 @@ import logging
 import os
 import select
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sequester.errors import SandboxError, SequesterError
+from sequester.errors import SandboxError
 from sequester.policy import Policy
 from sequester.guard import seccomp
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
 from sequester.sandbox.host import HostFacts, gather_host_facts
-from sequester.kernel.launch import ROOT_SECRETS
+from sequester.sandbox.mounts import ROOT_SECRETS
 from sequester.sandbox.mounts import SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from sequester.tasks import Task
 from sequester.environments.settings import cluster_cache_dir
-from sequester.verifier import ensure_runner
-from sequester.environments.local.freeze import Freezer, make_freezer
+from sequester.verifier.tree import runner_tree
+from sequester.sandbox.freeze import Freezer, make_freezer
 from sequester.environments.local.layers import view_points
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.local.shell import Shell
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
     from sequester.images import ImageLease, ImageRecord
     from sequester.sandbox.cgroups.limits import LimitGroups
 
-__all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "runner_tree", "AGENT_PATH", "INIT_SCRIPT",
+__all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "AGENT_PATH", "INIT_SCRIPT",
            "HOST_SHELL"]
 
 log = logging.getLogger("sequester.environments.local")
@@ -53,8 +52,6 @@ _INIT = 'printf r >&"$0"; eval "exec $0>&-"; while :; do sleep 86400 & wait $!; 
 INIT_SCRIPT = _INIT
 HOST_SHELL = ("bash", "--noprofile", "--norc", "/dev/fd/3")
 AGENT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_runner_lock = threading.Lock()
-_runners: dict[Path, Path | None] = {}
 _REPLACED_TOPS = frozenset({"dev", "proc", "sys", "tmp", "run"})  # the view replaces these wholesale
 
 
@@ -73,6 +70,7 @@ class RunningEpisode:
     notes: list[str] = field(default_factory=list)
     symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
     runner: Path | None = None  # the verifier's runner tree on the host
+    wheels: Path | None = None  # the wheels the task's test script pins beyond the runner's (on the host)
     view_points: frozenset = frozenset()  # where the view's own mounts are (not the agent's changes)
     image: ImageRecord | None = None  # the image the view is made of; None: host mode
     lease: ImageLease | None = None  # held while the episode runs (the store keeps its layers)
@@ -86,19 +84,6 @@ class RunningEpisode:
         """The ``cgroup.procs`` files every agent process joins on its way in."""
         return [*([self.freezer.procs_path] if self.freezer.procs_path else []),
                 *(self.limit_groups.procs if self.limit_groups else [])]
-
-
-def runner_tree(folder: Path) -> Path | None:
-    """The verifier's runner tree (built once per process and folder); ``None`` when it
-    cannot be built: episodes still start, and their evaluations say why they cannot run."""
-    with _runner_lock:
-        if folder not in _runners:
-            try:
-                _runners[folder] = ensure_runner(folder)
-            except SequesterError as exc:
-                log.error("the verifier's runner could not be built in %s: %s", folder, exc)
-                _runners[folder] = None
-        return _runners[folder]
 
 
 def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: EpisodeSettings,
@@ -187,7 +172,7 @@ def launch_init(spec: SandboxSpec, overlaid: list[Path] = (),
                 raise SandboxError(f"the episode's init could not join its cgroups: {exc}") from None
         if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
             said = read_pending(err_r, limit=4096).decode(errors="replace").strip()
-            below = describe_mounts_below(overlaid)  # issue #7: name what may have been in the way
+            below = describe_mounts_below(overlaid)  # name what may have been in the way
             raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
                                + (f" (mounted below the host folders of the view now: {below})" if below else ""))
         freezer = make_freezer(started.pid)

@@ -44,8 +44,8 @@ class EpisodeDirs:
 
     def remove(self) -> None:
         """Remove the episode's folder and everything the agent left in it (see
-        :func:`~.remove.remove_tree`: no recursion, no symlink followed, modes opened up).
-        Raises :class:`~.remove.RemovalError` only for what truly cannot go (a mount point
+        :func:`~sequester.sandbox.remove.remove_tree`: no recursion, no symlink followed, modes opened up).
+        Raises :class:`~sequester.sandbox.remove.RemovalError` only for what truly cannot go (a mount point
         still mounted), after removing everything else."""
         remove_tree(self.root)
 

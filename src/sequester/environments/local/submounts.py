@@ -1,4 +1,4 @@
-"""Top-level folders with other mounts below them (issue #7): container storage under
+"""Top-level folders with other mounts below them: container storage under
 ``/var/lib/docker``, ``/var/lib/containers``, ``/var/lib/kubelet``, anything bound below
 ``/opt`` or ``/usr``.
 

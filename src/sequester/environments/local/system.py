@@ -10,6 +10,7 @@ from sequester.errors import EpisodeError
 from sequester.images import ImageStore
 from sequester.images.choose import Choice
 from sequester.tasks import Task
+from sequester.verifier.wheels import ensure_task_wheels
 from sequester.sandbox.cgroups.limits import remove_stale_groups
 from sequester.environments.local.image_start import image_workdir, start_on_image
 from sequester.environments.local.limits import finish_limits, make_episode_limits
@@ -26,6 +27,9 @@ def start_system(task: Task, choice: Choice, settings: EpisodeSettings, extra_hi
                  workdir: str | None) -> RunningEpisode:
     """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
     ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute)."""
+    # The wheels the test script pins beyond the runner's, fetched once on the host before
+    # anything starts: a pin that cannot be had costs no agent run.
+    wheels = ensure_task_wheels(task, settings.toolchain_dir)
     store = ImageStore(settings.images)
     lease = store.lease(choice.record) if choice.record is not None else None
     try:
@@ -55,6 +59,7 @@ def start_system(task: Task, choice: Choice, settings: EpisodeSettings, extra_hi
         if lease is not None:
             lease.release()
         raise
+    run.wheels = wheels
     run.notes[:0] = list(choice.notes)
     run.notes += finish_limits(task, run, limits, why, max_processes=settings.max_processes)
     return run

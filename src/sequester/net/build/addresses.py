@@ -1,4 +1,4 @@
-"""The addresses a build may never reach, and the spelling of hosts (for :mod:`.build_network`).
+"""The addresses a build may never reach, and the spelling of hosts (for :mod:`.network`).
 
 Split from the policy because it is a concern of its own: one table of refused ranges
 (:data:`RANGES`, first match wins) and the host's own addresses (:class:`LocalAddresses`),

@@ -1,4 +1,4 @@
-"""The bytes of a build proxy connection (:mod:`.build_proxy`): reading the head, connecting, splicing.
+"""The bytes of a build proxy connection (:mod:`.proxy`): reading the head, connecting, splicing.
 
 Split from the proxy, which decides *whether* and *where* a ``RUN`` line may connect;
 this module only moves bytes once that is decided: the request head read within a bound

@@ -1,7 +1,7 @@
 """The package indexes this machine is configured to use: the ``host:port`` of each.
 
 Read from the host's own files and environment (pip's configuration files, the pip and
-uv variables, apt's sources), never from a Dockerfile: :mod:`.build_network` lets a build
+uv variables, apt's sources), never from a Dockerfile: :mod:`.network` lets a build
 reach exactly these hosts even when they are private (an operator's mirror on 10.x).
 Kept apart from the policy because it is a different concern, file discovery and parsing,
 with nothing of the address checks in it.

@@ -1,7 +1,7 @@
 """The network policy of ``sequester build``: which targets a Dockerfile's ``RUN`` lines may reach.
 
 ``RUN`` lines are untrusted code. They run with no network of their own (only ``lo``) and
-reach the outside only through the host's build proxy (:mod:`.build_proxy`), which asks
+reach the outside only through the host's build proxy (:mod:`.proxy`), which asks
 this module. Modes (``--build-network``):
 
 * ``none``: nothing;
@@ -29,7 +29,7 @@ resolves differently at the upstream (split-horizon DNS, rebinding between the t
 lookups) is not checked at the upstream; guarding that is the upstream's own policy.
 
 The parts live in modules of their own, re-exported here: the refused ranges and host
-spellings in :mod:`.build_addresses`, the package-index discovery in :mod:`.build_indexes`,
+spellings in :mod:`.addresses`, the package-index discovery in :mod:`.indexes`,
 the host's upstream proxy in :mod:`.upstream`. This module is the policy that joins them:
 the modes, ``allowed_hosts`` rules, and their checks.
 """

@@ -1,10 +1,10 @@
 """The build proxy: a ``RUN`` line's only way out, an HTTP proxy the host serves.
 
 The sandbox of a ``RUN`` line has only ``lo``. The host opens a listening socket on
-``127.0.0.1:PORT`` *inside* the sandbox's network namespace (:mod:`.netns_listener`) and
+``127.0.0.1:PORT`` *inside* the sandbox's network namespace (:mod:`sequester.net.netns_listener`) and
 serves every connection accepted on it, here, on the host: ``CONNECT host:port`` (TLS:
 pip, uv, curl) and absolute-form ``GET http://host/path`` (apt). What may be reached is
-:mod:`.build_network`'s decision; names are resolved here, the addresses checked, and the
+:mod:`.network`'s decision; names are resolved here, the addresses checked, and the
 connection made to exactly a checked address.
 
 One proxy serves one build step, on the process's shared network loop (the brokers'), so
@@ -19,7 +19,7 @@ Use: start bwrap with ``--block-fd`` and ``--info-fd``; read ``child-pid`` (and
 give the command :func:`proxy_env` (3128); unblock; wait; ``proxy.close()`` (also when the
 sandbox died), then ``proxy.refusals`` for the build log.
 
-The bytes themselves (reading the head, connecting, splicing) are :mod:`.build_forward`'s;
+The bytes themselves (reading the head, connecting, splicing) are :mod:`.forward`'s;
 this module owns the listener, the connections' lifetime, and the decision.
 """
 
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sequester.errors import SandboxError
-from sequester.net.broker import _shared_loop
+from sequester.net.broker import shared_loop
 from sequester.net.build.addresses import HOST_NAME, LOOPBACK, OWN, PRIVATE, IPAddress, LocalAddresses, classify_address, literal, normalize_host
 from sequester.net.build.forward import HEAD_LIMIT as _HEAD_LIMIT
 from sequester.net.build.forward import body_length, connect_direct, connect_via, forward_body, read_headers, respond, splice
@@ -84,7 +84,7 @@ class BuildProxy:
         self.local = local or LocalAddresses()
         self.stats = BuildProxyStats()
         self._refusals: list[str] = []
-        self._loop = loop or _shared_loop()
+        self._loop = loop or shared_loop()
         # Lookups on a pool of their own: a build resolving slow names cannot starve the
         # loop's default executor, which the kernels' brokers connect with.
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix="sequester-build-dns")

@@ -1,9 +1,9 @@
 """The host's own upstream proxy (``http_proxy``, ``https_proxy``, ``no_proxy``), for builds.
 
-With the host's proxy variables set, :mod:`.build_proxy` sends allowed targets through that
+With the host's proxy variables set, :mod:`.proxy` sends allowed targets through that
 proxy by name, as the host's own programs do; :class:`Upstream` reads the variables and
 says, per target, which proxy to use or none (``no_proxy``). Kept apart from the policy
-(:mod:`.build_network`): it decides the route of a connection, never whether one is allowed.
+(:mod:`.network`): it decides the route of a connection, never whether one is allowed.
 The credentials of a proxy URL become a ``Proxy-Authorization`` value and never reach a log.
 """
 

@@ -1,4 +1,5 @@
-"""Where a freezer cgroup can be made: the hierarchy, its ownership, a pool of our cgroups.
+"""Where a freezer cgroup can be made: the hierarchy and its ownership (the cgroups
+themselves come from :mod:`.pool`).
 
 Root uses the whole hierarchy (cgroup v2 first, else the v1 ``freezer`` controller). An
 ordinary user may use only a cgroup v2 subtree *delegated* to it: its own cgroup, when
@@ -7,21 +8,17 @@ that directory and its ``cgroup.procs`` belong to the user (systemd does this fo
 container manager may too). Moving a process between two cgroups needs write access to
 their common ancestor's ``cgroup.procs``: the agent's processes start in our own cgroup,
 and the freezer cgroup is a child of it, so that ancestor is ours.
-
-Creating a cgroup costs the kernel a few milliseconds: they are pooled per base and reused
-by later episodes of this process, and removed at exit; stale ones of dead sequester
-processes are removed on first use.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Hierarchy", "find_hierarchy", "take_cgroup", "give_back"]
+from sequester.sandbox.cgroups.hierarchy import CgroupMount, cgroup_mounts, own_cgroup
+
+__all__ = ["Hierarchy", "find_hierarchy", "freezer_mounts"]
 
 
 @dataclass(frozen=True)
@@ -41,56 +38,23 @@ class Hierarchy:
         return "/" + "/".join(p for p in (*self.root.strip("/").split("/"), *rel.parts) if p)
 
 
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def _mounts() -> list[tuple[Path, str, bool]]:
-    """``(mount point, root, v2)`` of each cgroup2 mount and each v1 mount with the freezer."""
-    found = []
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        head, sep, tail = line.partition(" - ")
-        if not sep:
-            continue
-        fields, rest = head.split(), tail.split()
-        if len(fields) < 5 or len(rest) < 3:
-            continue
-        fstype, superopts = rest[0], rest[2].split(",")
-        if fstype == "cgroup2" or (fstype == "cgroup" and "freezer" in superopts):
-            found.append((Path(_unescape(fields[4])), _unescape(fields[3]), fstype == "cgroup2"))
-    found.sort(key=lambda m: not m[2])  # v2 first
+def freezer_mounts() -> list[CgroupMount]:
+    """Each cgroup v2 mount and each v1 mount with the freezer, v2 first."""
+    found = [m for m in cgroup_mounts() if m.v2 or "freezer" in m.controllers]
+    found.sort(key=lambda m: not m.v2)
     return found
 
 
 def _own_cgroup(mount: Path, root: str) -> Path | None:
     """Our own cgroup v2 directory under ``mount``."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
+    path = own_cgroup(None)
+    if path is None:
         return None
-    for line in lines:
-        hid, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hid == "0" and controllers == "":
-            root = root.rstrip("/")
-            if root and not (path == root or path.startswith(root + "/")):
-                return None
-            rel = path[len(root):].strip("/")
-            return mount / rel if rel else mount
-    return None
+    root = root.rstrip("/")
+    if root and not (path == root or path.startswith(root + "/")):
+        return None
+    rel = path[len(root):].strip("/")
+    return mount / rel if rel else mount
 
 
 def _delegated(path: Path) -> bool:
@@ -107,7 +71,7 @@ def _delegated(path: Path) -> bool:
 
 def find_hierarchy() -> Hierarchy | None:
     """The hierarchy to freeze in, or None (then only signals are left)."""
-    mounts = _mounts()
+    mounts = [(m.mount, m.root, m.v2) for m in freezer_mounts()]
     if os.geteuid() == 0:
         for mount, root, v2 in mounts:
             marker = mount / ("cgroup.controllers" if v2 else "freezer.state")
@@ -119,51 +83,3 @@ def find_hierarchy() -> Hierarchy | None:
         if own is not None and own != mount and _delegated(own):
             return Hierarchy(mount, root, True, True, own)
     return None
-
-
-_pool: list[Path] = []
-_pool_lock = threading.Lock()
-_created = [0]
-
-
-def take_cgroup(base: Path) -> Path:
-    """A fresh (or pooled, empty and thawed) cgroup of ours under ``base``."""
-    with _pool_lock:
-        for i, path in enumerate(_pool):
-            if path.parent == base:
-                return _pool.pop(i)
-        if _created[0] == 0:
-            remove_stale_cgroups(base)
-        _created[0] += 1
-        path = base / f"sequester-{os.getpid()}-{_created[0]}"
-    path.mkdir()
-    return path
-
-
-def give_back(path: Path) -> None:
-    with _pool_lock:
-        _pool.append(path)
-
-
-def _release_pool() -> None:
-    with _pool_lock:
-        for path in _pool:
-            try:
-                path.rmdir()
-            except OSError:
-                pass
-        _pool.clear()
-
-
-atexit.register(_release_pool)
-
-
-def remove_stale_cgroups(base: Path) -> None:
-    """Cgroups of sequester processes that died without cleaning up (empty ones; never raises)."""
-    for path in base.glob("sequester-*-*"):
-        pid = path.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            try:
-                path.rmdir()
-            except OSError:
-                pass

@@ -4,10 +4,12 @@ process's own cgroup in each of the ``memory``, ``cpu`` and ``pids`` hierarchies
 ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes``), ``cpu.cfs_quota_us``,
 ``pids.max``.
 
-cgroup v2 is not used yet: a process is in one v2 cgroup only, and the v2 freezer
-(:mod:`.freeze`) moves the agent's processes into a cgroup of its own, which would take
-them out of their limits; until the two share one cgroup, a v2-only machine gets the
-notes (and ``RLIMIT_NPROC``, see :mod:`.limits`).
+cgroup v2 is not applied yet: a process is in one v2 cgroup only, and the v2 freezer
+(:mod:`sequester.sandbox.freeze`) moves the agent's processes into a cgroup of its own,
+which would take them out of their limits; until the two share one cgroup, a v2-only
+machine gets the notes (and ``RLIMIT_NPROC``, see
+:mod:`sequester.environments.local.limits`). What each version writes is one pure plan
+(:func:`limit_plan`), v2's included.
 
 Children of our own cgroup, so an episode never escapes the limits sequester itself runs
 under. The episode's init is moved in once it is up; every process the agent starts joins
@@ -24,13 +26,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sequester.sandbox.cgroups.freezer import remove_stale_cgroups
+from sequester.sandbox.cgroups.hierarchy import find_v1, own_cgroup
+from sequester.sandbox.cgroups.pool import remove_stale_cgroups
 
-__all__ = ["LimitGroups", "make_limit_groups"]
+__all__ = ["LimitGroups", "limit_plan", "make_limit_groups", "remove_stale_groups"]
 
-log = logging.getLogger("sequester.environments.local")
+log = logging.getLogger("sequester.sandbox")
 
 _PERIOD_US = 100_000
+_CONTROLLERS = ("memory", "cpu", "pids")
 
 
 @dataclass
@@ -65,27 +69,37 @@ class LimitGroups:
                     time.sleep(0.005)
 
 
-def _own(controller_line: str) -> str | None:
-    """This process's cgroup path in the v1 hierarchy of ``controller_line``."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            parts = line.split(":", 2)
-            if len(parts) == 3 and (parts[1] == controller_line or controller_line in parts[1].split(",")):
-                return parts[2]
-    except OSError:
-        pass
-    return None
+def _base(controller: str) -> Path | None:
+    """Our own cgroup's folder in the v1 hierarchy of ``controller``."""
+    mount, own = find_v1(controller), own_cgroup(controller)
+    return None if mount is None or own is None else mount.mount / own.lstrip("/")
 
 
-def _mount_of(controller: str) -> Path | None:
-    try:
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 3 and fields[2] == "cgroup" and controller in fields[3].split(","):
-                return Path(fields[1])
-    except OSError:
-        pass
-    return None
+def limit_plan(*, memory_mb: int | None, cpus: float | None, pids: int | None, v2: bool,
+               memsw: bool = False) -> list[tuple[str, str, str, str | None]]:
+    """What to write for these limits: ``(controller, file, value, label)`` in order (the
+    label is what :attr:`LimitGroups.applied` reports; ``None`` for a helper file). v1
+    writes one cgroup per controller; v2 one cgroup for all (``controller`` is then only
+    the one that must be enabled in the parent's ``cgroup.subtree_control``). ``memsw``:
+    the v1 memory controller also limits swap. Pure."""
+    plan: list[tuple[str, str, str, str | None]] = []
+    if memory_mb:
+        limit = str(memory_mb * (1 << 20))
+        if v2:
+            plan += [("memory", "memory.max", limit, "memory"), ("memory", "memory.swap.max", "0", None)]
+        else:
+            plan.append(("memory", "memory.limit_in_bytes", limit, "memory"))
+            if memsw:
+                plan.append(("memory", "memory.memsw.limit_in_bytes", limit, None))
+    if cpus:
+        quota = str(int(cpus * _PERIOD_US))
+        if v2:
+            plan.append(("cpu", "cpu.max", f"{quota} {_PERIOD_US}", "cpus"))
+        else:
+            plan += [("cpu", "cpu.cfs_period_us", str(_PERIOD_US), None), ("cpu", "cpu.cfs_quota_us", quota, "cpus")]
+    if pids is not None:
+        plan.append(("pids", "pids.max", str(pids), "pids"))
+    return plan
 
 
 def make_limit_groups(name: str, *, memory_mb: int | None, cpus: float | None,
@@ -96,22 +110,21 @@ def make_limit_groups(name: str, *, memory_mb: int | None, cpus: float | None,
     group: LimitGroups | None = None
     try:
         paths = {}
-        for controller in ("memory", "cpu", "pids"):
-            mount, own = _mount_of(controller), _own(controller)
-            if mount is None or own is None:
+        for controller in _CONTROLLERS:
+            base = _base(controller)
+            if base is None:
                 return None, f"no cgroup v1 {controller} hierarchy (cgroup v2 is not used yet)"
-            paths[controller] = mount / own.lstrip("/") / name
+            paths[controller] = base / name
         group = LimitGroups([])
         for controller, path in paths.items():
             path.mkdir()
             group.paths.append(path)
-        _write(group, paths["memory"] / "memory.limit_in_bytes", memory_mb * (1 << 20) if memory_mb else None, "memory")
-        if memory_mb and (paths["memory"] / "memory.memsw.limit_in_bytes").exists():
-            _write(group, paths["memory"] / "memory.memsw.limit_in_bytes", memory_mb * (1 << 20), None)
-        if cpus:
-            _write(group, paths["cpu"] / "cpu.cfs_period_us", _PERIOD_US, None)
-            _write(group, paths["cpu"] / "cpu.cfs_quota_us", int(cpus * _PERIOD_US), "cpus")
-        _write(group, paths["pids"] / "pids.max", pids, "pids")
+        memsw = bool(memory_mb) and (paths["memory"] / "memory.memsw.limit_in_bytes").exists()
+        for controller, file, value, label in limit_plan(memory_mb=memory_mb, cpus=cpus, pids=pids, v2=False,
+                                                         memsw=memsw):
+            (paths[controller] / file).write_text(value)
+            if label:
+                group.applied.append(label)
         return group, None
     except OSError as exc:
         if group is not None:
@@ -119,18 +132,10 @@ def make_limit_groups(name: str, *, memory_mb: int | None, cpus: float | None,
         return None, f"the episode's cgroups could not be made ({exc})"
 
 
-def _write(group: LimitGroups, path: Path, value: object, label: str | None) -> None:
-    if value is None:
-        return
-    path.write_text(str(value))
-    if label:
-        group.applied.append(label)
-
-
 def remove_stale_groups() -> None:
     """Remove the empty cgroups of episodes whose sequester process is gone (killed before
     its teardown), in each limit hierarchy. Never raises: a group that still has processes stays."""
-    for controller in ("memory", "cpu", "pids"):
-        mount, own = _mount_of(controller), _own(controller)
-        if mount is not None and own is not None:
-            remove_stale_cgroups(mount / own.lstrip("/"))
+    for controller in _CONTROLLERS:
+        base = _base(controller)
+        if base is not None:
+            remove_stale_cgroups(base)

@@ -1,4 +1,4 @@
-"""Host side of the namespace helper (see :mod:`._nsexec_server`).
+"""Host side of the namespace helper (see :mod:`.server`).
 
 One helper process per host process serves every episode: it is started on first use,
 dies with the host process, and forks a worker per request, so episodes never wait on

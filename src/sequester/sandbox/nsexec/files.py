@@ -1,4 +1,4 @@
-"""File operations of the namespace helper (see :mod:`._nsexec_server`), run by a worker
+"""File operations of the namespace helper (see :mod:`.server`), run by a worker
 inside an episode's namespaces: write, read or unpack files in the agent's view, and pack
 artifacts for a separate verifier."""
 

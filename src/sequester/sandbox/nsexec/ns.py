@@ -1,4 +1,4 @@
-"""Namespace primitives of the namespace helper (see :mod:`._nsexec_server`): entering an
+"""Namespace primitives of the namespace helper (see :mod:`.server`): entering an
 episode's namespaces, the agent's restrictions, the helper's pipes. Loaded before any
 namespace change, like everything the helper runs."""
 

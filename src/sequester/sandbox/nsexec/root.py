@@ -1,5 +1,5 @@
 """The verifier's own root folder, built by the namespace helper's worker in the
-verifier's private copy of the agent's mount namespace (see :mod:`._nsexec_server`).
+verifier's private copy of the agent's mount namespace (see :mod:`.server`).
 
 The agent's view stays what the tests run against: every top-level folder of the agent's
 root is bound into the new root as it is, and every top-level link is copied as the link

@@ -7,7 +7,7 @@ then one write (``cgroup.freeze`` in v2, ``freezer.state`` in v1), after which t
 freeze is *verified*, not assumed:
 
 * the cgroup reports frozen (``cgroup.events: frozen 1``, ``freezer.state: FROZEN``),
-* every process of the namespace, enumerated by namespace (:mod:`.procs`), is in the
+* every process of the namespace, enumerated by namespace (:mod:`sequester.sandbox.procs`), is in the
   cgroup (its ``/proc/PID/cgroup``), and
 * the cgroup still reports frozen after that enumeration.
 
@@ -26,14 +26,15 @@ import signal
 import time
 from pathlib import Path
 
-from sequester.environments.local.freeze.base import Freezer, FreezeError, FreezeOutcome, kill_agent, kill_round, stop_init
-from sequester.sandbox.cgroups.freezer import Hierarchy, find_hierarchy, give_back, take_cgroup
+from sequester.sandbox.freeze.base import Freezer, FreezeError, FreezeOutcome, kill_agent, kill_round, stop_init
+from sequester.sandbox.cgroups.freezer import Hierarchy, find_hierarchy
+from sequester.sandbox.cgroups.pool import give_back, take_cgroup
 from sequester.sandbox.procs import Identity, Namespace, Proc, parse_stat, reopen
-from sequester.environments.local.freeze.signals import SignalFreezer
+from sequester.sandbox.freeze.signals import SignalFreezer
 
 __all__ = ["CgroupFreezer", "make_freezer"]
 
-log = logging.getLogger("sequester.environments.local")
+log = logging.getLogger("sequester.sandbox")
 ATTEMPTS = 8
 _SETTLE_S = 2.0
 

@@ -1,7 +1,7 @@
 """The build cache: which layer a build step produced, by the step's key.
 
 A step's key is the digest of its parent's key, the step after expansion
-(:attr:`~.steps.RunStep.key_text`) and the content it copies (the context files'
+(:attr:`~sequester.imagebuild.steps.RunStep.key_text`) and the content it copies (the context files'
 digest, or the key or image id it copies from). Pure, so a whole build's keys are known
 before anything runs, and a build whose every layer is in the store runs nothing.
 

@@ -7,7 +7,7 @@ process and cancels a SIGSTOP still pending. Agent processes that keep sending S
 each other resume as fast as a one-pass freezer stops them.
 
 So :func:`stop_until_stable` repeats *passes*. A pass enumerates the namespace afresh
-(:meth:`.procs.Namespace.members`) and looks at every thread: its state and its count of
+(:meth:`sequester.sandbox.procs.Namespace.members`) and looks at every thread: its state and its count of
 context switches. Threads that are not stopped get their process SIGSTOP'd, and the pass
 is *dirty*. The freeze holds when two consecutive passes are *clean* (no signal sent) and
 saw exactly the same threads in exactly the same states with the same switch counts.
@@ -50,7 +50,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from sequester.environments.local.freeze.base import Freezer, FreezeError, FreezeOutcome, kill_agent, stop_init
+from sequester.sandbox.freeze.base import Freezer, FreezeError, FreezeOutcome, kill_agent, stop_init
 from sequester.sandbox.procs import Identity, Namespace, Proc, Thread, reopen
 
 __all__ = ["SignalFreezer", "stop_until_stable", "Stabilised"]

@@ -1,6 +1,6 @@
 """Freeze every process of an agent while its verifier runs, so that none can undo it.
 
-* :mod:`.procs`: the episode's processes, found by PID namespace (complete by
+* :mod:`sequester.sandbox.procs`: the episode's processes, found by PID namespace (complete by
   construction) and handled through ``/proc/PID`` descriptors (no pid-reuse races).
 * :mod:`.cgroups`: a freezer cgroup (root's, or a delegated cgroup v2 subtree an ordinary
   user owns), verified after each freeze: the cgroup says frozen *and* every process of
@@ -14,8 +14,8 @@
 the first freeze. The verifier is never in the episode's PID namespace nor its cgroup.
 """
 
-from sequester.environments.local.freeze.base import FreezeError, FreezeOutcome, Freezer
-from sequester.environments.local.freeze.cgroups import CgroupFreezer, make_freezer
-from sequester.environments.local.freeze.signals import SignalFreezer
+from sequester.sandbox.freeze.base import FreezeError, FreezeOutcome, Freezer
+from sequester.sandbox.freeze.cgroups import CgroupFreezer, make_freezer
+from sequester.sandbox.freeze.signals import SignalFreezer
 
 __all__ = ["Freezer", "FreezeOutcome", "FreezeError", "CgroupFreezer", "SignalFreezer", "make_freezer"]

@@ -19,7 +19,7 @@ from sequester.sandbox.procs import Identity, Namespace, reopen
 
 __all__ = ["FreezeError", "FreezeOutcome", "Freezer", "stop_init", "kill_round", "kill_agent"]
 
-log = logging.getLogger("sequester.environments.local")
+log = logging.getLogger("sequester.sandbox")
 
 
 class FreezeError(SandboxError):

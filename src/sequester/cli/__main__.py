@@ -1,0 +1,7 @@
+"""``python -m sequester.cli``: the ``sequester`` command."""
+
+import sys
+
+from sequester.cli.entry import main
+
+sys.exit(main())
