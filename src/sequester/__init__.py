@@ -93,14 +93,22 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from sequester.agents import load_agent
+    from sequester.config import load_policy
     from sequester.environments import Capabilities, Environment, open_environment
+    from sequester.environments.base import ExecResult
     from sequester.environments.local.episode import Episode
     from sequester.environments.settings import EpisodeSettings
-    from sequester.environments.base import ExecResult
     from sequester.environments.verdict import VerifierError, VerifierResult
-    from sequester.errors import KernelClosedError, KernelError, PolicyError, SandboxError, SandboxUnavailableError, SequesterError, TaskError
-    from sequester.tasks import Task, find_tasks, load_task
+    from sequester.errors import (
+        KernelClosedError,
+        KernelError,
+        PolicyError,
+        SandboxError,
+        SandboxUnavailableError,
+        SequesterError,
+        TaskError,
+    )
     from sequester.kernel.client import Kernel
     from sequester.kernel.results import CellError, CellResult
-    from sequester.config import load_policy
     from sequester.policy import Endpoint, Isolation, Limits, Policy, parse_endpoint
+    from sequester.tasks import Task, find_tasks, load_task

@@ -27,8 +27,19 @@ from sequester.images.image_settings import ImageSettings
 from sequester.policy import ENV_NAME, Limits, Policy, endpoint_at, existing_path, parse_isolation
 from sequester.serve.serve_settings import ServeSettings
 
-__all__ = ["TABLES", "Config", "config_from_mapping", "config_table", "episodes_from_mapping", "images_from_mapping",
-           "load_config", "load_policy", "policy_from_mapping", "read_config", "serve_from_mapping"]
+__all__ = [
+    "TABLES",
+    "Config",
+    "config_from_mapping",
+    "config_table",
+    "episodes_from_mapping",
+    "images_from_mapping",
+    "load_config",
+    "load_policy",
+    "policy_from_mapping",
+    "read_config",
+    "serve_from_mapping",
+]
 
 _RUNTIME_KEYS = {"isolation", "readonly", "allow", "env"}
 TABLES = ("runtime", "limits", "episodes", "images", "serve")  # every table a config file may have
@@ -115,8 +126,10 @@ def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
     if unknown:
         key = unknown[0]
         kind = "table" if isinstance(data[key], Mapping) else "key"
-        raise PolicyError(f"{source}: unknown {kind} {key!r} (a config file has the tables "
-                          f"{', '.join(f'[{t}]' for t in TABLES)}, and nothing else)")
+        raise PolicyError(
+            f"{source}: unknown {kind} {key!r} (a config file has the tables "
+            f"{', '.join(f'[{t}]' for t in TABLES)}, and nothing else)"
+        )
     runtime = config_table(data, "runtime", set(_RUNTIME_KEYS), source)
     limits = config_table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
 
@@ -154,8 +167,10 @@ def policy_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
 def episodes_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "config") -> EpisodeSettings:
     raw = data.get("episodes")
     if isinstance(raw, Mapping) and "on_tamper" in raw:
-        raise PolicyError(f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "
-                          "(the verifier's runner is out of the agent's reach); the report stays in the results")
+        raise PolicyError(
+            f"{source}: episodes.on_tamper was removed: the verdict no longer depends on tampering "
+            "(the verifier's runner is out of the agent's reach); the report stays in the results"
+        )
     values = config_table(data, "episodes", {f.name for f in dataclasses.fields(EpisodeSettings)} - {"images"}, source)
     for key in ("state_dir", "toolchain_dir"):
         if key in values:
@@ -177,8 +192,9 @@ def images_from_mapping(data: Mapping[str, Any], base_dir: Path, source: str = "
     aliases = values.get("aliases")
     if isinstance(aliases, Mapping):
         # A file on the right of an alias is taken relative to the config file.
-        values["aliases"] = {k: (str(base_dir / v) if isinstance(v, str) and v.startswith((".", "/")) else v)
-                             for k, v in aliases.items()}
+        values["aliases"] = {
+            k: (str(base_dir / v) if isinstance(v, str) and v.startswith((".", "/")) else v) for k, v in aliases.items()
+        }
     for key in ("insecure", "build_allowed_hosts"):
         if key in values and isinstance(values[key], list):
             values[key] = tuple(values[key])

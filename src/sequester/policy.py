@@ -36,8 +36,17 @@ from urllib.parse import urlsplit
 
 from sequester.errors import PolicyError
 
-__all__ = ["ENV_NAME", "Isolation", "Endpoint", "Limits", "Policy", "endpoint_at", "existing_path", "parse_endpoint",
-           "parse_isolation"]
+__all__ = [
+    "ENV_NAME",
+    "Isolation",
+    "Endpoint",
+    "Limits",
+    "Policy",
+    "endpoint_at",
+    "existing_path",
+    "parse_endpoint",
+    "parse_isolation",
+]
 
 
 class Isolation(enum.Enum):
@@ -57,7 +66,9 @@ class Isolation(enum.Enum):
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?(?:\.[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?)*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?(?:\.[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?)*\.?$"
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -198,8 +209,14 @@ def parse_isolation(value: Any, key: str) -> tuple[Isolation, tuple[Any, ...]]:
     if value is False:
         return Isolation.OFF, ()
     if isinstance(value, str):
-        names = {"auto": Isolation.AUTO, "true": Isolation.SANDBOX, "sandbox": Isolation.SANDBOX,
-                 "false": Isolation.OFF, "off": Isolation.OFF, "guard": Isolation.GUARD}
+        names = {
+            "auto": Isolation.AUTO,
+            "true": Isolation.SANDBOX,
+            "sandbox": Isolation.SANDBOX,
+            "false": Isolation.OFF,
+            "off": Isolation.OFF,
+            "guard": Isolation.GUARD,
+        }
         if value.lower() in names:
             return names[value.lower()], ()
     if isinstance(value, Mapping):
@@ -213,7 +230,7 @@ def parse_isolation(value: Any, key: str) -> tuple[Isolation, tuple[Any, ...]]:
         if not isinstance(hide, (list, tuple)):
             raise PolicyError(f"{key}.hide: expected a list of paths, got {hide!r}")
         return mode, tuple(hide)
-    raise PolicyError(f"{key}: {value!r} is not true, \"auto\", false or {{hide = [...]}}")
+    raise PolicyError(f'{key}: {value!r} is not true, "auto", false or {{hide = [...]}}')
 
 
 def _paths(values: Iterable[Any], key: str) -> tuple[Path, ...]:

@@ -44,7 +44,7 @@ def load_agent(spec: str) -> Agent:
     if spec == "nop":
         return NopAgent()
     if spec.startswith("script:"):
-        path = Path(spec[len("script:"):])
+        path = Path(spec[len("script:") :])
         if not path.is_file():
             raise PolicyError(f"--agent {spec!r}: {str(path)!r} is not a file")
         return ScriptAgent(path)
@@ -98,8 +98,10 @@ def _construct(spec: str, cls: object) -> Agent:
     try:
         inspect.signature(cls).bind()
     except TypeError as exc:
-        raise PolicyError(f"--agent {spec!r}: the agent is constructed without arguments, "
-                          f"but {getattr(cls, '__name__', cls)}() says: {exc}") from None
+        raise PolicyError(
+            f"--agent {spec!r}: the agent is constructed without arguments, "
+            f"but {getattr(cls, '__name__', cls)}() says: {exc}"
+        ) from None
     except ValueError:  # no signature to inspect (a builtin): construct it and see
         pass
     try:

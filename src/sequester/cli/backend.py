@@ -16,22 +16,38 @@ __all__ = ["add_backend_arguments", "apply_backend_arguments", "scheduler_for"]
 
 
 def add_backend_arguments(p: argparse.ArgumentParser, *, cluster: bool = False) -> None:
-    p.add_argument("--backend", choices=[*BACKENDS, *(("ray",) if cluster else ())],
-                   help="what runs each episode: local (namespaces on this host) or docker (a Docker-API engine: "
-                        "dockerd, podman's service; see --docker-host)" + (
-                            "; ray: the trials on a Ray cluster's nodes (see --ray-address), each running its "
-                            "episodes as [episodes] backend says" if cluster else "")
-                        + "; default: [episodes] backend, local")
+    p.add_argument(
+        "--backend",
+        choices=[*BACKENDS, *(("ray",) if cluster else ())],
+        help="what runs each episode: local (namespaces on this host) or docker (a Docker-API engine: "
+        "dockerd, podman's service; see --docker-host)"
+        + (
+            "; ray: the trials on a Ray cluster's nodes (see --ray-address), each running its "
+            "episodes as [episodes] backend says"
+            if cluster
+            else ""
+        )
+        + "; default: [episodes] backend, local",
+    )
     if cluster:
-        p.add_argument("--ray-address", metavar="ADDRESS",
-                       help="--backend ray: the cluster (HOST:PORT, auto, ray://HOST:PORT; default: $RAY_ADDRESS, "
-                            "else a cluster started here with 'ray start', else a new one on this machine)")
-    p.add_argument("--docker-host", metavar="URL",
-                   help="the engine for --backend docker (unix:///PATH, tcp://HOST:PORT, ssh://...; "
-                        "default: [episodes] docker_host, else $DOCKER_HOST, else the engine's default socket)")
-    p.add_argument("--docker-build", action="store_true",
-                   help="--backend docker: build each task's environment/Dockerfile with the engine "
-                        "instead of running its docker_image")
+        p.add_argument(
+            "--ray-address",
+            metavar="ADDRESS",
+            help="--backend ray: the cluster (HOST:PORT, auto, ray://HOST:PORT; default: $RAY_ADDRESS, "
+            "else a cluster started here with 'ray start', else a new one on this machine)",
+        )
+    p.add_argument(
+        "--docker-host",
+        metavar="URL",
+        help="the engine for --backend docker (unix:///PATH, tcp://HOST:PORT, ssh://...; "
+        "default: [episodes] docker_host, else $DOCKER_HOST, else the engine's default socket)",
+    )
+    p.add_argument(
+        "--docker-build",
+        action="store_true",
+        help="--backend docker: build each task's environment/Dockerfile with the engine "
+        "instead of running its docker_image",
+    )
 
 
 def apply_backend_arguments(args: argparse.Namespace, settings: EpisodeSettings) -> EpisodeSettings:

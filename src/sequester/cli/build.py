@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sequester.imagebuild import BuildResult, StepReport, build_task
 from sequester.cli.common import positive
 from sequester.config import load_config
 from sequester.errors import ImageError, PolicyError
+from sequester.imagebuild import BuildResult, StepReport, build_task
 from sequester.images import ImageStore
 from sequester.images.image_settings import BUILD_NETWORKS
 
@@ -32,9 +32,9 @@ _err = Console(stderr=True)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from sequester.verifier.tree import runner_tree
     from sequester.net.build.network import parse_build_network
     from sequester.tasks import find_tasks
+    from sequester.verifier.tree import runner_tree
 
     settings = load_config(args.config).episodes
     images = settings.images
@@ -66,9 +66,16 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     def one(task) -> tuple[BuildResult | None, str | None]:
         try:
-            result = build_task(task, store, runner=runner, network=network, allowed_hosts=hosts,
-                                no_cache=args.no_cache, log_path=logs / f"{task.name}.log",
-                                on_step=lambda report, done: show(task.name, report, done))
+            result = build_task(
+                task,
+                store,
+                runner=runner,
+                network=network,
+                allowed_hosts=hosts,
+                no_cache=args.no_cache,
+                log_path=logs / f"{task.name}.log",
+                on_step=lambda report, done: show(task.name, report, done),
+            )
             return result, None
         except ImageError as exc:  # BuildError, or a base image that cannot be had
             return None, str(exc)
@@ -79,16 +86,20 @@ def cmd_build(args: argparse.Namespace) -> int:
     for column in ("task", "result", "steps run", "seconds", "image"):
         table.add_column(column)
     failed = 0
-    for task, (result, error) in zip(tasks, outcomes):
+    for task, (result, error) in zip(tasks, outcomes, strict=True):
         if result is None:
             failed += 1
             table.add_row(escape(task.name), "[red]failed[/]", "", "", escape(_first_line(error or "")))
             _err.print(f"[red]error:[/] {escape(task.name)}: {escape(error or '')}", highlight=False, soft_wrap=True)
             continue
         ran = sum(not s.cached for s in result.steps)
-        table.add_row(escape(task.name), "cached" if result.cached else "[green]built[/]",
-                      f"{ran}/{len(result.steps)}", f"{result.seconds:.2f}",
-                      f"{escape(result.record.names[0] if result.record.names else '')} {result.record.short_id}")
+        table.add_row(
+            escape(task.name),
+            "cached" if result.cached else "[green]built[/]",
+            f"{ran}/{len(result.steps)}",
+            f"{result.seconds:.2f}",
+            f"{escape(result.record.names[0] if result.record.names else '')} {result.record.short_id}",
+        )
     Console().print(table)
     return 1 if failed else 0
 
@@ -101,16 +112,25 @@ def _first_line(text: str) -> str:
 def add_build_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build tasks' Dockerfiles into the image store (no daemon)")
     p.add_argument("tasks", nargs="+", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
-    p.add_argument("-n", "--concurrency", type=positive(int), default=2, metavar="N",
-                   help="tasks built at a time (default: 2)")
+    p.add_argument(
+        "-n", "--concurrency", type=positive(int), default=2, metavar="N", help="tasks built at a time (default: 2)"
+    )
     p.add_argument("--no-cache", action="store_true", help="run every step again (the new layers become the cache)")
-    p.add_argument("--build-network", choices=list(BUILD_NETWORKS),
-                   help="what RUN and ADD may reach: public hosts (default: [images] build_network, public), "
-                        "none, or the allowlist; never the host's loopback or private addresses")
-    p.add_argument("--allowed-host", action="append", default=[], metavar="HOST[:PORT]",
-                   help="a host the allowlist allows (repeatable; default: [images] build_allowed_hosts)")
-    p.add_argument("--logs", metavar="DIR", help="where each task's build log goes "
-                                                  "(default: build-logs/YYYY-MM-DD__HH-MM-SS)")
+    p.add_argument(
+        "--build-network",
+        choices=list(BUILD_NETWORKS),
+        help="what RUN and ADD may reach: public hosts (default: [images] build_network, public), "
+        "none, or the allowlist; never the host's loopback or private addresses",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="a host the allowlist allows (repeatable; default: [images] build_allowed_hosts)",
+    )
+    p.add_argument(
+        "--logs", metavar="DIR", help="where each task's build log goes (default: build-logs/YYYY-MM-DD__HH-MM-SS)"
+    )
     p.add_argument("--config", metavar="FILE", help="config file ([images] and [episodes] are used)")
     p.set_defaults(func=cmd_build)
-

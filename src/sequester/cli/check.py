@@ -25,12 +25,23 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     report = run_check(policy_of(args))
     if args.json:
-        print(json.dumps({"mode": report.mode.value, "first_stage": report.first_stage, "view": report.view,
-                          "passed": report.passed,
-                          "findings": [vars(f) for f in report.findings]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "mode": report.mode.value,
+                    "first_stage": report.first_stage,
+                    "view": report.view,
+                    "passed": report.passed,
+                    "findings": [vars(f) for f in report.findings],
+                },
+                indent=2,
+            )
+        )
         return 0 if report.passed else 1
-    table = Table(title=f"sequester check (isolation in force: {report.mode.value}; "
-                        f"first stage: {report.first_stage or 'none'}; view: {report.view or 'none'})")
+    table = Table(
+        title=f"sequester check (isolation in force: {report.mode.value}; "
+        f"first stage: {report.first_stage or 'none'}; view: {report.view or 'none'})"
+    )
     table.add_column("property")
     table.add_column("result")
     table.add_column("evidence", overflow="fold")

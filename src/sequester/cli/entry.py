@@ -30,11 +30,15 @@ __all__ = ["main"]
 log = logging.getLogger("sequester")
 
 
-DESCRIPTION = ("Run model-written code in a sandboxed kernel (exec), prove the sandbox's properties on this "
-               "machine (check), and run agents on tasks, scored by verifiers they cannot reach (run).")
-EPILOG = ("exit status: 0 success; 1 the program failed (exec), a property failed (check) or a trial ended "
-          "with an exception (run); 2 bad input (flags, config, files, tasks, agent); 3 sequester could not "
-          "run here (sandbox unavailable or failed); 130 interrupted")
+DESCRIPTION = (
+    "Run model-written code in a sandboxed kernel (exec), prove the sandbox's properties on this "
+    "machine (check), and run agents on tasks, scored by verifiers they cannot reach (run)."
+)
+EPILOG = (
+    "exit status: 0 success; 1 the program failed (exec), a property failed (check) or a trial ended "
+    "with an exception (run); 2 bad input (flags, config, files, tasks, agent); 3 sequester could not "
+    "run here (sandbox unavailable or failed); 130 interrupted"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,4 +70,3 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         return 130
-

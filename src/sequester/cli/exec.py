@@ -60,8 +60,10 @@ def _program(file: str) -> tuple[str, str]:
         return data.decode("utf-8"), filename
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise PolicyError(f"{filename}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}, "
-                          f"line {line}); a program must be UTF-8") from None
+        raise PolicyError(
+            f"{filename}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}, "
+            f"line {line}); a program must be UTF-8"
+        ) from None
 
 
 def _user_traceback(kind: str, text: str, filename: str) -> str:
@@ -70,6 +72,8 @@ def _user_traceback(kind: str, text: str, filename: str) -> str:
     if kind not in ("SyntaxError", "IndentationError", "TabError") or not text:
         return text
     lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith(f'  File "{filename}", line ')
-                  and ", in " not in line), None)
+    start = next(
+        (i for i, line in enumerate(lines) if line.startswith(f'  File "{filename}", line ') and ", in " not in line),
+        None,
+    )
     return text if start is None else "".join(lines[start:])

@@ -93,8 +93,13 @@ def _print_records(records: list[ImageRecord], store: ImageStore, title: str) ->
         table.add_column(column)
     now = time.time()
     for r in records:
-        table.add_row(escape(", ".join(_short(n) for n in r.names) or "<none>"), r.digest[:19], str(len(r.layers)), _size(r.size),
-                      _ago(now - store.last_used(r)))
+        table.add_row(
+            escape(", ".join(_short(n) for n in r.names) or "<none>"),
+            r.digest[:19],
+            str(len(r.layers)),
+            _size(r.size),
+            _ago(now - store.last_used(r)),
+        )
     Console().print(table)
 
 
@@ -161,8 +166,11 @@ def add_image_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", **config)
     p.set_defaults(func=cmd_pull)
 
-    p = isub.add_parser("import", help="import an OCI layout or archive, a docker save archive, a root filesystem "
-                                       "folder or tarball, or docker-daemon:NAME")
+    p = isub.add_parser(
+        "import",
+        help="import an OCI layout or archive, a docker save archive, a root filesystem "
+        "folder or tarball, or docker-daemon:NAME",
+    )
     p.add_argument("path", metavar="PATH")
     p.add_argument("--tag", metavar="NAME", help="the name to know it by (a reference, e.g. my/image:1)")
     p.add_argument("--config", **config)
@@ -178,9 +186,14 @@ def add_image_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", **config)
     p.set_defaults(func=cmd_rm)
 
-    p = isub.add_parser("prune", help="remove the build cache, and the layers, blobs and temporary files no image "
-                                      "needs")
-    p.add_argument("--unused-for", type=_days, metavar="DAYS",
-                   help="only the build cache's steps not used for DAYS days, and also images not used for as long")
+    p = isub.add_parser(
+        "prune", help="remove the build cache, and the layers, blobs and temporary files no image needs"
+    )
+    p.add_argument(
+        "--unused-for",
+        type=_days,
+        metavar="DAYS",
+        help="only the build cache's steps not used for DAYS days, and also images not used for as long",
+    )
     p.add_argument("--config", **config)
     p.set_defaults(func=cmd_prune)

@@ -21,19 +21,29 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run an agent on tasks, one episode each, and score them")
     p.add_argument("tasks", nargs="+", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
     p.add_argument("--agent", required=True, metavar="AGENT", help="oracle, nop, script:PATH or module:Class")
-    p.add_argument("-n", "--concurrency", type=positive(int), default=4, metavar="N",
-                   help="trials at a time (default: 4)")
+    p.add_argument(
+        "-n", "--concurrency", type=positive(int), default=4, metavar="N", help="trials at a time (default: 4)"
+    )
     p.add_argument("-o", "--output", default="jobs", metavar="JOBS_DIR", help="where job folders go (default: jobs)")
     p.add_argument("--job-name", metavar="NAME", help="the job's folder name (default: the time, YYYY-MM-DD__HH-MM-SS)")
-    p.add_argument("--config", metavar="FILE",
-                   help="config file ([episodes] is used; every table is checked); default: the embedded one")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="config file ([episodes] is used; every table is checked); default: the embedded one",
+    )
     p.add_argument("--exec-timeout", type=positive(float), metavar="S", help="default seconds per agent command")
     p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
-    p.add_argument("--verifier-env", choices=["shared", "separate"],
-                   help="run the tests in the agent's environment (shared) or in a fresh one holding only the task's artifacts")
-    p.add_argument("--image-source", choices=list(IMAGE_SOURCES),
-                   help="what each episode runs on: the task's prebuilt docker_image, its Dockerfile, the host's "
-                        "system, or auto (the image when it can be had, else host mode); default: [images] source")
+    p.add_argument(
+        "--verifier-env",
+        choices=["shared", "separate"],
+        help="run the tests in the agent's environment (shared) or in a fresh one holding only the task's artifacts",
+    )
+    p.add_argument(
+        "--image-source",
+        choices=list(IMAGE_SOURCES),
+        help="what each episode runs on: the task's prebuilt docker_image, its Dockerfile, the host's "
+        "system, or auto (the image when it can be had, else host mode); default: [images] source",
+    )
     add_backend_arguments(p, cluster=True)
     p.set_defaults(func=cmd_run)
 
@@ -47,8 +57,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sequester.jobs.render import print_summary, trial_progress
 
     settings = config_of(args).episodes  # the whole file is checked, [runtime] and [limits] too
-    overrides = {"exec_timeout": args.exec_timeout, "freeze_agent": args.freeze_agent or None,
-                 "verifier_env": args.verifier_env}
+    overrides = {
+        "exec_timeout": args.exec_timeout,
+        "freeze_agent": args.freeze_agent or None,
+        "verifier_env": args.verifier_env,
+    }
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.image_source:
         settings = replace(settings, images=replace(settings.images, source=args.image_source))
@@ -57,13 +70,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     job_name = args.job_name or default_job_name()
     job_dir = _jobs_dir(args.output) / job_name
     with image_bars() as bars:  # the images first (fetched or built once), with their own progress
-        prepared = prepare_job(args.tasks, args.agent, jobs_dir=args.output, job_name=job_name,
-                               concurrency=args.concurrency, settings=settings, scheduler=scheduler,
-                               image_progress=bars, build_progress=_build_lines)
+        prepared = prepare_job(
+            args.tasks,
+            args.agent,
+            jobs_dir=args.output,
+            job_name=job_name,
+            concurrency=args.concurrency,
+            settings=settings,
+            scheduler=scheduler,
+            image_progress=bars,
+            build_progress=_build_lines,
+        )
     total = len(prepared.trials)
     finished: list[TrialResult] = []
     try:
         with trial_progress(total, err, f"{args.agent} on {total} task{'s' * (total != 1)}") as advance:
+
             def progress(result: TrialResult) -> None:
                 finished.append(result)
                 advance(result)
@@ -80,8 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _build_lines(task: str, report, done: bool) -> None:
     """A Dockerfile build before the trials: each step as docker build shows it."""
     if not done:
-        err.print(f"[bold]{escape(task)}[/] #{report.number} {escape(report.title())}", highlight=False,
-                   soft_wrap=True)
+        err.print(f"[bold]{escape(task)}[/] #{report.number} {escape(report.title())}", highlight=False, soft_wrap=True)
     elif not report.cached:
         err.print(f"[bold]{escape(task)}[/] #{report.number} [green]DONE[/] {report.seconds:.1f}s", highlight=False)
 

@@ -66,9 +66,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sequester.serve.auth import load_token
 
     config = load_config(args.config)
-    overrides = {"host": args.host, "port": args.port, "max_sessions": args.max_sessions,
-                 "kernel_pool": args.kernel_pool,
-                 "idle_timeout": args.idle_timeout, "tasks_dir": Path(args.tasks_dir) if args.tasks_dir else None}
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "max_sessions": args.max_sessions,
+        "kernel_pool": args.kernel_pool,
+        "idle_timeout": args.idle_timeout,
+        "tasks_dir": Path(args.tasks_dir) if args.tasks_dir else None,
+    }
     settings = dataclasses.replace(config.serve, **{k: v for k, v in overrides.items() if v is not None})
     episodes = config.episodes
     if args.image_source:
@@ -86,18 +91,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # terminal ever saw is still a server on the network; and the token travels in
         # plain text, so whoever listens on the way can use it.
         if token.generated:
-            raise PolicyError(f"--host {settings.host!r} is not a loopback address: set the token explicitly "
-                              "(--token-file, $SEQUESTER_SERVE_TOKEN or [serve] token) to serve beyond this machine")
-        log.warning("serving on %s, beyond this machine: HTTP is plain text, so put a TLS proxy in front",
-                    settings.host)
+            raise PolicyError(
+                f"--host {settings.host!r} is not a loopback address: set the token explicitly "
+                "(--token-file, $SEQUESTER_SERVE_TOKEN or [serve] token) to serve beyond this machine"
+            )
+        log.warning(
+            "serving on %s, beyond this machine: HTTP is plain text, so put a TLS proxy in front", settings.host
+        )
     hide = tuple(Path(f).resolve() for f in (token.file, args.config) if f is not None)
     app = create_app(config, token=token.value, hide=hide, tasks=tasks)
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     err = sys.stderr
-    err.write(f"sequester serve: http://{shown}:{port} ({tasks} task{'s' * (tasks != 1)}, up to "
-              f"{settings.max_sessions} sessions; token from {token.source})\n")
+    err.write(
+        f"sequester serve: http://{shown}:{port} ({tasks} task{'s' * (tasks != 1)}, up to "
+        f"{settings.max_sessions} sessions; token from {token.source})\n"
+    )
     if token.generated:  # printed once, here: nowhere else, in no log
         err.write(f"sequester serve: token: {token.value}\n")
     err.flush()
@@ -119,19 +129,41 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve episodes and kernels over OpenEnv's protocol (HTTP + WebSocket)")
     p.add_argument("--host", metavar="HOST", help="address to listen on (default: [serve] host, 127.0.0.1)")
     p.add_argument("--port", type=_port, metavar="PORT", help="port (default: [serve] port, 8000; 0: any free one)")
-    p.add_argument("--tasks-dir", metavar="DIR", help="the folder of tasks episode sessions may name "
-                                                       "(default: [serve] tasks_dir; none: kernel sessions only)")
-    p.add_argument("--image-source", choices=list(IMAGE_SOURCES),
-                   help="what each episode runs on (default: [images] source)")
+    p.add_argument(
+        "--tasks-dir",
+        metavar="DIR",
+        help="the folder of tasks episode sessions may name (default: [serve] tasks_dir; none: kernel sessions only)",
+    )
+    p.add_argument(
+        "--image-source", choices=list(IMAGE_SOURCES), help="what each episode runs on (default: [images] source)"
+    )
     add_backend_arguments(p)
-    p.add_argument("--max-sessions", type=positive(int), metavar="N",
-                   help="live sessions at once; a reset beyond is refused (default: [serve] max_sessions, 16)")
-    p.add_argument("--kernel-pool", type=positive(int), metavar="N",
-                   help="keep N kernels started for kernel sessions (each used once; default: [serve] kernel_pool, 0)")
-    p.add_argument("--idle-timeout", type=positive(float), metavar="S",
-                   help="seconds without a frame before a connection and its session close (default: 600)")
-    p.add_argument("--config", metavar="FILE", help="config file ([serve], [episodes], [images], and the kernels' "
-                                                    "policy); default: the embedded one")
-    p.add_argument("--token-file", metavar="F", help="file whose first line is the bearer token "
-                                                     "(else $SEQUESTER_SERVE_TOKEN, [serve] token, or generated)")
+    p.add_argument(
+        "--max-sessions",
+        type=positive(int),
+        metavar="N",
+        help="live sessions at once; a reset beyond is refused (default: [serve] max_sessions, 16)",
+    )
+    p.add_argument(
+        "--kernel-pool",
+        type=positive(int),
+        metavar="N",
+        help="keep N kernels started for kernel sessions (each used once; default: [serve] kernel_pool, 0)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=positive(float),
+        metavar="S",
+        help="seconds without a frame before a connection and its session close (default: 600)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="config file ([serve], [episodes], [images], and the kernels' policy); default: the embedded one",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="F",
+        help="file whose first line is the bearer token (else $SEQUESTER_SERVE_TOKEN, [serve] token, or generated)",
+    )
     p.set_defaults(func=cmd_serve)

@@ -24,8 +24,10 @@ __all__ = ["ClusterError", "RayScheduler", "EpisodePool"]
 def __getattr__(name: str) -> Any:  # the classes that need Ray load it only when named
     if name == "RayScheduler":
         from sequester.cluster.scheduler import RayScheduler
+
         return RayScheduler
     if name == "EpisodePool":
         from sequester.cluster.pool import EpisodePool
+
         return EpisodePool
     raise AttributeError(name)

@@ -22,19 +22,20 @@ import os
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sequester.errors import EpisodeError
-from sequester.environments.settings import EpisodeSettings
-from sequester.environments.base import ExecResult
-from sequester.environments.verdict import VerifierError
 from sequester.cluster.bundles import hold_task
 from sequester.cluster.connect import ClusterError, ray_dirs, require_ray
 from sequester.cluster.node import cluster_cache, settings_for_node
+from sequester.environments.base import ExecResult
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import VerifierError
+from sequester.errors import EpisodeError
 
 if TYPE_CHECKING:
     from sequester.environments import Environment
@@ -87,7 +88,8 @@ class _Thread:
 
     def __init__(self, name: str):
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue())
+            queue.SimpleQueue()
+        )
         self.running = 0  # calls submitted and not finished
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -154,8 +156,9 @@ class _Held:
         # Attack stopped: probing the hidden tests by trial and error within one episode
         # (change the work, evaluate, look at the reward, repeat). The verdict is final.
         if self.evaluated:
-            raise EpisodeError(f"episode {self.id}: it was evaluated; its verdict is final (close it and reset "
-                               "for a new episode)")
+            raise EpisodeError(
+                f"episode {self.id}: it was evaluated; its verdict is final (close it and reset for a new episode)"
+            )
         return self.env
 
     def exec(self, command: str, timeout: float | None) -> ExecOutput:
@@ -177,8 +180,9 @@ class _Held:
             result = env.evaluate()
         except VerifierError as exc:  # no verdict: the trial is an error, not a 0
             return Verdict(None, {}, None, tuple(exc.tampering), (), str(exc))
-        return Verdict(result.reward, dict(result.rewards), result.zero_reason, tuple(result.tampering),
-                       tuple(result.notes), None)
+        return Verdict(
+            result.reward, dict(result.rewards), result.zero_reason, tuple(result.tampering), tuple(result.notes), None
+        )
 
     def close_env(self) -> None:
         if self.env is not None:
@@ -205,8 +209,15 @@ class EpisodeActor:
     driver's, ``defaulted`` the paths to replace by this node's defaults, ``hide`` what the
     driver hides (its tasks folder); this node's task cache and Ray's folders are hidden too."""
 
-    def __init__(self, settings: EpisodeSettings, defaulted: frozenset[str], hide: tuple[str, ...], capacity: int,
-                 read_cap: int = READ_CAP, close_grace: float = CLOSE_GRACE):
+    def __init__(
+        self,
+        settings: EpisodeSettings,
+        defaulted: frozenset[str],
+        hide: tuple[str, ...],
+        capacity: int,
+        read_cap: int = READ_CAP,
+        close_grace: float = CLOSE_GRACE,
+    ):
         self._settings = settings_for_node(settings, defaulted)
         self._tasks_root = cluster_cache() / "tasks"
         # Hidden from every agent here: the driver's tasks folder (other tasks' tests and
@@ -221,8 +232,11 @@ class EpisodeActor:
     def ready(self) -> dict[str, Any]:
         """Where this actor runs (the pool waits for it before the first reset)."""
         ray = require_ray()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "hostname": socket.gethostname()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
 
     def held(self) -> list[str]:
         with self._lock:

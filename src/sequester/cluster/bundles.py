@@ -32,8 +32,20 @@ from pathlib import Path
 
 from sequester.errors import PolicyError
 
-__all__ = ["TaskBundle", "pack_task", "unpack_task", "hold_task", "task_on_node", "bundle_digest", "evict_unused", "pack_folder", "unpack_folder", "MAX_TASK_BYTES",
-           "MAX_TRIAL_BYTES", "FIRST_FILES"]
+__all__ = [
+    "TaskBundle",
+    "pack_task",
+    "unpack_task",
+    "hold_task",
+    "task_on_node",
+    "bundle_digest",
+    "evict_unused",
+    "pack_folder",
+    "unpack_folder",
+    "MAX_TASK_BYTES",
+    "MAX_TRIAL_BYTES",
+    "FIRST_FILES",
+]
 
 MAX_TASK_BYTES = 1 << 30  # a task's files (environment/, tests/, solution/); TB2's largest is far below
 MAX_TRIAL_BYTES = 256 << 20  # what one trial folder ships back to the driver
@@ -89,16 +101,20 @@ def pack_task(folder: Path) -> TaskBundle:
             elif stat.S_ISREG(st.st_mode):
                 total += st.st_size
                 if total > MAX_TASK_BYTES:
-                    raise PolicyError(f"task {folder}: more than {MAX_TASK_BYTES >> 20} MiB of files: too large to "
-                                      "ship to the cluster's nodes")
+                    raise PolicyError(
+                        f"task {folder}: more than {MAX_TASK_BYTES >> 20} MiB of files: too large to "
+                        "ship to the cluster's nodes"
+                    )
                 with open(path, "rb") as f:
                     tar.addfile(_tarinfo(rel, st, tarfile.REGTYPE, st.st_size), f)
             elif stat.S_ISLNK(st.st_mode):
                 target = os.readlink(path)
                 inside = Path(os.path.normpath(path.parent / target))
                 if os.path.isabs(target) or not (inside == folder or folder in inside.parents):
-                    raise PolicyError(f"task {folder}: {rel} links out of the task ({target!r}): it cannot be shipped "
-                                      "to the cluster's nodes")
+                    raise PolicyError(
+                        f"task {folder}: {rel} links out of the task ({target!r}): it cannot be shipped "
+                        "to the cluster's nodes"
+                    )
                 tar.addfile(_tarinfo(rel, st, tarfile.SYMTYPE, link=target))
             else:
                 raise PolicyError(f"task {folder}: {rel} is not a file, folder or link: it cannot be shipped")
@@ -148,7 +164,11 @@ def unpack_task(bundle: TaskBundle, cache: Path) -> Path:
     with _locked(cache / f".{bundle.digest}.lock"):
         if final.is_dir():
             return final
-        if bundle_digest(bundle.name, bundle.data) != bundle.digest or "/" in bundle.name or bundle.name in ("", ".", ".."):
+        if (
+            bundle_digest(bundle.name, bundle.data) != bundle.digest
+            or "/" in bundle.name
+            or bundle.name in ("", ".", "..")
+        ):
             raise PolicyError(f"task {bundle.name}: the shipped archive does not match its digest")
         temp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=cache))
         try:

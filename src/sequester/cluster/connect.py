@@ -45,8 +45,7 @@ def connect(address: str | None = None, **init: Any) -> ModuleType:
         if address not in (None, "auto"):
             log.warning("this process is already connected to a Ray cluster: the address %s is not used", address)
         return ray
-    options: dict[str, Any] = {"log_to_driver": False, "configure_logging": False, "namespace": "sequester",
-                               **init}
+    options: dict[str, Any] = {"log_to_driver": False, "configure_logging": False, "namespace": "sequester", **init}
     try:
         ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -62,6 +61,7 @@ def ray_dirs() -> tuple[Path, ...]:
     every episode's fresh ``/tmp`` anyway."""
     try:
         from ray._private import worker as _worker  # noqa: PLC0415 - private, guarded
+
         node = _worker.global_worker.node
         return tuple(Path(p) for p in {node.get_temp_dir_path(), node.get_session_dir_path()} if p)
     except Exception:  # noqa: BLE001 - another Ray version: the default folder only
@@ -72,8 +72,17 @@ def system_failures() -> tuple[type[BaseException], ...]:
     """Ray's errors for a trial lost with its worker or node (not its own failure)."""
     ray = require_ray()
     e = ray.exceptions
-    names = ("WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ObjectLostError", "OwnerDiedError",
-             "ObjectFetchTimedOutError", "ObjectReconstructionFailedError", "RaySystemError", "OutOfMemoryError",
-             "ActorDiedError", "ActorUnavailableError")
+    names = (
+        "WorkerCrashedError",
+        "NodeDiedError",
+        "LocalRayletDiedError",
+        "ObjectLostError",
+        "OwnerDiedError",
+        "ObjectFetchTimedOutError",
+        "ObjectReconstructionFailedError",
+        "RaySystemError",
+        "OutOfMemoryError",
+        "ActorDiedError",
+        "ActorUnavailableError",
+    )
     return tuple(getattr(e, n) for n in names if isinstance(getattr(e, n, None), type))
-

@@ -27,26 +27,40 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sequester.cluster.bundles import TaskBundle, evict_unused, pack_folder, task_on_node
 from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
 from sequester.images.image_settings import default_store_dir
+from sequester.jobs.cancel import Cancellation
 from sequester.jobs.results import TrialResult
 from sequester.jobs.trial import run_trial
-from sequester.jobs.cancel import Cancellation
 from sequester.tasks import load_task
-from sequester.cluster.bundles import TaskBundle, evict_unused, pack_folder, task_on_node
 
-__all__ = ["TrialOrder", "TrialReturn", "machine_defaults", "settings_for_node", "cluster_cache", "run_order",
-           "node_info", "sweep_staging"]
+__all__ = [
+    "TrialOrder",
+    "TrialReturn",
+    "machine_defaults",
+    "settings_for_node",
+    "cluster_cache",
+    "run_order",
+    "node_info",
+    "sweep_staging",
+]
 
 MACHINE_PATHS = ("state_dir", "toolchain_dir", "images.store_dir")
 
 
 def machine_defaults(settings: EpisodeSettings) -> frozenset[str]:
     """Which of ``MACHINE_PATHS`` ``settings`` leaves at this machine's default."""
-    defaults = {"state_dir": default_state_dir(), "toolchain_dir": default_toolchain_dir(),
-                "images.store_dir": default_store_dir()}
-    current = {"state_dir": settings.state_dir, "toolchain_dir": settings.toolchain_dir,
-               "images.store_dir": settings.images.store_dir}
+    defaults = {
+        "state_dir": default_state_dir(),
+        "toolchain_dir": default_toolchain_dir(),
+        "images.store_dir": default_store_dir(),
+    }
+    current = {
+        "state_dir": settings.state_dir,
+        "toolchain_dir": settings.toolchain_dir,
+        "images.store_dir": settings.images.store_dir,
+    }
     return frozenset(name for name in MACHINE_PATHS if current[name] == defaults[name])
 
 
@@ -98,8 +112,14 @@ def node_info(node_id: str | None = None) -> dict[str, object]:
     return {"node_id": node_id, "hostname": socket.gethostname(), "pid": os.getpid(), "machine": platform.machine()}
 
 
-def run_order(order: TrialOrder, bundle: TaskBundle, *, cancel: Cancellation, node_id: str | None = None,
-              also_hide: tuple[Path, ...] = ()) -> TrialReturn:
+def run_order(
+    order: TrialOrder,
+    bundle: TaskBundle,
+    *,
+    cancel: Cancellation,
+    node_id: str | None = None,
+    also_hide: tuple[Path, ...] = (),
+) -> TrialReturn:
     """Run ``order`` on this machine; never raises for what happens in the trial."""
     cache = cluster_cache()
     tasks_root, trials_root = cache / "tasks", cache / "trials"
@@ -113,9 +133,16 @@ def run_order(order: TrialOrder, bundle: TaskBundle, *, cancel: Cancellation, no
             task = load_task(folder)
             trial_dir = staging / order.name
             hide = [*(Path(p) for p in order.hide), tasks_root, trials_root, *also_hide]
-            result = run_trial(task, order.agent_spec, trial_dir,
-                               settings=settings_for_node(order.settings, order.defaulted),
-                               hide=hide, cancel=cancel, source=order.source, job_id=order.job_id)
+            result = run_trial(
+                task,
+                order.agent_spec,
+                trial_dir,
+                settings=settings_for_node(order.settings, order.defaulted),
+                hide=hide,
+                cancel=cancel,
+                source=order.source,
+                job_id=order.job_id,
+            )
         data, left_out = pack_folder(trial_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

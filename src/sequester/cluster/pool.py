@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sequester.environments.settings import EpisodeSettings
-from sequester.errors import EpisodeError, PolicyError
 from sequester.cluster.actor import CLOSE_GRACE, READ_CAP, EpisodeActor, ExecOutput, FileContent, Verdict
-from sequester.cluster.handle import ActorInfo, EpisodeHandle
 from sequester.cluster.bundles import pack_task
 from sequester.cluster.connect import ClusterError, connect, system_failures
+from sequester.cluster.handle import ActorInfo, EpisodeHandle
+from sequester.environments.settings import EpisodeSettings
+from sequester.errors import EpisodeError, PolicyError
 
 __all__ = ["EpisodePool", "EpisodeHandle", "ActorInfo", "FileContent", "ExecOutput", "Verdict"]
 
@@ -77,14 +77,27 @@ class EpisodePool:
     ``read_cap``: bytes a ``read_file`` returns at most; ``close_grace``: seconds a close
     waits for an interrupted call to give way."""
 
-    def __init__(self, n_actors: int, tasks_dir: str | Path, *, settings: EpisodeSettings | None = None,
-                 address: str | None = None, episodes_per_actor: int = 64, actor_cpus: float = 1.0,
-                 start_timeout: float = 120.0, read_cap: int = READ_CAP, close_grace: float = CLOSE_GRACE):
+    def __init__(
+        self,
+        n_actors: int,
+        tasks_dir: str | Path,
+        *,
+        settings: EpisodeSettings | None = None,
+        address: str | None = None,
+        episodes_per_actor: int = 64,
+        actor_cpus: float = 1.0,
+        start_timeout: float = 120.0,
+        read_cap: int = READ_CAP,
+        close_grace: float = CLOSE_GRACE,
+    ):
         _positive_int("n_actors", n_actors)
         self.episodes_per_actor = _positive_int("episodes_per_actor", episodes_per_actor)
         self.read_cap = _positive_int("read_cap", read_cap)
-        if isinstance(actor_cpus, bool) or not isinstance(actor_cpus, (int, float)) or not (
-                math.isfinite(actor_cpus) and actor_cpus >= 0):
+        if (
+            isinstance(actor_cpus, bool)
+            or not isinstance(actor_cpus, (int, float))
+            or not (math.isfinite(actor_cpus) and actor_cpus >= 0)
+        ):
             raise PolicyError(f"actor_cpus: {actor_cpus!r} is not a number of CPUs (0 or more)")
         self.tasks_dir = Path(tasks_dir).resolve()
         if not self.tasks_dir.is_dir():
@@ -101,24 +114,45 @@ class EpisodePool:
         self._turn = 0
         self._shut = False
         remote = ray.remote(EpisodeActor).options(
-            num_cpus=actor_cpus, max_concurrency=self.episodes_per_actor + 8, scheduling_strategy="SPREAD",
-            max_restarts=0, max_task_retries=0)  # a restarted actor would hold none of its episodes
-        actors = [remote.remote(self.settings, machine_defaults(self.settings), (str(self.tasks_dir),),
-                                self.episodes_per_actor, self.read_cap, close_grace) for _ in range(n_actors)]
+            num_cpus=actor_cpus,
+            max_concurrency=self.episodes_per_actor + 8,
+            scheduling_strategy="SPREAD",
+            max_restarts=0,
+            max_task_retries=0,
+        )  # a restarted actor would hold none of its episodes
+        actors = [
+            remote.remote(
+                self.settings,
+                machine_defaults(self.settings),
+                (str(self.tasks_dir),),
+                self.episodes_per_actor,
+                self.read_cap,
+                close_grace,
+            )
+            for _ in range(n_actors)
+        ]
         try:
             infos = ray.get([a.ready.remote() for a in actors], timeout=start_timeout)
         except Exception as exc:
             for actor in actors:
                 ray.kill(actor)
             if isinstance(exc, ray.exceptions.GetTimeoutError):  # never a pool that waits forever for room
-                raise ClusterError(f"the cluster could not place {n_actors} episode actors of {actor_cpus:g} CPUs "
-                                   f"within {start_timeout:g} s (it has {ray.available_resources().get('CPU', 0):g} "
-                                   "CPUs free): fewer actors, or fewer actor_cpus") from None
+                raise ClusterError(
+                    f"the cluster could not place {n_actors} episode actors of {actor_cpus:g} CPUs "
+                    f"within {start_timeout:g} s (it has {ray.available_resources().get('CPU', 0):g} "
+                    "CPUs free): fewer actors, or fewer actor_cpus"
+                ) from None
             raise ClusterError(f"the episode actors could not start: {type(exc).__name__}: {exc}") from None
-        self._slots = [_Slot(i, a, info["node_id"], info["pid"], info["hostname"])
-                       for i, (a, info) in enumerate(zip(actors, infos))]
-        log.info("episode pool: %d actors on %d nodes, %d episodes each", n_actors,
-                 len({s.node_id for s in self._slots}), self.episodes_per_actor)
+        self._slots = [
+            _Slot(i, a, info["node_id"], info["pid"], info["hostname"])
+            for i, (a, info) in enumerate(zip(actors, infos, strict=True))
+        ]
+        log.info(
+            "episode pool: %d actors on %d nodes, %d episodes each",
+            n_actors,
+            len({s.node_id for s in self._slots}),
+            self.episodes_per_actor,
+        )
 
     # -- bookkeeping ------------------------------------------------------------------------
     @property
@@ -144,8 +178,10 @@ class EpisodePool:
             free = [s for s in self._slots if s.alive and s.load < self.episodes_per_actor]
             if not free:
                 live = sum(s.alive for s in self._slots)
-                raise ClusterError(f"the episode pool is full: {live} live actors × {self.episodes_per_actor} "
-                                   "episodes (episodes_per_actor) are held; close one first")
+                raise ClusterError(
+                    f"the episode pool is full: {live} live actors × {self.episodes_per_actor} "
+                    "episodes (episodes_per_actor) are held; close one first"
+                )
             self._turn += 1
             slot = min(free, key=lambda s: (s.load, (s.index - self._turn) % len(self._slots)))
             slot.load += 1
@@ -183,8 +219,10 @@ class EpisodePool:
         with self._lock:
             if slot.alive:
                 slot.alive = False
-                slot.lost = (f"its actor #{slot.index} (pid {slot.pid}) on node {slot.node_id[:16]} "
-                             f"({slot.hostname}) died or became unreachable ({type(exc).__name__})")
+                slot.lost = (
+                    f"its actor #{slot.index} (pid {slot.pid}) on node {slot.node_id[:16]} "
+                    f"({slot.hostname}) died or became unreachable ({type(exc).__name__})"
+                )
                 log.warning("episode pool: actor #%d: %s", slot.index, slot.lost)
             for episode_id in [e for e, s in self._where.items() if s is slot]:
                 del self._where[episode_id]
@@ -204,8 +242,10 @@ class EpisodePool:
                 return cause
             return ClusterError(f"episode {episode_id}: {what} failed in its actor: {str(cause or exc)[-2000:]}")
         if isinstance(exc, ray.exceptions.ActorUnavailableError):  # maybe back soon: this call only
-            return ClusterError(f"episode {episode_id}: {what}: its actor #{slot.index} is unreachable for now "
-                                f"({exc}); the call may or may not have run")
+            return ClusterError(
+                f"episode {episode_id}: {what}: its actor #{slot.index} is unreachable for now "
+                f"({exc}); the call may or may not have run"
+            )
         if isinstance(exc, system_failures()):
             self._lose(slot, exc)
             return ClusterError(f"episode {episode_id} was lost ({what} failed): {slot.lost}")
@@ -394,4 +434,3 @@ class EpisodePool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.ashutdown()
-

@@ -16,10 +16,10 @@ import asyncio
 import threading
 from typing import Any
 
-from sequester.jobs.cancel import Cancellation
 from sequester.cluster.bundles import TaskBundle
 from sequester.cluster.connect import ray_dirs, require_ray
 from sequester.cluster.node import TrialOrder, TrialReturn, run_order
+from sequester.jobs.cancel import Cancellation
 
 __all__ = ["trial_task", "JobMonitor", "WATCH_SECONDS"]
 
@@ -77,6 +77,6 @@ class JobMonitor:
     async def wait_cancelled(self, timeout: float) -> bool:
         try:
             await asyncio.wait_for(self._cancelled.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True

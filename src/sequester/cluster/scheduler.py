@@ -34,17 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sequester.environments import UnsupportedByBackend
-from sequester.errors import PolicyError
-from sequester.jobs.results import TrialResult, utc_now
-from sequester.jobs.schedule import JobRun, PlannedTrial
-from sequester.jobs.cancel import TrialCancelled
-from sequester.tasks import Task
 from sequester.cluster.bundles import pack_task
 from sequester.cluster.connect import ClusterError, connect, system_failures
 from sequester.cluster.landing import land_error, land_trial
 from sequester.cluster.node import TrialOrder, machine_defaults
 from sequester.cluster.remote import JobMonitor, trial_task
+from sequester.environments import UnsupportedByBackend
+from sequester.errors import PolicyError
+from sequester.jobs.cancel import TrialCancelled
+from sequester.jobs.results import TrialResult, utc_now
+from sequester.jobs.schedule import JobRun, PlannedTrial
+from sequester.tasks import Task
 
 __all__ = ["RayScheduler", "trial_resources", "infeasible"]
 
@@ -68,8 +68,10 @@ def infeasible(need: dict[str, float], nodes: list[dict[str, float]]) -> str | N
     cpus = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
     memory = max((n.get("memory", 0.0) for n in nodes), default=0.0)
     wanted = f"{need['num_cpus']:g} CPUs" + (f" and {need['memory'] / (1 << 20):.0f} MB" if "memory" in need else "")
-    return (f"the task asks for {wanted}; no node of the cluster has that much (the largest: {cpus:g} CPUs, "
-            f"{memory / (1 << 20):.0f} MB)")
+    return (
+        f"the task asks for {wanted}; no node of the cluster has that much (the largest: {cpus:g} CPUs, "
+        f"{memory / (1 << 20):.0f} MB)"
+    )
 
 
 @dataclass
@@ -85,8 +87,15 @@ class RayScheduler:
 
     runs_here = False
 
-    def __init__(self, address: str | None = None, concurrency: int = 4, *, retries: int = 1,
-                 cancel_grace: float = 30.0, **init: Any):
+    def __init__(
+        self,
+        address: str | None = None,
+        concurrency: int = 4,
+        *,
+        retries: int = 1,
+        cancel_grace: float = 30.0,
+        **init: Any,
+    ):
         self.address, self.concurrency, self.retries, self.cancel_grace = address, concurrency, retries, cancel_grace
         self._init = init
         self._ray: Any = None
@@ -100,8 +109,12 @@ class RayScheduler:
         self._forced = False
 
     def describe(self) -> dict[str, object]:
-        return {"type": "ray", "address": self.address, "n_concurrent_trials": self.concurrency,
-                "retries": self.retries}
+        return {
+            "type": "ray",
+            "address": self.address,
+            "n_concurrent_trials": self.concurrency,
+            "retries": self.retries,
+        }
 
     # -- running ------------------------------------------------------------------------
     def run(self, job: JobRun, trials: list[PlannedTrial], started: Callable[[str], None]) -> Iterator[TrialResult]:
@@ -110,9 +123,13 @@ class RayScheduler:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = ray.get_runtime_context().get_node_id()
-        self._monitor = ray.remote(JobMonitor).options(
-            num_cpus=0, max_concurrency=100_000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        self._monitor = (
+            ray.remote(JobMonitor)
+            .options(
+                num_cpus=0, max_concurrency=100_000, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)
+            )
+            .remote()
+        )
         self._remote = ray.remote(trial_task)
         # Up before the first trial: a trial tells the monitor where it runs without
         # waiting, and a call queued for an actor still starting dies with a worker
@@ -162,8 +179,16 @@ class RayScheduler:
     def _submit(self, attempt: _Attempt, avoid: str | None = None) -> None:
         job, trial = self._job, attempt.trial
         assert job is not None
-        order = TrialOrder(trial.name, job.agent_spec, job.settings, machine_defaults(job.settings),
-                           tuple(str(p) for p in job.hide), trial.source, job.job_id, attempt.number)
+        order = TrialOrder(
+            trial.name,
+            job.agent_spec,
+            job.settings,
+            machine_defaults(job.settings),
+            tuple(str(p) for p in job.hide),
+            trial.source,
+            job.job_id,
+            attempt.number,
+        )
         options: dict[str, Any] = {**trial_resources(trial.task), "max_retries": 0}  # retries are ours: recorded
         elsewhere = self._other_node(avoid, trial.task) if avoid else None
         if elsewhere is not None:
@@ -198,16 +223,25 @@ class RayScheduler:
             if self._forced:  # its worker was killed by the cancel itself
                 return land_error(trial, job, self._killed(), attempt.retries, started_at=attempt.started_at)
             where = self._where(attempt)
-            lost = {"attempt": attempt.number, "error_type": type(exc).__name__, "message": str(exc)[:2000],
-                    "node_id": where.get("node_id"), "pid": where.get("pid"), "at": utc_now()}
+            lost = {
+                "attempt": attempt.number,
+                "error_type": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "node_id": where.get("node_id"),
+                "pid": where.get("pid"),
+                "at": utc_now(),
+            }
             retries = [*attempt.retries, lost]
             if attempt.number <= self.retries and not self._stopping:
-                log.warning("trial %s lost with its worker or node (%s): retrying elsewhere", trial.name,
-                            type(exc).__name__)
+                log.warning(
+                    "trial %s lost with its worker or node (%s): retrying elsewhere", trial.name, type(exc).__name__
+                )
                 self._submit(_Attempt(trial, attempt.number + 1, retries, attempt.started_at), where.get("node_id"))
                 return None
-            error = ClusterError(f"the trial was lost with its worker or node {len(retries)} time(s), the last: "
-                                 f"{type(exc).__name__}: {str(exc)[:500]}")
+            error = ClusterError(
+                f"the trial was lost with its worker or node {len(retries)} time(s), the last: "
+                f"{type(exc).__name__}: {str(exc)[:500]}"
+            )
             return land_error(trial, job, error, retries, started_at=attempt.started_at)
         try:
             return land_trial(returned, trial, attempt.retries)
@@ -217,8 +251,9 @@ class RayScheduler:
             return land_error(trial, job, exc, attempt.retries, node=returned.node, started_at=attempt.started_at)
 
     def _killed(self) -> TrialCancelled:
-        return TrialCancelled(f"the job was interrupted; the trial did not stop within {self.cancel_grace:g} s "
-                              "and its worker was killed")
+        return TrialCancelled(
+            f"the job was interrupted; the trial did not stop within {self.cancel_grace:g} s and its worker was killed"
+        )
 
     def _where(self, attempt: _Attempt) -> dict[str, Any]:
         try:

@@ -13,17 +13,20 @@ from typing import TYPE_CHECKING
 from sequester.environments.base import Capabilities, Environment, UnsupportedByBackend, missing_capabilities
 
 if TYPE_CHECKING:
-    from sequester.sandbox.nsexec.client import NsExec
     from sequester.environments.settings import EpisodeSettings
+    from sequester.sandbox.nsexec.client import NsExec
 
 __all__ = ["Capabilities", "Environment", "UnsupportedByBackend", "missing_capabilities", "open_environment"]
 
 
-def open_environment(settings: EpisodeSettings, *, hide: Iterable[str | os.PathLike[str]] = (),
-                     nsexec: NsExec | None = None) -> Environment:
+def open_environment(
+    settings: EpisodeSettings, *, hide: Iterable[str | os.PathLike[str]] = (), nsexec: NsExec | None = None
+) -> Environment:
     """A new, not yet started environment of ``settings.backend``."""
     if settings.backend == "docker":
         from sequester.environments.docker import DockerEnvironment  # the Docker SDK is only needed here
+
         return DockerEnvironment(settings, base_url=settings.docker_host, build=settings.docker_build, hide=hide)
     from sequester.environments.local.episode import Episode
+
     return Episode(settings, hide=hide, nsexec=nsexec)

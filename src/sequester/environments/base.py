@@ -26,9 +26,16 @@ if TYPE_CHECKING:
     from sequester.tasks import Task
     from sequester.tasks.task_toml import Artifact
 
-__all__ = ["Capabilities", "Environment", "ExecResult", "UnsupportedByBackend", "missing_capabilities", "separate_artifacts",
-           "wanted_verifier_env",
-           "wants_freeze"]
+__all__ = [
+    "Capabilities",
+    "Environment",
+    "ExecResult",
+    "UnsupportedByBackend",
+    "missing_capabilities",
+    "separate_artifacts",
+    "wanted_verifier_env",
+    "wants_freeze",
+]
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,14 @@ class ExecResult:
         return self.stdout + self.stderr
 
     def to_dict(self) -> dict[str, object]:
-        return {"stdout": self.stdout, "stderr": self.stderr, "exit_code": self.exit_code,
-                "timed_out": self.timed_out, "duration": self.duration, "note": self.note}
+        return {
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "duration": self.duration,
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True)
@@ -63,10 +76,10 @@ class Capabilities:
     """What a backend can do; the runner refuses a trial that needs more (see module doc)."""
 
     backend: str
-    separate_verifier: bool    # the tests can run in a fresh environment from the pristine system
-    shared_verifier: bool      # the tests can run in the agent's own environment
-    freeze: bool               # every agent process can be stopped while the verdict is made
-    trusted_runner: bool       # the tests' interpreter comes from outside what the agent could write
+    separate_verifier: bool  # the tests can run in a fresh environment from the pristine system
+    shared_verifier: bool  # the tests can run in the agent's own environment
+    freeze: bool  # every agent process can be stopped while the verdict is made
+    trusted_runner: bool  # the tests' interpreter comes from outside what the agent could write
     network_policies: frozenset[str] = frozenset({"none", "public"})
     default_verifier_env: str = "shared"  # when neither the call, the settings nor the task say
 
@@ -123,8 +136,9 @@ class Environment(Protocol):
     def close(self) -> None: ...
 
 
-def wanted_verifier_env(task: Task, settings: EpisodeSettings, verifier_env: str | None = None, *,
-                        default: str = "shared") -> str:
+def wanted_verifier_env(
+    task: Task, settings: EpisodeSettings, verifier_env: str | None = None, *, default: str = "shared"
+) -> str:
     """``"shared"`` or ``"separate"``: the call's, else the settings', else the task's, else
     the backend's ``default``."""
     mode = verifier_env or settings.verifier_env or task.config.verifier.environment_mode or default

@@ -15,17 +15,17 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from sequester.environments.base import Capabilities, ExecResult
 from sequester.environments.settings import EpisodeSettings
-from sequester.environments.base import ExecResult
 from sequester.environments.verdict import VerifierResult
 from sequester.errors import EpisodeError
 from sequester.tasks import Task, load_task
-from sequester.environments.base import Capabilities
 
 __all__ = ["FakeEnvironment", "FAKE_CAPABILITIES"]
 
-FAKE_CAPABILITIES = Capabilities(backend="fake", separate_verifier=True, shared_verifier=True, freeze=True,
-                                 trusted_runner=True)
+FAKE_CAPABILITIES = Capabilities(
+    backend="fake", separate_verifier=True, shared_verifier=True, freeze=True, trusted_runner=True
+)
 Handler = Callable[[str, dict[str, bytes]], tuple[str, int]]  # (command, files) -> (stdout, exit code)
 Scorer = Callable[[dict[str, bytes]], float]
 
@@ -33,9 +33,15 @@ Scorer = Callable[[dict[str, bytes]], float]
 class FakeEnvironment:
     """See module doc. ``calls`` records every call by name, in order."""
 
-    def __init__(self, settings: EpisodeSettings | None = None, *, capabilities: Capabilities = FAKE_CAPABILITIES,
-                 handler: Handler | None = None, scorer: Scorer | None = None,
-                 fail: Mapping[str, BaseException] | None = None):
+    def __init__(
+        self,
+        settings: EpisodeSettings | None = None,
+        *,
+        capabilities: Capabilities = FAKE_CAPABILITIES,
+        handler: Handler | None = None,
+        scorer: Scorer | None = None,
+        fail: Mapping[str, BaseException] | None = None,
+    ):
         self.settings = settings or EpisodeSettings()
         self._capabilities = capabilities
         self.handler = handler or (lambda command, files: ("", 0))

@@ -1,17 +1,17 @@
 """Settings of episodes: plain frozen data, from the ``[episodes]`` table of a config file.
 
-    [episodes]
-    exec_timeout = 600          # default seconds per exec (each call may pass its own)
-    freeze_agent = false        # freeze the agent's processes while the verifier runs
-    verifier_env = "shared"     # or "separate": the tests run in a fresh view holding only the task's artifacts
-    reward_range = [0, 1]       # rewards outside it are invalid (the agent's 0); "any": any finite number
-    output_bytes = 10000000     # cap on one exec's output and on the verifier's output
-    max_processes = 4096        # processes the agent may have at once (RLIMIT_NPROC)
-    state_dir = "/var/tmp/..."  # where episodes keep their writable layers
-    toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
-    backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
-    docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
-    docker_build = false        # docker: build the task's environment/Dockerfile with the engine
+[episodes]
+exec_timeout = 600          # default seconds per exec (each call may pass its own)
+freeze_agent = false        # freeze the agent's processes while the verifier runs
+verifier_env = "shared"     # or "separate": the tests run in a fresh view holding only the task's artifacts
+reward_range = [0, 1]       # rewards outside it are invalid (the agent's 0); "any": any finite number
+output_bytes = 10000000     # cap on one exec's output and on the verifier's output
+max_processes = 4096        # processes the agent may have at once (RLIMIT_NPROC)
+state_dir = "/var/tmp/..."  # where episodes keep their writable layers
+toolchain_dir = "..."       # the verifier's runner tree (built once; see sequester.verifier)
+backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
+docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
+docker_build = false        # docker: build the task's environment/Dockerfile with the engine
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ class EpisodeSettings:
         if self.backend not in BACKENDS:
             raise PolicyError(f"episodes.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.docker_host is not None and (not isinstance(self.docker_host, str) or not self.docker_host):
-            raise PolicyError(f"episodes.docker_host: {self.docker_host!r} is not an engine address "
-                              "(unix:///PATH, tcp://HOST:PORT, ssh://...)")
+            raise PolicyError(
+                f"episodes.docker_host: {self.docker_host!r} is not an engine address "
+                "(unix:///PATH, tcp://HOST:PORT, ssh://...)"
+            )
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))
@@ -90,8 +92,11 @@ def _reward_range(value: Any) -> tuple[float, float] | None:
     """``[low, high]`` of finite numbers, or ``None`` / ``"any"`` for no range."""
     if value is None or value == "any":
         return None
-    if (isinstance(value, (list, tuple)) and len(value) == 2
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
-            and value[0] <= value[1]):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+        and value[0] <= value[1]
+    ):
         return (float(value[0]), float(value[1]))
-    raise PolicyError(f"episodes.reward_range: {value!r} is not [low, high] (finite, low <= high) or \"any\"")
+    raise PolicyError(f'episodes.reward_range: {value!r} is not [low, high] (finite, low <= high) or "any"')

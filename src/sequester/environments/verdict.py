@@ -42,9 +42,23 @@ from sequester.tasks import Task
 from sequester.verifier.invocation import tests_mention
 
 __all__ = [
-    "BootstrapFailed", "DEFAULT_REWARD_RANGE", "Evaluation", "FROZEN_TIMEOUT_NOTE", "FROZEN_ZERO_NOTE",
-    "RewardFileMissing", "RewardInvalid", "VerifierCouldNotRun", "VerifierError", "VerifierResult", "VerifierTimeout",
-    "frozen_evaluation_note", "judge", "parse_rewards", "primary_reward", "runner_works", "zero_result",
+    "BootstrapFailed",
+    "DEFAULT_REWARD_RANGE",
+    "Evaluation",
+    "FROZEN_TIMEOUT_NOTE",
+    "FROZEN_ZERO_NOTE",
+    "RewardFileMissing",
+    "RewardInvalid",
+    "VerifierCouldNotRun",
+    "VerifierError",
+    "VerifierResult",
+    "VerifierTimeout",
+    "frozen_evaluation_note",
+    "judge",
+    "parse_rewards",
+    "primary_reward",
+    "runner_works",
+    "zero_result",
 ]
 
 
@@ -53,8 +67,16 @@ class VerifierError(SequesterError):
     printed (``output``), the files it left (``files``), and the tampering found before it
     ran (``tampering``)."""
 
-    def __init__(self, message: str, *, output: str = "", exit_code: int | None = None, duration: float = 0.0,
-                 files: dict[str, bytes] | None = None, tampering: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        message: str,
+        *,
+        output: str = "",
+        exit_code: int | None = None,
+        duration: float = 0.0,
+        files: dict[str, bytes] | None = None,
+        tampering: tuple[str, ...] = (),
+    ):
         super().__init__(message)
         self.output, self.exit_code, self.duration = output, exit_code, duration
         self.files, self.tampering = dict(files or {}), tuple(tampering)
@@ -111,8 +133,9 @@ def _number(value: Any, where: str, reward_range: tuple[float, float] | None) ->
     return number
 
 
-def parse_rewards(files: dict[str, bytes],
-                  reward_range: tuple[float, float] | None = DEFAULT_REWARD_RANGE) -> dict[str, float]:
+def parse_rewards(
+    files: dict[str, bytes], reward_range: tuple[float, float] | None = DEFAULT_REWARD_RANGE
+) -> dict[str, float]:
     """The verdict: ``reward.json`` (a flat object of numbers) if present, else
     ``reward.txt`` (one number). Strict: anything else is :class:`RewardInvalid`. Every
     number must be finite, and within ``reward_range`` unless that is ``None`` (Harbor
@@ -161,22 +184,29 @@ class Evaluation:
     """What one run of the verifier produced, as the host read it."""
 
     report: dict[str, Any] | None  # None: it ran over its time and was killed
-    output: bytes                  # head and tail, at most the configured cap
-    runner_said: tuple[str, ...]   # how far the runner got: "uvx", "pytest"
+    output: bytes  # head and tail, at most the configured cap
+    runner_said: tuple[str, ...]  # how far the runner got: "uvx", "pytest"
     duration: float
 
 
-def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str | None,
-          notes: tuple[str, ...] = (),
-          reward_range: tuple[float, float] | None = DEFAULT_REWARD_RANGE) -> VerifierResult:
+def judge(
+    task: Task,
+    ev: Evaluation,
+    *,
+    tampering: tuple[str, ...],
+    frozen: str | None,
+    notes: tuple[str, ...] = (),
+    reward_range: tuple[float, float] | None = DEFAULT_REWARD_RANGE,
+) -> VerifierResult:
     """The verdict of one evaluation (see the table above), or :class:`VerifierCouldNotRun`."""
     text = ev.output.decode(errors="replace")
     seen: dict[str, Any] = {"output": text, "duration": ev.duration, "tampering": tampering}
     notes = (*notes, *(ev.report or {}).get("notes", ()))
 
     def zero(reason: str, exit_code: int | None = None, files: dict[str, bytes] | None = None) -> VerifierResult:
-        return zero_result(ev, reason, tampering=tampering, frozen=frozen, notes=notes, exit_code=exit_code,
-                           files=files)
+        return zero_result(
+            ev, reason, tampering=tampering, frozen=frozen, notes=notes, exit_code=exit_code, files=files
+        )
 
     if ev.report is None:
         return zero(f"the verifier ran over its {task.config.verifier.timeout_sec:g} s and was killed")
@@ -188,7 +218,9 @@ def judge(task: Task, ev: Evaluation, *, tampering: tuple[str, ...], frozen: str
     if "uvx" in ev.runner_said and "pytest" not in ev.runner_said:
         raise BootstrapFailed(
             "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
-            f"test script asks for; the script exited {exit_code})", **seen)
+            f"test script asks for; the script exited {exit_code})",
+            **seen,
+        )
     if "reward.json" in files and not tests_mention(task, b"reward.json"):
         # Attack: a program the tests ran (the agent's) writing reward.json, which wins over
         # the reward.txt the script writes. A task whose tests never name reward.json gets
@@ -212,22 +244,40 @@ def runner_works(ev: Evaluation) -> bool:
     return not ("uvx" in ev.runner_said and "pytest" not in ev.runner_said)
 
 
-def zero_result(ev: Evaluation, reason: str, *, tampering: tuple[str, ...], frozen: str | None,
-                notes: tuple[str, ...], exit_code: int | None = None,
-                files: dict[str, bytes] | None = None) -> VerifierResult:
+def zero_result(
+    ev: Evaluation,
+    reason: str,
+    *,
+    tampering: tuple[str, ...],
+    frozen: str | None,
+    notes: tuple[str, ...],
+    exit_code: int | None = None,
+    files: dict[str, bytes] | None = None,
+) -> VerifierResult:
     """The agent's 0 for an evaluation without a valid verdict, with the reason."""
-    return VerifierResult({"reward": 0.0}, ev.output.decode(errors="replace"), exit_code, ev.duration,
-                            dict(files or {}), tampering, frozen, zero_reason=reason, notes=notes)
+    return VerifierResult(
+        {"reward": 0.0},
+        ev.output.decode(errors="replace"),
+        exit_code,
+        ev.duration,
+        dict(files or {}),
+        tampering,
+        frozen,
+        zero_reason=reason,
+        notes=notes,
+    )
 
 
 FROZEN_TIMEOUT_NOTE = (
     "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent), and the tests ran "
     "out of time: a task scored on a live service the agent started (a server the tests connect to) needs "
-    "freeze_agent = false")
+    "freeze_agent = false"
+)
 FROZEN_ZERO_NOTE = (
     "the agent's processes were frozen while the tests ran (freeze_agent / --freeze-agent): if this task is "
     "scored on a live service the agent started, the service could not answer; such a task needs "
-    "freeze_agent = false")
+    "freeze_agent = false"
+)
 
 
 def frozen_evaluation_note(frozen: str | None, *, timed_out: bool, reward: float | None = None) -> str | None:

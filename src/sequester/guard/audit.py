@@ -26,17 +26,35 @@ __all__ = ["PROCESS_EVENTS", "BLOCKED_IMPORTS", "PROCESS_MESSAGE", "install_audi
 
 PROCESS_MESSAGE = "process creation is blocked by the sandbox policy"
 
-PROCESS_EVENTS = frozenset({
-    "subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "os.exec", "pty.spawn", "os.startfile", "_posixsubprocess.fork_exec",
-})
+PROCESS_EVENTS = frozenset(
+    {
+        "subprocess.Popen",
+        "os.system",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "os.exec",
+        "pty.spawn",
+        "os.startfile",
+        "_posixsubprocess.fork_exec",
+    }
+)
 
 # Foreign-function interfaces and interpreter-poking test modules. ctypes is already in
 # the kernel's memory (the bootstrap used it); the import event still fires once the
 # bootstrap has removed it from sys.modules.
-BLOCKED_IMPORTS = frozenset({
-    "ctypes", "_ctypes", "cffi", "_cffi_backend", "pyseccomp", "_testcapi", "_testinternalcapi",
-})
+BLOCKED_IMPORTS = frozenset(
+    {
+        "ctypes",
+        "_ctypes",
+        "cffi",
+        "_cffi_backend",
+        "pyseccomp",
+        "_testcapi",
+        "_testinternalcapi",
+    }
+)
 
 _GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
 _RESOLVE_EVENTS = frozenset({"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex"})

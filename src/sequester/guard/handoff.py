@@ -3,8 +3,8 @@
 Why two stages. Confining a process needs system calls Python's standard library does
 not offer (``prctl``, ``capset``, ``seccomp``, ``mount``, Landlock). In a sandbox the
 first stage is native (``kernel/stage0.c``: no interpreter at all, and the handoff below
-is its last step); otherwise it is Python (:mod:`sequester.kernel.boot`), using ctypes. But once ``_ctypes`` is loaded into a
-process it can never be taken out again: its types stay reachable through
+is its last step); otherwise it is Python (:mod:`sequester.kernel.boot`), using ctypes.
+But once ``_ctypes`` is loaded into a process it can never be taken out again: its types stay reachable through
 ``object.__subclasses__()`` and CPython's extension cache hands the module back to
 ``_imp.create_dynamic`` without reading the file. A cell that switches the audit hook
 off (it can: the hook's frame is in the traceback of any refusal) would then have ctypes
@@ -58,8 +58,14 @@ class Handoff:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        where = libc.mmap(HANDOFF_ADDRESS, _PAGE, _PROT_READ | _PROT_WRITE,
-                          _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
+        where = libc.mmap(
+            HANDOFF_ADDRESS,
+            _PAGE,
+            _PROT_READ | _PROT_WRITE,
+            _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
         if where != HANDOFF_ADDRESS:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot map the handoff page at {HANDOFF_ADDRESS:#x}: {os.strerror(err)}")

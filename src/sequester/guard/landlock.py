@@ -26,7 +26,13 @@ _RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 REMOVE_DIR, REMOVE_FILE, MAKE_CHAR, MAKE_DIR, MAKE_REG = 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8
 MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM, REFER, TRUNCATE, IOCTL_DEV = (
-    1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15,
+    1 << 9,
+    1 << 10,
+    1 << 11,
+    1 << 12,
+    1 << 13,
+    1 << 14,
+    1 << 15,
 )
 _NET_BIND, _NET_CONNECT = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
@@ -57,7 +63,9 @@ def abi_version() -> int:
     """The Landlock ABI this kernel offers; 0 when Landlock is unavailable or disabled."""
     import ctypes
 
-    res = _libc().syscall(ctypes.c_long(_SYS_CREATE), None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    res = _libc().syscall(
+        ctypes.c_long(_SYS_CREATE), None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION)
+    )
     return max(int(res), 0)
 
 
@@ -129,8 +137,15 @@ def write_rights(abi: int) -> int:
     return _fs_rights(abi) & ~(EXECUTE | READ_FILE | READ_DIR | IOCTL_DEV)
 
 
-def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: Iterable[int] | None,
-                  list_only: Iterable[str] = (), handled_fs: int | None = None, scoped: bool = True) -> int:
+def restrict_self(
+    *,
+    read: Iterable[str],
+    write: Iterable[str],
+    connect_ports: Iterable[int] | None,
+    list_only: Iterable[str] = (),
+    handled_fs: int | None = None,
+    scoped: bool = True,
+) -> int:
     """Apply a ruleset to this process (and its future threads). Irreversible.
 
     Returns the ABI used. ``connect_ports=None`` leaves TCP unrestricted. ``list_only``
@@ -142,8 +157,11 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
     import ctypes
 
     class RulesetAttr(ctypes.Structure):
-        _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                    ("scoped", ctypes.c_uint64)]
+        _fields_ = [
+            ("handled_access_fs", ctypes.c_uint64),
+            ("handled_access_net", ctypes.c_uint64),
+            ("scoped", ctypes.c_uint64),
+        ]
 
     class PathBeneath(ctypes.Structure):
         _pack_ = 1
@@ -165,6 +183,7 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     try:
+
         def add_path(path: str, access: int) -> None:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -177,8 +196,16 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
                 if not stat.S_ISDIR(mode):
                     access &= EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
                 rule = PathBeneath(access & fs, fd)
-                if libc.syscall(ctypes.c_long(_SYS_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
-                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                if (
+                    libc.syscall(
+                        ctypes.c_long(_SYS_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    )
+                    != 0
+                ):
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
             finally:
                 os.close(fd)
@@ -193,8 +220,16 @@ def restrict_self(*, read: Iterable[str], write: Iterable[str], connect_ports: I
         if net:
             for port in connect_ports or ():
                 rule = NetPort(_NET_CONNECT, port)
-                if libc.syscall(ctypes.c_long(_SYS_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(_RULE_NET_PORT),
-                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                if (
+                    libc.syscall(
+                        ctypes.c_long(_SYS_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_RULE_NET_PORT),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    )
+                    != 0
+                ):
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule(port {port}) failed")
         if libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")

@@ -30,7 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MountStep", "plan_workspace", "plan_own_proc", "enter_private_namespaces", "STAGING", "SELF_MEM", "SELF_TASKS"]
+__all__ = [
+    "MountStep",
+    "plan_workspace",
+    "plan_own_proc",
+    "enter_private_namespaces",
+    "STAGING",
+    "SELF_MEM",
+    "SELF_TASKS",
+]
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
@@ -63,15 +71,26 @@ def plan_own_proc(covers: tuple[Path, ...]) -> tuple[MountStep, ...]:
     and its ``/dev/pts`` would let one kernel open another's terminals."""
     steps = [MountStep("mount", Path("/proc"), source="proc", fstype="proc", flags=_FLAGS)]
     for cover in covers:
-        steps += [MountStep("mount", cover, source=str(cover), flags=MS_BIND | MS_REC),
-                  MountStep("mount", cover, flags=MS_REMOUNT | MS_BIND | MS_RDONLY | _FLAGS)]
-    steps.append(MountStep("mount", Path("/dev/pts"), source="devpts", fstype="devpts", flags=MS_NOSUID | MS_NOEXEC,
-                           data="newinstance,ptmxmode=0666,mode=620"))
+        steps += [
+            MountStep("mount", cover, source=str(cover), flags=MS_BIND | MS_REC),
+            MountStep("mount", cover, flags=MS_REMOUNT | MS_BIND | MS_RDONLY | _FLAGS),
+        ]
+    steps.append(
+        MountStep(
+            "mount",
+            Path("/dev/pts"),
+            source="devpts",
+            fstype="devpts",
+            flags=MS_NOSUID | MS_NOEXEC,
+            data="newinstance,ptmxmode=0666,mode=620",
+        )
+    )
     return tuple(steps)
 
 
-def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = (),
-                   own_proc: tuple[Path, ...] | None = None) -> tuple[MountStep, ...]:
+def plan_workspace(
+    size_bytes: int, workspace: Path, keep: tuple[Path, ...] = (), own_proc: tuple[Path, ...] | None = None
+) -> tuple[MountStep, ...]:
     """The mounts that give ``/tmp`` and ``/dev/shm`` one ``noexec`` tmpfs of ``size_bytes``.
 
     ``keep``: what bwrap bound below ``/tmp`` (a ``readonly`` path there, say); carried
@@ -85,15 +104,16 @@ def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = ()
         # Nothing we mount may propagate back to bwrap's namespace (or the host's).
         MountStep("mount", Path("/"), flags=MS_REC | MS_PRIVATE),
         *(plan_own_proc(own_proc) if own_proc is not None else ()),
-        MountStep("mount", STAGING, source="tmpfs", fstype="tmpfs", flags=_FLAGS,
-                  data=f"size={size_bytes},mode=755"),
+        MountStep("mount", STAGING, source="tmpfs", fstype="tmpfs", flags=_FLAGS, data=f"size={size_bytes},mode=755"),
         MountStep("mkdir", tmp, mode=0o1777),
         MountStep("mkdir", shm, mode=0o1777),
     ]
     for path in keep:
         inside = tmp / path.relative_to("/tmp")
-        steps += [MountStep("mountpoint", inside, source=str(path)),
-                  MountStep("mount", inside, source=str(path), flags=MS_BIND | MS_REC)]
+        steps += [
+            MountStep("mountpoint", inside, source=str(path)),
+            MountStep("mount", inside, source=str(path), flags=MS_BIND | MS_REC),
+        ]
     steps += [
         MountStep("mount", Path("/tmp"), source=str(tmp), flags=MS_BIND | MS_REC),
         MountStep("mount", Path("/dev/shm"), source=str(shm), flags=MS_BIND),
@@ -106,8 +126,9 @@ def plan_workspace(size_bytes: int, workspace: Path, keep: tuple[Path, ...] = ()
         # becomes /dev/null, and its task folder (every thread's mem, /proc/thread-self)
         # an empty read-only tmpfs.
         MountStep("mount", SELF_MEM, source="/dev/null", flags=MS_BIND),
-        MountStep("mount", SELF_TASKS, source="tmpfs", fstype="tmpfs", flags=_FLAGS | MS_RDONLY,
-                  data="size=4096,mode=555"),
+        MountStep(
+            "mount", SELF_TASKS, source="tmpfs", fstype="tmpfs", flags=_FLAGS | MS_RDONLY, data="size=4096,mode=555"
+        ),
         # /dev: the device nodes are binds of their own; the tmpfs under them goes read-only.
         MountStep("mount", Path("/dev"), flags=MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV),
         MountStep("mkdir", workspace, mode=0o755),

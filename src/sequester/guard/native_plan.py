@@ -89,8 +89,12 @@ def _workspace_steps(workspace: dict[str, Any], template: bool) -> list[Step]:
             steps.append((Op.MOUNT, (source, target, fstype, flags, data)))
         else:
             raise NativePlanError(f"unknown workspace step {op!r}")
-    return [*steps, (Op.CHDIR, (workspace["path"],)), (Op.LOOPBACK_UP, ()),
-            (Op.WRITE, ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"))]
+    return [
+        *steps,
+        (Op.CHDIR, (workspace["path"],)),
+        (Op.LOOPBACK_UP, ()),
+        (Op.WRITE, ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")),
+    ]
 
 
 def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool = True) -> list[Step]:
@@ -122,8 +126,12 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool 
         steps.append((Op.USERNS, (uid, gid)))
     # The stage is one thread; the cell runner adds the bridge's (see boot.confine).
     threads = limits["max_threads"] + bool(config.get("bridge")) + 1
-    steps += [(Op.RLIMIT, (RLIMIT_AS, limits["memory_bytes"])), (Op.RLIMIT, (RLIMIT_NPROC, threads)),
-              (Op.RLIMIT, (RLIMIT_FSIZE, limits["file_bytes"])), (Op.RLIMIT, (RLIMIT_CORE, 0))]
+    steps += [
+        (Op.RLIMIT, (RLIMIT_AS, limits["memory_bytes"])),
+        (Op.RLIMIT, (RLIMIT_NPROC, threads)),
+        (Op.RLIMIT, (RLIMIT_FSIZE, limits["file_bytes"])),
+        (Op.RLIMIT, (RLIMIT_CORE, 0)),
+    ]
     if config.get("root_flow") or template:
         steps.append((Op.WRITE, ("/proc/sys/user/max_user_namespaces", "0")))
     if to_uid is not None and not template:
@@ -165,8 +173,10 @@ def _field(value: str | bytes | int | None) -> bytes:
 def encode_plan(steps: Sequence[Step]) -> bytes:
     """The frame the native stage reads: 4-byte big-endian length, then each op as u32
     opcode, u32 argument count and the arguments (u32 length, bytes; integers in decimal)."""
-    body = b"".join(int(op).to_bytes(4, "little") + len(args).to_bytes(4, "little") + b"".join(_field(a) for a in args)
-                    for op, args in steps)
+    body = b"".join(
+        int(op).to_bytes(4, "little") + len(args).to_bytes(4, "little") + b"".join(_field(a) for a in args)
+        for op, args in steps
+    )
     if len(body) > MAX_PLAN:
         raise NativePlanError(f"the plan is {len(body)} bytes, over the native stage's {MAX_PLAN}")
     return len(body).to_bytes(4, "big") + body

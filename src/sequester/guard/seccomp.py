@@ -45,21 +45,55 @@ PROCESS_SYSCALLS = ("execve", "execveat", "fork", "vfork")
 # runtime refuses too (namespaces, mounts, kernel modules, keyrings, clocks, ...).
 DENIED_SYSCALLS = (
     # namespaces, mounts, privileges
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
-    "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
-    "pidfd_getfd", "kcmp",
-    "keyctl", "add_key", "request_key",
-    "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog",
-    "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "vhangup", "uselib",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "fspick",
+    "mount_setattr",
+    "pidfd_getfd",
+    "kcmp",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "fanotify_init",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "quotactl",
+    "syslog",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "iopl",
+    "ioperm",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "vhangup",
+    "uselib",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
 )
 # Only kernels: an agent's shell debugs its programs (ptrace) and names its host.
-KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethostname", "setdomainname",
-                      "memfd_create")
+KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethostname", "setdomainname", "memfd_create")
 
 # Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
 ALLOWED_SOCKET_FAMILIES = (2, 10)  # not ``socket``'s names: the kernel imports this module
@@ -168,8 +202,12 @@ def load_filter(program: bytes, seccomp_nr: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
     buf = ctypes.create_string_buffer(program, len(program))
     prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
-    res = libc.syscall(ctypes.c_long(seccomp_nr), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
-                       ctypes.c_long(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(prog))
+    res = libc.syscall(
+        ctypes.c_long(seccomp_nr),
+        ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+        ctypes.c_long(_SECCOMP_FILTER_FLAG_TSYNC),
+        ctypes.byref(prog),
+    )
     if res != 0:
         if res > 0:
             raise OSError(errno.EAGAIN, f"seccomp TSYNC failed: thread {res} could not be synchronised")

@@ -23,9 +23,19 @@ _AF_INET, _SOCK_DGRAM = 2, 2
 def steps_for_kernel(steps) -> list[tuple]:  # type: ignore[no-untyped-def]
     """``MountStep``-s as ``(op, target, source, fstype, flags, data, mode, parents)`` of
     str and int only (``parents``: a mount point's ancestors, outermost first)."""
-    return [(s.op, str(s.target), s.source, s.fstype, s.flags, s.data, s.mode,
-             [str(p) for p in reversed(s.target.parents)] if s.op == "mountpoint" else [])
-            for s in steps]
+    return [
+        (
+            s.op,
+            str(s.target),
+            s.source,
+            s.fstype,
+            s.flags,
+            s.data,
+            s.mode,
+            [str(p) for p in reversed(s.target.parents)] if s.op == "mountpoint" else [],
+        )
+        for s in steps
+    ]
 
 
 def apply_workspace(steps: list[tuple], workspace: str) -> None:
@@ -59,9 +69,16 @@ def apply_workspace(steps: list[tuple], workspace: str) -> None:
         elif op == "umount":
             check(libc.umount2(os.fsencode(target), MNT_DETACH), f"umount {target}")
         elif op == "mount":
-            check(libc.mount(os.fsencode(source) if source else None, os.fsencode(target),
-                             fstype.encode() if fstype else None, ctypes.c_ulong(flags),
-                             data.encode() if data else None), f"mount {target}")
+            check(
+                libc.mount(
+                    os.fsencode(source) if source else None,
+                    os.fsencode(target),
+                    fstype.encode() if fstype else None,
+                    ctypes.c_ulong(flags),
+                    data.encode() if data else None,
+                ),
+                f"mount {target}",
+            )
         else:
             raise ValueError(f"unknown workspace step {op!r}")
     os.chdir(workspace)

@@ -17,9 +17,19 @@ image) come here. The modules, in the order a build uses them:
 
 from __future__ import annotations
 
-from sequester.imagebuild.builder import BuildOptions, BuildResult, StepReport, build_image
 from sequester.errors import BuildError, BuildTimeout
+from sequester.imagebuild.builder import BuildOptions, BuildResult, StepReport, build_image
 from sequester.imagebuild.task_build import build_task, ensure_built, has_dockerfile, task_image_name
 
-__all__ = ["BuildError", "BuildTimeout", "BuildOptions", "BuildResult", "StepReport", "build_image", "build_task",
-           "ensure_built", "has_dockerfile", "task_image_name"]
+__all__ = [
+    "BuildError",
+    "BuildTimeout",
+    "BuildOptions",
+    "BuildResult",
+    "StepReport",
+    "build_image",
+    "build_task",
+    "ensure_built",
+    "has_dockerfile",
+    "task_image_name",
+]

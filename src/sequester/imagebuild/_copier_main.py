@@ -130,7 +130,7 @@ def copy(op):
     into = op["dest_is_dir"] or len(sources) > 1
     for src in sources:
         if not os.path.lexists(src):
-            raise CopyFailed(f"{src[len(root):] or '/'}: no such file or folder in the source")
+            raise CopyFailed(f"{src[len(root) :] or '/'}: no such file or folder in the source")
         st = os.lstat(src)
         if stat.S_ISDIR(st.st_mode):
             _parent(dest.rstrip("/") + "/x")

@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from sequester.errors import BuildError
+from sequester.imagebuild.context import context_sources
+from sequester.imagebuild.execute import StepContext, execute_step
+from sequester.imagebuild.layer import commit_layer, drop_mount_stubs
+from sequester.imagebuild.plan import StagePlanner, needed_stages, stage_graph
+from sequester.imagebuild.record import built_layer, write_built_image
+from sequester.imagebuild.steps import ConfigStep, CopyStep, RunStep, Step
+from sequester.images.build_cache import BuildCache, base_key, step_key
 from sequester.images.manifest import ImageConfig
 from sequester.images.records import ImageRecord, LayerRef, hex_of
 from sequester.images.store import ImageStore
 from sequester.net.build.network import BuildNetwork
-from sequester.images.build_cache import BuildCache, base_key, step_key
-from sequester.imagebuild.context import context_sources
-from sequester.errors import BuildError
-from sequester.imagebuild.execute import StepContext, execute_step
-from sequester.imagebuild.layer import commit_layer, drop_mount_stubs
 from sequester.tasks.dockerfile_parse import parse_dockerfile
-from sequester.imagebuild.plan import StagePlanner, needed_stages, stage_graph
-from sequester.imagebuild.record import built_layer, write_built_image
-from sequester.imagebuild.steps import ConfigStep, CopyStep, RunStep, Step
 
 __all__ = ["BuildOptions", "StepReport", "BuildResult", "BuildReporter", "build_image"]
 
@@ -58,8 +58,8 @@ class BuildOptions:
 
 @dataclass(frozen=True)
 class StepReport:
-    stage: str      # "stage-1" or its AS name, as docker build prints it
-    number: int     # 1-based within the stage
+    stage: str  # "stage-1" or its AS name, as docker build prints it
+    number: int  # 1-based within the stage
     total: int
     line: int
     text: str
@@ -123,10 +123,17 @@ class _Stage:
     built: bool = False
 
 
-def build_image(store: ImageStore, dockerfile: Path, context: Path, *, name: str | None = None,
-                options: BuildOptions = BuildOptions(), runner: Path | None = None,
-                reporter: BuildReporter | None = None,
-                proxy_factory: Callable[[], object] | None = None) -> BuildResult:
+def build_image(
+    store: ImageStore,
+    dockerfile: Path,
+    context: Path,
+    *,
+    name: str | None = None,
+    options: BuildOptions = BuildOptions(),
+    runner: Path | None = None,
+    reporter: BuildReporter | None = None,
+    proxy_factory: Callable[[], object] | None = None,
+) -> BuildResult:
     """Build ``dockerfile`` with ``context``; the image is recorded in ``store`` as ``name``."""
     started = time.monotonic()
     reporter = reporter or _Quiet()
@@ -147,8 +154,14 @@ def build_image(store: ImageStore, dockerfile: Path, context: Path, *, name: str
         stages: dict[int, _Stage] = {}
         for index in order:
             stages[index] = _plan_stage(store, df, graph[index], stages, names, context, source, options, cache)
-        ctx = StepContext(source=source, context=context, runner=runner, proxy_factory=proxy_factory,
-                          deadline=deadline, on_output=reporter.output)
+        ctx = StepContext(
+            source=source,
+            context=context,
+            runner=runner,
+            proxy_factory=proxy_factory,
+            deadline=deadline,
+            on_output=reporter.output,
+        )
         reports: list[StepReport] = []
 
         def ensure(index: int) -> tuple[Path, ...]:
@@ -156,23 +169,42 @@ def build_image(store: ImageStore, dockerfile: Path, context: Path, *, name: str
             if not stage.built:
                 reports.extend(_run_stage(store, stage, ctx, cache, options, reporter, ensure, stages))
                 stage.built = True
-            return stage.base_layers + tuple(store.layer_dir(p.layer) for p in stage.planned
-                                             if p.layer and not _empty(store, p.layer))
+            return stage.base_layers + tuple(
+                store.layer_dir(p.layer) for p in stage.planned if p.layer and not _empty(store, p.layer)
+            )
 
         ctx.stage_layers = ensure
         ctx.image_layers = lambda ref: _image_layers(store, ref)
         last = stages[order[-1]]
         ensure(last.index)
-        refs = list(last.base_refs) + [built_layer(p.layer, _layer_bytes(store, p.layer)) for p in last.planned
-                                       if p.layer and not _empty(store, p.layer)]
+        refs = list(last.base_refs) + [
+            built_layer(p.layer, _layer_bytes(store, p.layer))
+            for p in last.planned
+            if p.layer and not _empty(store, p.layer)
+        ]
         record = write_built_image(store, last.config, refs, name=name, source=f"dockerfile:{dockerfile}")
-    log.info("built %s from %s in %.2f s (%d steps, %d cached)", name or record.short_id, dockerfile,
-             time.monotonic() - started, len(reports), sum(r.cached for r in reports))
+    log.info(
+        "built %s from %s in %.2f s (%d steps, %d cached)",
+        name or record.short_id,
+        dockerfile,
+        time.monotonic() - started,
+        len(reports),
+        sum(r.cached for r in reports),
+    )
     return BuildResult(record, tuple(reports), time.monotonic() - started)
 
 
-def _plan_stage(store: ImageStore, df, base, stages: dict[int, _Stage], names: dict[str, int], context: Path,
-                source: str, options: BuildOptions, cache: BuildCache) -> _Stage:
+def _plan_stage(
+    store: ImageStore,
+    df,
+    base,
+    stages: dict[int, _Stage],
+    names: dict[str, int],
+    context: Path,
+    source: str,
+    options: BuildOptions,
+    cache: BuildCache,
+) -> _Stage:
     parent = None
     layers: tuple[Path, ...] = ()
     refs: tuple[LayerRef, ...] = ()
@@ -200,8 +232,18 @@ def _plan_stage(store: ImageStore, df, base, stages: dict[int, _Stage], names: d
         base_name = "scratch"
     else:
         base_name = f"{(record.names or (base.base_ref,))[0]}@{record.digest}"
-    return _Stage(base.index, label, layers, refs, planner.config(), planned, key, parent=parent,
-                  base_name=base_name, line=df.stages[base.index].line)
+    return _Stage(
+        base.index,
+        label,
+        layers,
+        refs,
+        planner.config(),
+        planned,
+        key,
+        parent=parent,
+        base_name=base_name,
+        line=df.stages[base.index].line,
+    )
 
 
 def _content(store: ImageStore, step: Step, stages: dict[int, _Stage], context: Path, source: str) -> str:
@@ -210,8 +252,9 @@ def _content(store: ImageStore, step: Step, stages: dict[int, _Stage], context: 
         return ""
     if step.from_stage is not None:
         if step.from_stage not in stages:
-            raise BuildError(f"{source}:{step.line}: COPY --from={step.from_stage}: that stage is not built before "
-                             "this one")
+            raise BuildError(
+                f"{source}:{step.line}: COPY --from={step.from_stage}: that stage is not built before this one"
+            )
         return "stage " + stages[step.from_stage].final_key
     if step.from_image is not None:
         return "image " + store.get(step.from_image).id
@@ -225,7 +268,8 @@ def _network_key(step: Step, options: BuildOptions) -> str:
     """A step that can reach the network is keyed by what it could reach: a layer a
     ``public`` build fetched must not serve an ``allowlist`` or ``none`` build."""
     uses = (isinstance(step, RunStep) and step.network != "none") or (
-        isinstance(step, CopyStep) and step.add and any(s.startswith(("http://", "https://")) for s in step.sources))
+        isinstance(step, CopyStep) and step.add and any(s.startswith(("http://", "https://")) for s in step.sources)
+    )
     if not uses:
         return ""
     network = options.network
@@ -238,14 +282,24 @@ def _image_layers(store: ImageStore, ref: str) -> tuple[Path, ...]:
     return lease.layers
 
 
-def _run_stage(store: ImageStore, stage: _Stage, ctx: StepContext, cache: BuildCache, options: BuildOptions,
-               reporter: BuildReporter, ensure, stages: dict[int, _Stage]) -> list[StepReport]:
+def _run_stage(
+    store: ImageStore,
+    stage: _Stage,
+    ctx: StepContext,
+    cache: BuildCache,
+    options: BuildOptions,
+    reporter: BuildReporter,
+    ensure,
+    stages: dict[int, _Stage],
+) -> list[StepReport]:
     if stage.parent is not None:  # FROM <earlier stage>: its layers are this stage's base
         stage.base_layers = ensure(stage.parent)
         parent_stage = stages[stage.parent]
         stage.base_refs = parent_stage.base_refs + tuple(
-            built_layer(p.layer, _layer_bytes(store, p.layer)) for p in parent_stage.planned
-            if p.layer and not _empty(store, p.layer))
+            built_layer(p.layer, _layer_bytes(store, p.layer))
+            for p in parent_stage.planned
+            if p.layer and not _empty(store, p.layer)
+        )
     layers = list(stage.base_layers)
     reports = []
     total = len(stage.planned) + 1  # FROM is step 1, as docker build counts
@@ -267,8 +321,9 @@ def _run_stage(store: ImageStore, stage: _Stage, ctx: StepContext, cache: BuildC
             began = time.monotonic()
             planned.layer = _execute(store, step, layers, planned.key, ctx, fresh=options.no_cache)
             cache.record(planned.key, planned.layer)
-            report = StepReport(stage.label, number, total, step.line, step.text, cached=False,
-                                seconds=time.monotonic() - began)
+            report = StepReport(
+                stage.label, number, total, step.line, step.text, cached=False, seconds=time.monotonic() - began
+            )
         reports.append(report)
         reporter.step(report, True)
         if not _empty(store, planned.layer):
@@ -305,6 +360,7 @@ def _execute(store: ImageStore, step: Step, lowers: list[Path], key: str, ctx: S
 
 def _remove(path: Path) -> None:
     from sequester.sandbox.remove import remove_tree
+
     try:
         remove_tree(path)
     except OSError:
@@ -322,6 +378,7 @@ def _empty(store: ImageStore, layer_hex: str | None) -> bool:
 
 def _layer_bytes(store: ImageStore, layer_hex: str) -> int:
     import json
+
     try:
         return int(json.loads((store.root / "layers" / f"{layer_hex}.json").read_text())["bytes"])
     except (OSError, ValueError, KeyError):
@@ -331,5 +388,6 @@ def _layer_bytes(store: ImageStore, layer_hex: str) -> int:
 def _default_proxy_factory(network: BuildNetwork) -> Callable[[], object]:
     from sequester.net.build.network import index_hosts
     from sequester.net.build.proxy import BuildProxy
+
     hosts = index_hosts()
     return lambda: BuildProxy(network, index_hosts=hosts)

@@ -14,11 +14,47 @@ __all__ = ["exposed_ports", "volumes", "check_stop_signal", "healthcheck_test"]
 _PORT = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?(?:/([A-Za-z]+))?$")
 _PROTOCOLS = ("tcp", "udp", "sctp")
 # Linux's signal names (Docker's signal.SignalMap), with or without "SIG", any case.
-_SIGNALS = frozenset({
-    "ABRT", "ALRM", "BUS", "CHLD", "CLD", "CONT", "FPE", "HUP", "ILL", "INT", "IO", "IOT", "KILL", "PIPE", "POLL",
-    "PROF", "PWR", "QUIT", "SEGV", "STKFLT", "STOP", "SYS", "TERM", "TRAP", "TSTP", "TTIN", "TTOU", "UNUSED", "URG",
-    "USR1", "USR2", "VTALRM", "WINCH", "XCPU", "XFSZ", "RTMIN", "RTMAX",
-})
+_SIGNALS = frozenset(
+    {
+        "ABRT",
+        "ALRM",
+        "BUS",
+        "CHLD",
+        "CLD",
+        "CONT",
+        "FPE",
+        "HUP",
+        "ILL",
+        "INT",
+        "IO",
+        "IOT",
+        "KILL",
+        "PIPE",
+        "POLL",
+        "PROF",
+        "PWR",
+        "QUIT",
+        "SEGV",
+        "STKFLT",
+        "STOP",
+        "SYS",
+        "TERM",
+        "TRAP",
+        "TSTP",
+        "TTIN",
+        "TTOU",
+        "UNUSED",
+        "URG",
+        "USR1",
+        "USR2",
+        "VTALRM",
+        "WINCH",
+        "XCPU",
+        "XFSZ",
+        "RTMIN",
+        "RTMAX",
+    }
+)
 _REALTIME = re.compile(r"^(RTMIN\+(\d+)|RTMAX-(\d+))$")
 
 

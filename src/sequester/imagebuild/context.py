@@ -20,10 +20,9 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sequester.errors import TaskError
-from sequester.tasks.context import inside_context, is_archive, context_matches, walk_context
-from sequester.errors import BuildError
+from sequester.errors import BuildError, TaskError
 from sequester.imagebuild.steps import CopyStep
+from sequester.tasks.context import context_matches, inside_context, is_archive, walk_context
 
 __all__ = ["ContextSources", "context_sources"]
 
@@ -32,10 +31,10 @@ _READ = 1 << 20
 
 @dataclass(frozen=True)
 class ContextSources:
-    root: Path                     # the context's real path (mounted read-only for the copier)
-    copies: tuple[str, ...]        # absolute paths inside the context mount, to copy
-    archives: tuple[str, ...]      # ADD: local tar archives to extract into the destination
-    digest: str                    # of everything they name
+    root: Path  # the context's real path (mounted read-only for the copier)
+    copies: tuple[str, ...]  # absolute paths inside the context mount, to copy
+    archives: tuple[str, ...]  # ADD: local tar archives to extract into the destination
+    digest: str  # of everything they name
 
 
 def context_sources(step: CopyStep, context: Path, source: str) -> ContextSources:
@@ -69,8 +68,7 @@ def context_sources(step: CopyStep, context: Path, source: str) -> ContextSource
                     else:
                         copies.append(inner)
                 else:
-                    raise BuildError(f"{where}: {step.text.split()[0]} source {src!r}: {path} is not a file or "
-                                     "folder")
+                    raise BuildError(f"{where}: {step.text.split()[0]} source {src!r}: {path} is not a file or folder")
     except TaskError as exc:
         raise BuildError(str(exc)) from None
     return ContextSources(real_root, tuple(copies), tuple(archives), "sha256:" + digest.hexdigest())
@@ -82,17 +80,19 @@ def _python_reads(path: Path) -> bool:
         with tarfile.open(path, "r:*"):
             return True
     except (tarfile.TarError, OSError):
-        raise BuildError(f"{path}: ADD of this archive is not supported (zstd-compressed tars cannot be "
-                         "extracted here; use a gzip or xz tar)") from None
+        raise BuildError(
+            f"{path}: ADD of this archive is not supported (zstd-compressed tars cannot be "
+            "extracted here; use a gzip or xz tar)"
+        ) from None
 
 
-def _entry(digest: "hashlib._Hash", *fields: object) -> None:
+def _entry(digest: hashlib._Hash, *fields: object) -> None:
     """One entry's header: a JSON line, so that no name or link target (a newline in it)
     can make two different contexts hash alike (attack: a shared cache key)."""
     digest.update(json.dumps(fields).encode() + b"\n")
 
 
-def _digest_file(path: Path, root: Path, digest: "hashlib._Hash") -> None:
+def _digest_file(path: Path, root: Path, digest: hashlib._Hash) -> None:
     st = path.lstat()
     _entry(digest, "F", path.relative_to(root).as_posix(), stat.S_IMODE(st.st_mode), st.st_size)
     left = st.st_size  # exactly the size the header says: the content cannot run into the next header
@@ -104,7 +104,7 @@ def _digest_file(path: Path, root: Path, digest: "hashlib._Hash") -> None:
         raise BuildError(f"{path}: the file changed while it was read")
 
 
-def _digest_tree(top: Path, root: Path, digest: "hashlib._Hash") -> None:
+def _digest_tree(top: Path, root: Path, digest: hashlib._Hash) -> None:
     stack = [top]
     while stack:
         folder = stack.pop()

@@ -17,14 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sequester.images.stack import image_path_kind, resolve_user
-from sequester.errors import ImageError, SandboxError
-from sequester.sandbox.mounts import MountKind, MountOp
-from sequester.verifier.layout import RUNNER_MOUNT
+from sequester.errors import BuildError, BuildTimeout, ImageError, SandboxError
 from sequester.imagebuild.context import context_sources
-from sequester.errors import BuildError, BuildTimeout
 from sequester.imagebuild.step_sandbox import AUX, StepOutcome, StepRun, run_step
 from sequester.imagebuild.steps import CopyStep, RunStep, WorkdirStep
+from sequester.images.stack import image_path_kind, resolve_user
+from sequester.sandbox.mounts import MountKind, MountOp
+from sequester.verifier.layout import RUNNER_MOUNT
 
 __all__ = ["StepContext", "execute_step", "step_failure"]
 
@@ -40,13 +39,13 @@ _CA_BUNDLE = RUNNER_MOUNT / "etc" / "ca-certificates.crt"  # the host's, copied 
 class StepContext:
     """What every step of one build shares."""
 
-    source: str                                # the Dockerfile, for messages
-    context: Path                              # the build context folder
-    runner: Path | None                        # the verifier runner's tree (for the copier)
+    source: str  # the Dockerfile, for messages
+    context: Path  # the build context folder
+    runner: Path | None  # the verifier runner's tree (for the copier)
     proxy_factory: Callable[[], object] | None  # a fresh BuildProxy per step, or None: no network
-    deadline: float | None                     # time.monotonic() at which the build times out
+    deadline: float | None  # time.monotonic() at which the build times out
     on_output: Callable[[bytes], None] | None = None
-    stage_layers: Callable[[int], Sequence[Path]] = field(default=lambda i: ())   # COPY --from=<stage>
+    stage_layers: Callable[[int], Sequence[Path]] = field(default=lambda i: ())  # COPY --from=<stage>
     image_layers: Callable[[str], Sequence[Path]] = field(default=lambda ref: ())  # COPY --from=<image>
 
 
@@ -62,8 +61,10 @@ def _check_mount_points(lowers: Sequence[Path], paths: Sequence[str], where: str
     out of it. Every mount point must be a folder in the layers, or absent."""
     for rel in paths:
         if image_path_kind(lowers, rel) not in ("dir", "none"):
-            raise BuildError(f"{where}: the image's /{rel} is not a folder (a link or a file); the build's "
-                             "sandbox cannot be made on it")
+            raise BuildError(
+                f"{where}: the image's /{rel} is not a folder (a link or a file); the build's "
+                "sandbox cannot be made on it"
+            )
 
 
 def step_failure(ctx: StepContext, line: int, text: str, outcome: StepOutcome) -> BuildError:
@@ -72,12 +73,15 @@ def step_failure(ctx: StepContext, line: int, text: str, outcome: StepOutcome) -
     if outcome.timed_out:
         return BuildTimeout(f"{ctx.source}:{line}: the build timed out during {short!r}; last output:\n{tail}")
     refused = "".join(f"\n  network refused: {r}" for r in outcome.refusals[:5])
-    return BuildError(f"{ctx.source}:{line}: {short!r} failed with exit status {outcome.status}"
-                      f"{refused}\nlast output:\n{tail or '(none)'}")
+    return BuildError(
+        f"{ctx.source}:{line}: {short!r} failed with exit status {outcome.status}"
+        f"{refused}\nlast output:\n{tail or '(none)'}"
+    )
 
 
-def execute_step(step: RunStep | CopyStep | WorkdirStep, lowers: Sequence[Path], upper: Path, work: Path,
-                 ctx: StepContext) -> StepOutcome:
+def execute_step(
+    step: RunStep | CopyStep | WorkdirStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: StepContext
+) -> StepOutcome:
     """Run ``step`` on ``lowers`` writing into ``upper``; :class:`BuildError` if it fails."""
     where = f"{ctx.source}:{step.line}"
     try:
@@ -91,8 +95,7 @@ def execute_step(step: RunStep | CopyStep | WorkdirStep, lowers: Sequence[Path],
         raise BuildError(f"{where}: the step's sandbox could not be made: {exc}") from None
 
 
-def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: StepContext,
-         where: str) -> StepOutcome:
+def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: StepContext, where: str) -> StepOutcome:
     _check_mount_points(lowers, ("proc", "dev"), where)
     try:
         uid, gid, home = resolve_user(lowers, step.user)
@@ -101,10 +104,19 @@ def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: St
     env = dict(step.env)
     env.setdefault("HOME", home or ("/root" if uid == 0 else "/"))
     wants_network = step.network != "none" and ctx.proxy_factory is not None
-    run = StepRun(tuple(lowers), upper, work, step.argv, env, cwd=step.workdir if _is_dir(lowers, step.workdir)
-                  else "/", uid=uid, gid=gid)
-    outcome = run_step(run, timeout=_left(ctx), proxy=ctx.proxy_factory() if wants_network else None,
-                       on_output=ctx.on_output)
+    run = StepRun(
+        tuple(lowers),
+        upper,
+        work,
+        step.argv,
+        env,
+        cwd=step.workdir if _is_dir(lowers, step.workdir) else "/",
+        uid=uid,
+        gid=gid,
+    )
+    outcome = run_step(
+        run, timeout=_left(ctx), proxy=ctx.proxy_factory() if wants_network else None, on_output=ctx.on_output
+    )
     if outcome.status != 0:
         raise step_failure(ctx, step.line, step.text, outcome)
     return outcome
@@ -114,11 +126,14 @@ def _is_dir(lowers: Sequence[Path], path: str) -> bool:
     return image_path_kind(lowers, path) == "dir"
 
 
-def _copy(step: CopyStep | WorkdirStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: StepContext,
-          where: str) -> StepOutcome:
+def _copy(
+    step: CopyStep | WorkdirStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: StepContext, where: str
+) -> StepOutcome:
     if ctx.runner is None:
-        raise BuildError(f"{where}: COPY, ADD and WORKDIR need the verifier's runner (its Python does the "
-                         "copying), and it could not be built: see the log")
+        raise BuildError(
+            f"{where}: COPY, ADD and WORKDIR need the verifier's runner (its Python does the "
+            "copying), and it could not be built: see the log"
+        )
     runner_rel = str(RUNNER_MOUNT).lstrip("/")
     _check_mount_points(lowers, ("proc", "dev", runner_rel.split("/")[0], runner_rel), where)
     if image_path_kind(lowers, runner_rel) != "none":
@@ -134,32 +149,65 @@ def _copy(step: CopyStep | WorkdirStep, lowers: Sequence[Path], upper: Path, wor
         local = tuple(s for s in step.sources if s not in urls)
         into = step.dest_is_dir or len(step.sources) > 1
         for url in urls:
-            ops.append({"kind": "fetch", "url": url, "dest": step.dest, "dest_is_dir": into, "chmod": chmod,
-                        "checksum": getattr(step, "checksum", None), "cafile": str(_CA_BUNDLE)})
+            ops.append(
+                {
+                    "kind": "fetch",
+                    "url": url,
+                    "dest": step.dest,
+                    "dest_is_dir": into,
+                    "chmod": chmod,
+                    "checksum": getattr(step, "checksum", None),
+                    "cafile": str(_CA_BUNDLE),
+                }
+            )
             network = True
         if local and step.from_stage is None and step.from_image is None:
             found = context_sources(step, ctx.context, ctx.source)
             mounts.append(MountOp(MountKind.READONLY, _SRC, source=found.root))
             if found.copies:
-                ops.append({"kind": "copy", "root": str(_SRC), "sources": list(found.copies), "dest": step.dest,
-                            "dest_is_dir": into, "chmod": chmod})
+                ops.append(
+                    {
+                        "kind": "copy",
+                        "root": str(_SRC),
+                        "sources": list(found.copies),
+                        "dest": step.dest,
+                        "dest_is_dir": into,
+                        "chmod": chmod,
+                    }
+                )
             for archive in found.archives:
                 ops.append({"kind": "extract", "source": f"{_SRC}{archive}", "dest": step.dest})
         elif local:
-            layers = (ctx.stage_layers(step.from_stage) if step.from_stage is not None
-                      else ctx.image_layers(step.from_image or ""))
+            layers = (
+                ctx.stage_layers(step.from_stage)
+                if step.from_stage is not None
+                else ctx.image_layers(step.from_image or "")
+            )
             if not layers:  # an empty stage (FROM scratch, nothing added): nothing to copy from
                 mounts.append(MountOp(MountKind.TMPFS, _SRC))
             elif len(layers) == 1:
                 mounts.append(MountOp(MountKind.READONLY, _SRC, source=layers[0]))
             else:
                 mounts.append(MountOp(MountKind.OVERLAY, _SRC, lowers=tuple(layers)))
-            ops.append({"kind": "copy", "root": str(_SRC), "sources": list(local), "dest": step.dest,
-                        "dest_is_dir": into, "chmod": chmod})
-    run = StepRun(tuple(lowers), upper, work,
-                  (f"{RUNNER_MOUNT}/bin/python3", "-I", "-S", str(_PROGRAM), str(_PLAN)), {"HOME": "/root"},
-                  extra_mounts=tuple(mounts),
-                  data_files={_PROGRAM: _COPIER.read_text(), _PLAN: json.dumps({"ops": ops})})
+            ops.append(
+                {
+                    "kind": "copy",
+                    "root": str(_SRC),
+                    "sources": list(local),
+                    "dest": step.dest,
+                    "dest_is_dir": into,
+                    "chmod": chmod,
+                }
+            )
+    run = StepRun(
+        tuple(lowers),
+        upper,
+        work,
+        (f"{RUNNER_MOUNT}/bin/python3", "-I", "-S", str(_PROGRAM), str(_PLAN)),
+        {"HOME": "/root"},
+        extra_mounts=tuple(mounts),
+        data_files={_PROGRAM: _COPIER.read_text(), _PLAN: json.dumps({"ops": ops})},
+    )
     proxy = ctx.proxy_factory() if network and ctx.proxy_factory is not None else None
     outcome = run_step(run, timeout=_left(ctx), proxy=proxy, on_output=ctx.on_output)
     if outcome.status != 0:

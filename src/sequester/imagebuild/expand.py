@@ -18,18 +18,30 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 
-from sequester.images.manifest import Platform
-from sequester.tasks.dockerfile_syntax import WordError, expand, split_raw
 from sequester.errors import BuildError
+from sequester.images.manifest import Platform
 from sequester.tasks.dockerfile_parse import Dockerfile, Instruction
+from sequester.tasks.dockerfile_syntax import WordError, expand, split_raw
 
 __all__ = ["PROXY_ARGS", "Defined", "Scope", "fail", "platform_args", "global_scope", "name_values"]
 
 # Docker passes these to RUN from --build-arg without an ARG declaring them, and leaves
 # them out of the cache key (a proxy is how the builder reaches the network, not part of
 # what a step does).
-PROXY_ARGS = frozenset({"HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "FTP_PROXY", "ftp_proxy",
-                        "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"})
+PROXY_ARGS = frozenset(
+    {
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "FTP_PROXY",
+        "ftp_proxy",
+        "NO_PROXY",
+        "no_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    }
+)
 _ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -73,8 +85,14 @@ def platform_args(platform: Platform | None) -> dict[str, str]:
         return {}
     out: dict[str, str] = {}
     for prefix in ("TARGET", "BUILD"):
-        out.update({prefix + "PLATFORM": str(platform), prefix + "OS": platform.os,
-                    prefix + "ARCH": platform.architecture, prefix + "VARIANT": platform.variant})
+        out.update(
+            {
+                prefix + "PLATFORM": str(platform),
+                prefix + "OS": platform.os,
+                prefix + "ARCH": platform.architecture,
+                prefix + "VARIANT": platform.variant,
+            }
+        )
     return out
 
 
@@ -89,8 +107,9 @@ def _arg_words(ins: Instruction, escape: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def global_scope(df: Dockerfile, build_args: Mapping[str, str],
-                 platform: Platform | None = None) -> dict[str, str | None]:
+def global_scope(
+    df: Dockerfile, build_args: Mapping[str, str], platform: Platform | None = None
+) -> dict[str, str | None]:
     """The ARGs before the first FROM (what FROM expands with), plus the platform ARGs.
 
     Each default is expanded with the global ARGs before it; a ``--build-arg`` replaces
@@ -152,12 +171,13 @@ class Scope:
     as Docker's documentation says), while ``env`` never holds an ARG.
     """
 
-    def __init__(self, escape: str, env: Mapping[str, str], global_args: Mapping[str, str | None],
-                 build_args: Mapping[str, str]) -> None:
+    def __init__(
+        self, escape: str, env: Mapping[str, str], global_args: Mapping[str, str | None], build_args: Mapping[str, str]
+    ) -> None:
         self.escape = escape
-        self.env: dict[str, str] = dict(env)                # the config's Env, in order
-        self.build_env: dict[str, str] = dict(env)          # what expansion and RUN see
-        self.args: dict[str, str | None] = {}               # ARGs declared in this stage, in order
+        self.env: dict[str, str] = dict(env)  # the config's Env, in order
+        self.build_env: dict[str, str] = dict(env)  # what expansion and RUN see
+        self.args: dict[str, str | None] = {}  # ARGs declared in this stage, in order
         self._global = global_args
         self._build = build_args
 
@@ -195,6 +215,7 @@ class Scope:
         build value; the undeclared proxy build args, which stay out of the cache key)."""
         env = [(k, self.build_env[k]) for k in self.env]
         env += [(k, v) for k, v in self.build_env.items() if k not in self.env]
-        proxies = [(k, v) for k, v in self._build.items()
-                   if k in PROXY_ARGS and k not in self.args and k not in self.build_env]
+        proxies = [
+            (k, v) for k, v in self._build.items() if k in PROXY_ARGS and k not in self.args and k not in self.build_env
+        ]
         return env, proxies

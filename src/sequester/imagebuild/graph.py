@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sequester.images.manifest import Platform, host_platform
-from sequester.tasks.dockerfile_syntax import WordError, expand
 from sequester.errors import BuildError
 from sequester.imagebuild.expand import Defined, fail, global_scope
+from sequester.images.manifest import Platform, host_platform
 from sequester.tasks.dockerfile_parse import Dockerfile, Instruction
+from sequester.tasks.dockerfile_syntax import WordError, expand
 
 __all__ = ["StageBase", "stage_graph", "stage_names", "target_stage", "needed_stages", "resolve_from"]
 
@@ -25,10 +25,10 @@ class StageBase:
     """What one stage starts from and which other stages (or images) it copies from."""
 
     index: int
-    base_ref: str | None                 # the expanded image reference, or "scratch"; None: base_stage
-    base_stage: int | None               # FROM <an earlier stage's name>
-    copies_from: tuple[int | str, ...]   # COPY --from: stage indexes and image references, first use first
-    platform: str | None = None          # FROM --platform, expanded
+    base_ref: str | None  # the expanded image reference, or "scratch"; None: base_stage
+    base_stage: int | None  # FROM <an earlier stage's name>
+    copies_from: tuple[int | str, ...]  # COPY --from: stage indexes and image references, first use first
+    platform: str | None = None  # FROM --platform, expanded
 
 
 def stage_names(df: Dockerfile) -> dict[str, int]:
@@ -46,8 +46,7 @@ def target_stage(df: Dockerfile, target: str) -> int:
     raise BuildError(f"{df.source}: no stage is named {target!r} (stages: {', '.join(names) or 'none named'})")
 
 
-def stage_graph(df: Dockerfile, build_args: Mapping[str, str], *,
-                platform: Platform | None = None) -> list[StageBase]:
+def stage_graph(df: Dockerfile, build_args: Mapping[str, str], *, platform: Platform | None = None) -> list[StageBase]:
     """Every stage's base and COPY --from sources. FROM expands with the global ARGs only
     (and the platform ARGs of ``platform``, the build's: by default this host's), as in Docker."""
     scope = global_scope(df, build_args, platform or host_platform())
@@ -89,13 +88,20 @@ def resolve_from(df: Dockerfile, ins: Instruction, index: int, value: str, names
     this), and a stage can only copy from one before it (BuildKit builds stages in order).
     """
     if "$" in value:
-        raise fail(df.source, ins, f"--from={value}: variables are not expanded in --from (as in Docker); define "
-                                   f"a stage with FROM and a global ARG instead, and copy from that")
+        raise fail(
+            df.source,
+            ins,
+            f"--from={value}: variables are not expanded in --from (as in Docker); define "
+            f"a stage with FROM and a global ARG instead, and copy from that",
+        )
     if value.lower() in names or value.isdigit():
         other = names[value.lower()] if value.lower() in names else int(value)
         if other >= index:
-            raise fail(df.source, ins, f"--from={value}: cannot copy from stage {other}, it must be defined before "
-                                       f"this one (stage {index})")
+            raise fail(
+                df.source,
+                ins,
+                f"--from={value}: cannot copy from stage {other}, it must be defined before this one (stage {index})",
+            )
         return other
     return value
 

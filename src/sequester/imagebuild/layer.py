@@ -20,9 +20,9 @@ import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from sequester.images.stack import image_path_kind
 from sequester.sandbox.remove import remove_tree
 from sequester.sandbox.rename import rename_noreplace
-from sequester.images.stack import image_path_kind
 
 __all__ = ["drop_mount_stubs", "commit_layer", "layer_size"]
 

@@ -23,18 +23,26 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from sequester.images.manifest import ImageConfig, Platform, host_platform
-from sequester.tasks.dockerfile_syntax import WordError, expand_words
-from sequester.tasks.dockerfile import absolute_path
-from sequester.imagebuild.config_args import check_stop_signal, exposed_ports, healthcheck_test, volumes
 from sequester.errors import BuildError
+from sequester.imagebuild.config_args import check_stop_signal, exposed_ports, healthcheck_test, volumes
 from sequester.imagebuild.expand import Scope, fail, global_scope, name_values
 from sequester.imagebuild.graph import StageBase, needed_stages, resolve_from, stage_graph, stage_names, target_stage
-from sequester.tasks.dockerfile_parse import Dockerfile, Instruction, exec_form
 from sequester.imagebuild.steps import ConfigStep, CopyStep, RunStep, Step, WorkdirStep
+from sequester.images.manifest import ImageConfig, Platform, host_platform
+from sequester.tasks.dockerfile import absolute_path
+from sequester.tasks.dockerfile_parse import Dockerfile, Instruction, exec_form
+from sequester.tasks.dockerfile_syntax import WordError, expand_words
 
-__all__ = ["StageBase", "stage_graph", "stage_names", "target_stage", "needed_stages", "StagePlanner",
-           "DEFAULT_SHELL", "DEFAULT_PATH"]
+__all__ = [
+    "StageBase",
+    "stage_graph",
+    "stage_names",
+    "target_stage",
+    "needed_stages",
+    "StagePlanner",
+    "DEFAULT_SHELL",
+    "DEFAULT_PATH",
+]
 
 DEFAULT_SHELL = ("/bin/sh", "-c")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # Docker's, for Linux
@@ -55,8 +63,16 @@ class StagePlanner:
     bad instruction anywhere in the stage fails the stage before its first step runs.
     """
 
-    def __init__(self, df: Dockerfile, stage: int, base_config: ImageConfig, build_args: Mapping[str, str],
-                 stage_names: Mapping[str, int], *, platform: Platform | None = None) -> None:
+    def __init__(
+        self,
+        df: Dockerfile,
+        stage: int,
+        base_config: ImageConfig,
+        build_args: Mapping[str, str],
+        stage_names: Mapping[str, int],
+        *,
+        platform: Platform | None = None,
+    ) -> None:
         if not 0 <= stage < len(df.stages):
             raise BuildError(f"{df.source}: there is no stage {stage}")
         self._df, self._index, self._base = df, stage, base_config
@@ -85,13 +101,21 @@ class StagePlanner:
     def config(self) -> ImageConfig:
         """The image config after every instruction of the stage (layers not included)."""
         self._plan()
-        return ImageConfig(env=tuple(f"{k}={v}" for k, v in self._scope.env.items()), workdir=self._workdir,
-                           user=self._user, cmd=tuple(self._cmd), entrypoint=tuple(self._entrypoint),
-                           diff_ids=(), platform=self._base.platform,
-                           labels=tuple(f"{k}={v}" for k, v in self._labels.items()),
-                           exposed_ports=tuple(self._ports), volumes=tuple(self._volumes),
-                           healthcheck=tuple(self._healthcheck), stop_signal=self._stop_signal,
-                           shell=tuple(self._shell) if self._shell_set else ())
+        return ImageConfig(
+            env=tuple(f"{k}={v}" for k, v in self._scope.env.items()),
+            workdir=self._workdir,
+            user=self._user,
+            cmd=tuple(self._cmd),
+            entrypoint=tuple(self._entrypoint),
+            diff_ids=(),
+            platform=self._base.platform,
+            labels=tuple(f"{k}={v}" for k, v in self._labels.items()),
+            exposed_ports=tuple(self._ports),
+            volumes=tuple(self._volumes),
+            healthcheck=tuple(self._healthcheck),
+            stop_signal=self._stop_signal,
+            shell=tuple(self._shell) if self._shell_set else (),
+        )
 
     def _plan(self) -> list[Step]:
         if self._planned is None:
@@ -174,11 +198,34 @@ class StagePlanner:
             raise self._fail(ins, "the destination is empty")
         absolute = absolute_path(self._workdir or "/", dest)
         into = dest.endswith("/") or posixpath.basename(dest) in (".", "..") or len(sources) > 1
-        fields = dict(add=add, sources=sources, dest=absolute, dest_is_dir=into, from_stage=from_stage,
-                      from_image=from_image, chown=chown, chmod=chmod, checksum=checksum, user=self._user)
+        fields = dict(
+            add=add,
+            sources=sources,
+            dest=absolute,
+            dest_is_dir=into,
+            from_stage=from_stage,
+            from_image=from_image,
+            chown=chown,
+            chmod=chmod,
+            checksum=checksum,
+            user=self._user,
+        )
         key = _key(ins.keyword, **fields)
-        return CopyStep(ins.line, ins.text, key, add, tuple(sources), absolute, into, from_stage=from_stage,
-                        from_image=from_image, chown=chown, chmod=chmod, user=self._user, checksum=checksum)
+        return CopyStep(
+            ins.line,
+            ins.text,
+            key,
+            add,
+            tuple(sources),
+            absolute,
+            into,
+            from_stage=from_stage,
+            from_image=from_image,
+            chown=chown,
+            chmod=chmod,
+            user=self._user,
+            checksum=checksum,
+        )
 
     _do_add = _do_copy
 

@@ -25,28 +25,45 @@ def built_layer(layer_hex: str, size: int) -> LayerRef:
     return LayerRef(f"sha256:{layer_hex}", f"sha256:{layer_hex}", BUILT_LAYER, size)
 
 
-def write_built_image(store: ImageStore, config: ImageConfig, layers: Sequence[LayerRef], *, name: str | None,
-                      source: str) -> ImageRecord:
+def write_built_image(
+    store: ImageStore, config: ImageConfig, layers: Sequence[LayerRef], *, name: str | None, source: str
+) -> ImageRecord:
     plat = store.platform
-    doc = {"architecture": plat.architecture, "os": plat.os, "config": config_document(config),
-           "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]}}
+    doc = {
+        "architecture": plat.architecture,
+        "os": plat.os,
+        "config": config_document(config),
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
+    }
     if plat.variant:
         doc["variant"] = plat.variant
     config_digest, config_size = write_json_blob(store, doc)
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest,
-                           "size": config_size},
-                "layers": [{"mediaType": layer.media_type, "digest": layer.digest, "size": layer.size}
-                           for layer in layers]}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": config_size,
+        },
+        "layers": [{"mediaType": layer.media_type, "digest": layer.digest, "size": layer.size} for layer in layers],
+    }
     manifest_digest, _ = write_json_blob(store, manifest)
-    final = ImageConfig(**{**config.__dict__, "diff_ids": tuple(layer.diff_id for layer in layers),
-                           "platform": config.platform or plat})
+    final = ImageConfig(
+        **{**config.__dict__, "diff_ids": tuple(layer.diff_id for layer in layers), "platform": config.platform or plat}
+    )
+
     def make(existing: ImageRecord | None, names: tuple[str, ...]) -> ImageRecord:
-        return ImageRecord(id=manifest_digest, names=names, source=source, source_digest=None,
-                           config_digest=config_digest, config=final, layers=tuple(layers),
-                           size=sum(layer.size for layer in layers),
-                           created=existing.created if existing else time.time())
+        return ImageRecord(
+            id=manifest_digest,
+            names=names,
+            source=source,
+            source_digest=None,
+            config_digest=config_digest,
+            config=final,
+            layers=tuple(layers),
+            size=sum(layer.size for layer in layers),
+            created=existing.created if existing else time.time(),
+        )
 
     return store.save_record(manifest_digest, name, make)
-
-

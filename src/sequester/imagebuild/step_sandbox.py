@@ -31,13 +31,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sequester.sandbox.cgroups.limits import make_limit_groups
-from sequester.sandbox.nsexec.client import shared_nsexec
 from sequester.errors import SequesterError
 from sequester.guard import seccomp
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
+from sequester.sandbox.cgroups.limits import make_limit_groups
 from sequester.sandbox.mounts import MountKind, MountOp
+from sequester.sandbox.nsexec.client import shared_nsexec
 
 __all__ = ["StepRun", "StepOutcome", "step_spec", "run_step", "AUX", "APT_CONF", "OUTPUT_TAIL"]
 
@@ -75,7 +75,7 @@ class StepRun:
 @dataclass(frozen=True)
 class StepOutcome:
     status: int | None  # the program's exit status; None: killed at the deadline
-    tail: bytes         # the last OUTPUT_TAIL bytes of its output
+    tail: bytes  # the last OUTPUT_TAIL bytes of its output
     seconds: float
     refusals: tuple[str, ...] = ()
 
@@ -86,27 +86,56 @@ class StepOutcome:
 
 def step_spec(run: StepRun, *, network: bool) -> SandboxSpec:
     """The sandbox of ``run``. Pure."""
-    mounts = [MountOp(MountKind.OVERLAY, Path("/"), lowers=run.lowers, upper=run.upper, work=run.work),
-              MountOp(MountKind.PROC, Path("/proc")), MountOp(MountKind.DEV, Path("/dev")),
-              *run.extra_mounts]
+    mounts = [
+        MountOp(MountKind.OVERLAY, Path("/"), lowers=run.lowers, upper=run.upper, work=run.work),
+        MountOp(MountKind.PROC, Path("/proc")),
+        MountOp(MountKind.DEV, Path("/dev")),
+        *run.extra_mounts,
+    ]
     mounts += [MountOp(MountKind.DATA, path) for path in sorted({APT_CONF, *run.data_files})]
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", **run.env,
-           "APT_CONFIG": str(APT_CONF)}
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        **run.env,
+        "APT_CONFIG": str(APT_CONF),
+    }
     if network:
         proxy = f"http://127.0.0.1:{_PROXY_PORT}"
-        env.update({"http_proxy": proxy, "https_proxy": proxy, "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy,
-                    "no_proxy": "localhost,127.0.0.1,::1", "NO_PROXY": "localhost,127.0.0.1,::1"})
+        env.update(
+            {
+                "http_proxy": proxy,
+                "https_proxy": proxy,
+                "HTTP_PROXY": proxy,
+                "HTTPS_PROXY": proxy,
+                "no_proxy": "localhost,127.0.0.1,::1",
+                "NO_PROXY": "localhost,127.0.0.1,::1",
+            }
+        )
     return SandboxSpec(
-        mounts=tuple(mounts), command=run.argv, env=env, cwd=Path(run.cwd), identity=Identity.ROOT,
-        caps=CONTAINER_CAPS if run.uid == 0 else (), uid=run.uid, gid=run.gid, hostname=run.hostname,
+        mounts=tuple(mounts),
+        command=run.argv,
+        env=env,
+        cwd=Path(run.cwd),
+        identity=Identity.ROOT,
+        caps=CONTAINER_CAPS if run.uid == 0 else (),
+        uid=run.uid,
+        gid=run.gid,
+        hostname=run.hostname,
         # Held until the host has put the step in its limits (and opened its proxy): a
         # command that ran at once could fork before them.
-        readonly_root=False, seccomp=seccomp.compile_filter("build"), hold=True,
+        readonly_root=False,
+        seccomp=seccomp.compile_filter("build"),
+        hold=True,
     )
 
 
-def run_step(run: StepRun, *, timeout: float | None, proxy=None,
-             on_output: Callable[[bytes], None] | None = None, max_processes: int = 4096) -> StepOutcome:
+def run_step(
+    run: StepRun,
+    *,
+    timeout: float | None,
+    proxy=None,
+    on_output: Callable[[bytes], None] | None = None,
+    max_processes: int = 4096,
+) -> StepOutcome:
     """Run ``run`` to its end (or its deadline); its output goes to ``on_output`` as it
     comes, and its last :data:`OUTPUT_TAIL` bytes into the outcome."""
     spec = step_spec(run, network=proxy is not None)
@@ -130,8 +159,9 @@ def run_step(run: StepRun, *, timeout: float | None, proxy=None,
     # may make one (root: RLIMIT_NPROC does not bind the host's root), and RLIMIT_NPROC
     # (which binds an ordinary user). The command is still held, so everything it starts
     # is in both.
-    groups, _ = make_limit_groups(f"sequester-{os.getpid()}-build{next(_serial)}", memory_mb=None, cpus=None,
-                                  pids=max_processes)
+    groups, _ = make_limit_groups(
+        f"sequester-{os.getpid()}-build{next(_serial)}", memory_mb=None, cpus=None, pids=max_processes
+    )
     try:
         try:
             if groups is not None:
@@ -144,10 +174,12 @@ def run_step(run: StepRun, *, timeout: float | None, proxy=None,
             shared_nsexec().harden(started.pid)
             if proxy is not None:
                 from sequester.net.netns_listener import open_listener_in
+
                 # The pidfd and the namespace bwrap reported: a recycled pid cannot hand us
                 # another process's network namespace.
-                listener = open_listener_in(started.pid, _PROXY_PORT, pidfd=started.pidfd,
-                                            net_namespace=started.net_namespace)
+                listener = open_listener_in(
+                    started.pid, _PROXY_PORT, pidfd=started.pidfd, net_namespace=started.net_namespace
+                )
                 proxy.serve(listener)
             started.release()
         except (OSError, SequesterError):
@@ -205,4 +237,3 @@ class _Tail:
             pass
         finally:
             close_fd(fd)
-

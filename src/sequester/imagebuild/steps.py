@@ -21,8 +21,8 @@ class ConfigStep:
     VOLUME, CMD, ENTRYPOINT, HEALTHCHECK, STOPSIGNAL, SHELL)."""
 
     line: int
-    text: str       # the instruction as written, continuations joined (for progress and errors)
-    key_text: str   # canonical, expanded form that enters the cache key
+    text: str  # the instruction as written, continuations joined (for progress and errors)
+    key_text: str  # canonical, expanded form that enters the cache key
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,11 @@ class RunStep:
     line: int
     text: str
     key_text: str
-    argv: tuple[str, ...]             # the shell form already wrapped in SHELL (["/bin/sh", "-c", ...])
+    argv: tuple[str, ...]  # the shell form already wrapped in SHELL (["/bin/sh", "-c", ...])
     env: tuple[tuple[str, str], ...]  # the process's environment: config Env, then ARGs in scope ENV does not set
-    workdir: str                      # absolute
-    user: str                         # the USER in effect ("" = the image's default, root), expanded
-    network: str | None = None        # RUN --network=default|none (None: the build's policy)
+    workdir: str  # absolute
+    user: str  # the USER in effect ("" = the image's default, root), expanded
+    network: str | None = None  # RUN --network=default|none (None: the build's policy)
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,16 @@ class CopyStep:
     line: int
     text: str
     key_text: str
-    add: bool                       # ADD semantics: URLs download, local tar archives extract
-    sources: tuple[str, ...]        # expanded; context-relative (or absolute in --from), or URLs for ADD
-    dest: str                       # absolute (relative ones resolved against WORKDIR), normalised
-    dest_is_dir: bool               # a trailing "/" or several sources: sources go *into* dest
-    from_stage: int | None = None   # COPY --from=<earlier stage name or index>
-    from_image: str | None = None   # COPY --from=<image reference>
-    chown: str | None = None        # expanded --chown value
-    chmod: str | None = None        # expanded --chmod value (octal)
-    user: str = ""                  # the USER in effect (Docker copies as root regardless)
-    checksum: str | None = None     # ADD --checksum=sha256:<hex> of the one URL source (the builder verifies it)
+    add: bool  # ADD semantics: URLs download, local tar archives extract
+    sources: tuple[str, ...]  # expanded; context-relative (or absolute in --from), or URLs for ADD
+    dest: str  # absolute (relative ones resolved against WORKDIR), normalised
+    dest_is_dir: bool  # a trailing "/" or several sources: sources go *into* dest
+    from_stage: int | None = None  # COPY --from=<earlier stage name or index>
+    from_image: str | None = None  # COPY --from=<image reference>
+    chown: str | None = None  # expanded --chown value
+    chmod: str | None = None  # expanded --chmod value (octal)
+    user: str = ""  # the USER in effect (Docker copies as root regardless)
+    checksum: str | None = None  # ADD --checksum=sha256:<hex> of the one URL source (the builder verifies it)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class WorkdirStep:
     line: int
     text: str
     key_text: str
-    path: str   # absolute, normalised
+    path: str  # absolute, normalised
     user: str
 
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from sequester.errors import BuildError
+from sequester.imagebuild.builder import BuildOptions, BuildResult, StepReport, build_image
 from sequester.images.store import ImageStore
 from sequester.net.build.network import parse_build_network
 from sequester.tasks import Task
-from sequester.imagebuild.builder import BuildOptions, BuildResult, StepReport, build_image
-from sequester.errors import BuildError
 
 __all__ = ["build_task", "task_image_name", "has_dockerfile", "BuildLog"]
 
@@ -46,8 +46,7 @@ class BuildLog:
     at the first line written: a build that never started (its base image cannot be had,
     and ``auto`` goes on to host mode) leaves none."""
 
-    def __init__(self, path: Path | None, on_step: Callable[[StepReport, bool], None] | None = None,
-                 header: str = ""):
+    def __init__(self, path: Path | None, on_step: Callable[[StepReport, bool], None] | None = None, header: str = ""):
         self.path, self.on_step, self.header = path, on_step, header
         self.out: IO[bytes] | None = None
         self.written = 0
@@ -89,16 +88,27 @@ class BuildLog:
         self._write(text.encode() + b"\n")
 
 
-def build_task(task: Task, store: ImageStore, *, runner: Path | None, network: str = "public",
-               allowed_hosts: tuple[str, ...] = (), no_cache: bool = False, log_path: Path | None = None,
-               on_step: Callable[[StepReport, bool], None] | None = None) -> BuildResult:
+def build_task(
+    task: Task,
+    store: ImageStore,
+    *,
+    runner: Path | None,
+    network: str = "public",
+    allowed_hosts: tuple[str, ...] = (),
+    no_cache: bool = False,
+    log_path: Path | None = None,
+    on_step: Callable[[StepReport, bool], None] | None = None,
+) -> BuildResult:
     """Build ``task``'s Dockerfile into ``store``; :class:`BuildError` if a step fails or
     the build outlives the task's ``build_timeout_sec``."""
     dockerfile = task.environment_dir / "Dockerfile"
     if not dockerfile.is_file():
         raise BuildError(f"task {task.name}: {dockerfile} does not exist; there is nothing to build")
-    options = BuildOptions(no_cache=no_cache, network=parse_build_network(network, allowed_hosts),
-                           timeout=task.config.environment.build_timeout_sec)
+    options = BuildOptions(
+        no_cache=no_cache,
+        network=parse_build_network(network, allowed_hosts),
+        timeout=task.config.environment.build_timeout_sec,
+    )
     key = (str(store.root), str(dockerfile))
     with _locks_lock:
         lock = _locks.setdefault(key, threading.Lock())
@@ -107,13 +117,22 @@ def build_task(task: Task, store: ImageStore, *, runner: Path | None, network: s
         reporter = BuildLog(log_path, on_step, header)
         try:
             try:
-                result = build_image(store, dockerfile, task.environment_dir, name=task_image_name(task),
-                                     options=options, runner=runner, reporter=reporter)
+                result = build_image(
+                    store,
+                    dockerfile,
+                    task.environment_dir,
+                    name=task_image_name(task),
+                    options=options,
+                    runner=runner,
+                    reporter=reporter,
+                )
             except BuildError as exc:
                 reporter.line(f"# failed: {exc}")
                 raise
-            reporter.line(f"# built {result.record.id} in {result.seconds:.2f} s "
-                          f"({sum(not s.cached for s in result.steps)} of {len(result.steps)} steps ran)")
+            reporter.line(
+                f"# built {result.record.id} in {result.seconds:.2f} s "
+                f"({sum(not s.cached for s in result.steps)} of {len(result.steps)} steps ran)"
+            )
             return result
         finally:
             reporter.close()
@@ -125,8 +144,14 @@ _FAILURE_TTL = 120.0
 _failed: dict[tuple[str, str, int], tuple[float, str]] = {}
 
 
-def ensure_built(task: Task, store: ImageStore, settings, *, log_path: Path | None = None,
-                 on_step: Callable[[StepReport, bool], None] | None = None):
+def ensure_built(
+    task: Task,
+    store: ImageStore,
+    settings,
+    *,
+    log_path: Path | None = None,
+    on_step: Callable[[StepReport, bool], None] | None = None,
+):
     """The image of ``task``'s Dockerfile, built (or found in the build cache) with the
     ``[images]`` build network of ``settings`` (an :class:`~sequester.environments.settings.EpisodeSettings`).
     A build that failed is not tried again by this process for two minutes while the
@@ -144,8 +169,15 @@ def ensure_built(task: Task, store: ImageStore, settings, *, log_path: Path | No
         raise BuildError(earlier)
     images = settings.images
     try:
-        return build_task(task, store, runner=runner_tree(settings.toolchain_dir), network=images.build_network,
-                          allowed_hosts=images.build_allowed_hosts, log_path=log_path, on_step=on_step).record
+        return build_task(
+            task,
+            store,
+            runner=runner_tree(settings.toolchain_dir),
+            network=images.build_network,
+            allowed_hosts=images.build_allowed_hosts,
+            log_path=log_path,
+            on_step=on_step,
+        ).record
     except BuildError as exc:
         with _locks_lock:
             _failed[key] = (time.monotonic(), str(exc))

@@ -6,10 +6,18 @@
     lease = store.lease(record)                        # the layer folders, held for an episode
 """
 
+from sequester.images.image_settings import IMAGE_SOURCES, ImageSettings
 from sequester.images.records import ImageRecord, LayerRef
 from sequester.images.reference import Reference, parse_reference
-from sequester.images.image_settings import IMAGE_SOURCES, ImageSettings
 from sequester.images.store import ImageLease, ImageStore
 
-__all__ = ["ImageStore", "ImageLease", "ImageRecord", "LayerRef", "ImageSettings",
-           "IMAGE_SOURCES", "Reference", "parse_reference"]
+__all__ = [
+    "ImageStore",
+    "ImageLease",
+    "ImageRecord",
+    "LayerRef",
+    "ImageSettings",
+    "IMAGE_SOURCES",
+    "Reference",
+    "parse_reference",
+]

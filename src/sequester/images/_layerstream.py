@@ -30,11 +30,22 @@ except ImportError:  # only zstd layers need it: a Python without it still runs 
     class ZstdError(Exception):  # type: ignore[no-redef]
         pass
 
+
 from sequester.errors import ImageError
 from sequester.images._tarsafe import FrameError, ZstdFrames
 
-__all__ = ["Abort", "Blob", "CHUNK", "HEADER_BUDGET", "LayerStream", "MEDIA_TYPES", "PROGRESS_EVERY", "ZstdError",
-           "bounded_tarinfo", "decoder_for"]
+__all__ = [
+    "Abort",
+    "Blob",
+    "CHUNK",
+    "HEADER_BUDGET",
+    "LayerStream",
+    "MEDIA_TYPES",
+    "PROGRESS_EVERY",
+    "ZstdError",
+    "bounded_tarinfo",
+    "decoder_for",
+]
 
 log = logging.getLogger("sequester.images")
 
@@ -48,12 +59,12 @@ MEDIA_TYPES = {  # the layer media types of OCI and Docker, and their compressio
     "application/vnd.docker.image.rootfs.diff.tar.gzip": "gzip",
     "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip": "gzip",
 }
-CHUNK = 1 << 20            # bytes per read of a member's data and of the drained tail
-PROGRESS_EVERY = 1 << 20   # progress() is called at most once per this many bytes
+CHUNK = 1 << 20  # bytes per read of a member's data and of the drained tail
+PROGRESS_EVERY = 1 << 20  # progress() is called at most once per this many bytes
 # Headers of one member (PAX records, GNU long names, sparse maps) are held in memory by
 # tarfile whole: a 10 GiB PAX header of zeros is a 10 MiB gzip. Go's archive/tar allows 1 MiB.
 HEADER_BUDGET = 4 << 20
-_TAIL = 64 << 10           # decompressed bytes kept to check the end-of-archive block
+_TAIL = 64 << 10  # decompressed bytes kept to check the end-of-archive block
 
 
 class Abort(Exception):
@@ -95,12 +106,13 @@ class LayerStream:
     """The uncompressed tar stream, as tarfile reads it: hashed (``diff_id``), counted
     against ``max_bytes``, reported to ``progress``, its last bytes kept."""
 
-    def __init__(self, decoder: Any, blob: Blob, algorithm: str, max_bytes: int,
-                 progress: Callable[[int], None] | None):
+    def __init__(
+        self, decoder: Any, blob: Blob, algorithm: str, max_bytes: int, progress: Callable[[int], None] | None
+    ):
         self.decoder, self.blob, self.hash = decoder, blob, hashlib.new(algorithm)
         self.max_bytes, self.progress = max_bytes, progress
         self.total = self._unreported = 0
-        self.header_limit: int | None = None   # set while tarfile parses one member's headers
+        self.header_limit: int | None = None  # set while tarfile parses one member's headers
         self._tail: deque[bytes] = deque()
         self._tail_len = 0
 
@@ -135,7 +147,7 @@ class LayerStream:
         start = self.total - self._tail_len
         if offset < start:
             return None
-        return b"".join(self._tail)[offset - start:offset - start + tarfile.BLOCKSIZE]
+        return b"".join(self._tail)[offset - start : offset - start + tarfile.BLOCKSIZE]
 
     def finish(self) -> None:
         """Read to the end of both streams, so the digests cover every byte."""
@@ -144,7 +156,7 @@ class LayerStream:
         frames = self.blob.frames
         if frames is not None and not frames.complete:
             raise Abort("truncated or malformed: the zstd stream ends inside a frame")
-        while self.blob.read(CHUNK):   # bytes after the compressed stream are hashed too
+        while self.blob.read(CHUNK):  # bytes after the compressed stream are hashed too
             pass
         self._report()
 
@@ -157,7 +169,7 @@ def bounded_tarinfo(layer: LayerStream) -> type[tarfile.TarInfo]:
 
         @classmethod
         def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
-            outer = layer.header_limit is None   # PAX and long-name headers recurse into here
+            outer = layer.header_limit is None  # PAX and long-name headers recurse into here
             if outer:
                 layer.header_limit = layer.total + HEADER_BUDGET
             try:

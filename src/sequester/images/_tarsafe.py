@@ -31,11 +31,10 @@ import os
 import stat
 from pathlib import Path
 
-from sequester.sandbox.remove import remove_tree
 from sequester.errors import ImageError
+from sequester.sandbox.remove import remove_tree
 
-__all__ = ["split_name", "show", "Tree", "ZstdFrames", "FrameError", "DIR_FLAGS",
-           "WHITEOUT", "OPAQUE", "META"]
+__all__ = ["split_name", "show", "Tree", "ZstdFrames", "FrameError", "DIR_FLAGS", "WHITEOUT", "OPAQUE", "META"]
 
 # O_NONBLOCK: a fifo is refused by O_DIRECTORY before any open, but never risk blocking.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -85,7 +84,7 @@ class Tree:
     def __init__(self, root: Path):
         self.root = root
         self.root_fd = os.open(root, DIR_FLAGS)
-        self._cached: Parts = ()          # the last parent reached, and its descriptor
+        self._cached: Parts = ()  # the last parent reached, and its descriptor
         self._cached_fd = self.root_fd
 
     def close(self) -> None:
@@ -103,13 +102,13 @@ class Tree:
         the member: this is the guard against writing through a link the layer planted."""
         if parts == self._cached:
             return self._cached_fd
-        if parts[:len(self._cached)] == self._cached:
-            fd, done = self._cached_fd, len(self._cached)   # go on from the cached folder
+        if parts[: len(self._cached)] == self._cached:
+            fd, done = self._cached_fd, len(self._cached)  # go on from the cached folder
         else:
             fd, done = self.root_fd, 0
         try:
             for i in range(done, len(parts)):
-                nxt = self._step(fd, parts[i], parts[:i + 1], member, create)
+                nxt = self._step(fd, parts[i], parts[: i + 1], member, create)
                 if fd not in (self.root_fd, self._cached_fd):
                     os.close(fd)
                 fd = nxt
@@ -155,7 +154,7 @@ class Tree:
         except FileNotFoundError:
             return dfd
         if not stat.S_ISDIR(st.st_mode):
-            os.unlink(name, dir_fd=dfd)   # unlink never follows: a symlink goes, not its target
+            os.unlink(name, dir_fd=dfd)  # unlink never follows: a symlink goes, not its target
             return dfd
         # A folder with children: removed through the descriptor's /proc name, which the
         # kernel resolves to this very folder (no path component is looked up again).
@@ -237,8 +236,7 @@ class Tree:
 
     def set_time(self, parent: Parts, name: str, mtime_ns: int | None, member: str) -> None:
         if mtime_ns is not None:
-            os.utime(name, ns=(mtime_ns, mtime_ns), dir_fd=self.folder(parent, member),
-                     follow_symlinks=False)
+            os.utime(name, ns=(mtime_ns, mtime_ns), dir_fd=self.folder(parent, member), follow_symlinks=False)
 
     def finish_dir(self, parts: Parts, mode: int, mtime_ns: int | None) -> None:
         """Final mode and mtime of a folder, once nothing more is written in it (callers
@@ -263,9 +261,6 @@ class Tree:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
         finally:
             os.close(fd)
-
-
-
 
 
 class FrameError(ValueError):
@@ -296,7 +291,7 @@ class ZstdFrames:
                 self._skip, i = self._skip - k, i + k
                 continue
             k = min(self._need - len(self._buf), len(view) - i)
-            self._buf += view[i:i + k]
+            self._buf += view[i : i + k]
             i += k
             if len(self._buf) == self._need:
                 field = bytes(self._buf)
@@ -328,7 +323,7 @@ class ZstdFrames:
             kind = (value >> 1) & 3
             if kind == 3:
                 raise FrameError("reserved zstd block type")
-            self._skip = 1 if kind == 1 else value >> 3   # RLE blocks hold one byte
+            self._skip = 1 if kind == 1 else value >> 3  # RLE blocks hold one byte
             if not value & 1:
                 self._go("block", 3)
             elif self._checksum:

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sequester.errors import ImageError
-from sequester.tasks import Task
+from sequester.images.image_settings import IMAGE_SOURCES
 from sequester.images.progress import NO_PROGRESS, Progress
 from sequester.images.records import ImageRecord
-from sequester.images.image_settings import IMAGE_SOURCES
 from sequester.images.store import ImageStore
+from sequester.tasks import Task
 
 __all__ = ["Choice", "choose_image", "Builder"]
 
@@ -50,8 +50,9 @@ class Choice:
     notes: tuple[str, ...] = ()
 
 
-def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progress = NO_PROGRESS,
-                 build: Builder | None = None) -> Choice:
+def choose_image(
+    task: Task, source: str, store: ImageStore, *, progress: Progress = NO_PROGRESS, build: Builder | None = None
+) -> Choice:
     if source not in IMAGE_SOURCES:
         raise ImageError(f"image source {source!r} is not one of {', '.join(IMAGE_SOURCES)}")
     if source == "host":
@@ -66,8 +67,9 @@ def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progre
         return Choice(build(task), "image", (f"built from the task's Dockerfile ({dockerfile})",))
     if source == "prebuilt":
         if not image:
-            raise ImageError(f"task {task.name}: --image-source prebuilt, but its task.toml names no "
-                             "[environment] docker_image")
+            raise ImageError(
+                f"task {task.name}: --image-source prebuilt, but its task.toml names no [environment] docker_image"
+            )
         with _fetch_lock:
             return Choice(store.get(image, progress=progress), "image")
     notes: list[str] = []
@@ -84,6 +86,7 @@ def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progre
         notes.append("the task names no image ([environment] docker_image)")
     if dockerfile.is_file() and build is not None:
         from sequester.errors import BuildError
+
         key = f"dockerfile:{dockerfile}"
         earlier = _remembered(store, key)
         if earlier is None:
@@ -94,8 +97,9 @@ def choose_image(task: Task, source: str, store: ImageStore, *, progress: Progre
             except ImageError as exc:  # a base image that cannot be had
                 earlier = _remember(store, key, str(exc))
         notes.append(f"its Dockerfile could not be built ({earlier})")
-    return Choice(None, "host", (*notes[:-1], notes[-1] + ": host mode (the host's system plus the Dockerfile's "
-                                 "COPY lines)"))
+    return Choice(
+        None, "host", (*notes[:-1], notes[-1] + ": host mode (the host's system plus the Dockerfile's COPY lines)")
+    )
 
 
 def _remembered(store: ImageStore, what: str) -> str | None:

@@ -12,9 +12,9 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sequester.sandbox.remove import remove_tree
 from sequester.errors import ImageError
 from sequester.images.records import ImageRecord, hex_of
+from sequester.sandbox.remove import remove_tree
 
 if TYPE_CHECKING:
     from sequester.images.store import ImageStore
@@ -30,17 +30,20 @@ def drop_record(self: ImageStore, record: ImageRecord) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ImageError(f"image {record.names[0] if record.names else record.short_id} is in use by a "
-                             "running episode") from None
+            raise ImageError(
+                f"image {record.names[0] if record.names else record.short_id} is in use by a running episode"
+            ) from None
         with self.lock("lock", fcntl.LOCK_EX):
             (self.root / "images" / f"{hex_of(record.id)}.json").unlink(missing_ok=True)
             used.unlink(missing_ok=True)
     finally:
         os.close(fd)
 
+
 def collect_garbage(self: ImageStore) -> int:
     """Remove what no record needs; the caller holds gc.lock exclusively."""
     from sequester.images.build_cache import BuildCache
+
     records = self.records()
     keep_layers = {hex_of(layer.diff_id) for r in records for layer in r.layers} | BuildCache(self.root).layers()
     keep_blobs = {hex_of(d) for r in records for d in (r.id, r.config_digest)}

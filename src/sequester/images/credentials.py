@@ -36,9 +36,11 @@ _LIMIT = 1 << 20  # a config.json larger than this is not one
 
 def user_authfile(env: Mapping[str, str] | None = None) -> Path | None:
     env = os.environ if env is None else env
-    for candidate in (env.get("REGISTRY_AUTH_FILE"),
-                      (Path(env["DOCKER_CONFIG"]) / "config.json") if env.get("DOCKER_CONFIG") else None,
-                      Path(env.get("HOME") or Path.home()) / ".docker" / "config.json"):
+    for candidate in (
+        env.get("REGISTRY_AUTH_FILE"),
+        (Path(env["DOCKER_CONFIG"]) / "config.json") if env.get("DOCKER_CONFIG") else None,
+        Path(env.get("HOME") or Path.home()) / ".docker" / "config.json",
+    ):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None

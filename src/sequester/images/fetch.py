@@ -37,8 +37,7 @@ Fetched = tuple[str, str, "str | None"]  # manifest digest, where it came from, 
 
 
 @contextlib.contextmanager
-def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progress,
-                 what: str) -> Iterator[Fetched]:
+def skopeo_fetch(store: ImageStore, source: Source, tmp: Path, progress: Progress, what: str) -> Iterator[Fetched]:
     """Copy ``source``'s blobs into the store; yields while the image's fetch lock is held."""
     program = skopeo.skopeo_path()
     common = dict(policy=store.root / "policy.json", plat=store.platform, tmpdir=tmp)
@@ -47,9 +46,18 @@ def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progr
             _check_layout_platform(store, source, what)
         with store.lock(_lock_name(source.skopeo), fcntl.LOCK_EX):
             progress.phase(f"importing {Path(source.location).name}", None)
-            skopeo.run_skopeo(skopeo.copy_argv(program, source.skopeo, tmp / "layout", store.root / "blobs",
-                                       daemon_host=os.environ.get("DOCKER_HOST"), **common), what,
-                          on_line=skopeo.progress_lines(progress))
+            skopeo.run_skopeo(
+                skopeo.copy_argv(
+                    program,
+                    source.skopeo,
+                    tmp / "layout",
+                    store.root / "blobs",
+                    daemon_host=os.environ.get("DOCKER_HOST"),
+                    **common,
+                ),
+                what,
+                on_line=skopeo.progress_lines(progress),
+            )
             yield _layout_manifest(tmp, what), source.skopeo, None
         return
     ref = parse_reference(source.location)
@@ -58,12 +66,14 @@ def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progr
     with authfile_for(fetch.registry) as authfile:
         # skopeo takes a tag or a digest, not both; the digest is what counts.
         asked = f"{fetch.name}@{ref.digest}" if ref.digest else str(fetch)
-        raw = skopeo.run_skopeo(skopeo.inspect_argv(program, f"docker://{asked}", tls_verify=tls, authfile=authfile,
-                                            **common), what)
+        raw = skopeo.run_skopeo(
+            skopeo.inspect_argv(program, f"docker://{asked}", tls_verify=tls, authfile=authfile, **common), what
+        )
         source_digest = ref.digest or sha256_digest(raw)
         if ref.digest and sha256_digest(raw) != ref.digest:
-            raise ImageError(f"{what}: the registry's manifest has digest {sha256_digest(raw)}, "
-                             f"not the {ref.digest} asked for")
+            raise ImageError(
+                f"{what}: the registry's manifest has digest {sha256_digest(raw)}, not the {ref.digest} asked for"
+            )
         doc = parse_json(raw, what)
         chosen = select_platform(doc, store.platform, what).digest if is_index(doc) else sha256_digest(raw)
         location = f"docker://{fetch.name}@{chosen}"
@@ -72,8 +82,13 @@ def skopeo_fetch(store: "ImageStore", source: Source, tmp: Path, progress: Progr
                 yield chosen, location, source_digest
                 return
             progress.phase(f"pulling {ref.short}", None)
-            skopeo.run_skopeo(skopeo.copy_argv(program, location, tmp / "layout", store.root / "blobs", tls_verify=tls,
-                                       authfile=authfile, **common), what, on_line=skopeo.progress_lines(progress))
+            skopeo.run_skopeo(
+                skopeo.copy_argv(
+                    program, location, tmp / "layout", store.root / "blobs", tls_verify=tls, authfile=authfile, **common
+                ),
+                what,
+                on_line=skopeo.progress_lines(progress),
+            )
             yield _layout_manifest(tmp, what), location, source_digest
 
 
@@ -81,7 +96,7 @@ def _lock_name(key: str) -> str:
     return f"locks/{hashlib.sha256(key.encode()).hexdigest()[:32]}.lock"
 
 
-def _stored_whole(store: "ImageStore", manifest_digest: str) -> bool:
+def _stored_whole(store: ImageStore, manifest_digest: str) -> bool:
     """The image's record, manifest, config and every layer folder are in the store."""
     path = store.root / "images" / f"{hex_of(manifest_digest)}.json"
     if not path.is_file() or not store.blob(manifest_digest).is_file():
@@ -90,8 +105,9 @@ def _stored_whole(store: "ImageStore", manifest_digest: str) -> bool:
         record = read_record(path)
     except ImageError:
         return False
-    return store.blob(record.config_digest).is_file() and \
-        all(store.layer_dir(layer.diff_id).is_dir() for layer in record.layers)
+    return store.blob(record.config_digest).is_file() and all(
+        store.layer_dir(layer.diff_id).is_dir() for layer in record.layers
+    )
 
 
 def _layout_manifest(tmp: Path, what: str) -> str:
@@ -99,7 +115,7 @@ def _layout_manifest(tmp: Path, what: str) -> str:
     return skopeo.select_manifest(index, what)
 
 
-def _check_layout_platform(store: "ImageStore", source: Source, what: str) -> None:
+def _check_layout_platform(store: ImageStore, source: Source, what: str) -> None:
     """A layout whose index lists only other platforms: say so before skopeo copies anything."""
     path = Path(source.location.rsplit(":", 1)[0] if not Path(source.location).exists() else source.location)
     try:

@@ -62,7 +62,8 @@ class ImageSettings:
         for name in ("mirrors", "aliases"):
             table = getattr(self, name)
             if not isinstance(table, Mapping) or not all(
-                    isinstance(k, str) and isinstance(v, str) and k and v for k, v in table.items()):
+                isinstance(k, str) and isinstance(v, str) and k and v for k, v in table.items()
+            ):
                 raise PolicyError(f"images.{name}: {table!r} is not a table of non-empty strings")
             object.__setattr__(self, name, dict(table))
         insecure = self.insecure
@@ -71,9 +72,9 @@ class ImageSettings:
         for host in insecure:
             # Plain HTTP only where nothing between us and the registry can change a byte.
             if not is_loopback_host(host):
-                raise PolicyError(f"images.insecure: {host!r} is not a loopback registry (localhost, 127.x, [::1]); "
-                                  "plain HTTP is allowed only there")
+                raise PolicyError(
+                    f"images.insecure: {host!r} is not a loopback registry (localhost, 127.x, [::1]); "
+                    "plain HTTP is allowed only there"
+                )
         object.__setattr__(self, "insecure", tuple(insecure))
         object.__setattr__(self, "store_dir", Path(self.store_dir))
-
-

@@ -17,9 +17,23 @@ from typing import Any
 
 from sequester.errors import ImageError
 
-__all__ = ["DIGEST", "Platform", "host_platform", "Descriptor", "ImageConfig", "config_document", "Manifest", "parse_json",
-           "declared_compression",
-           "select_platform", "parse_manifest", "parse_config", "sha256_digest", "is_index", "INDEX_TYPES"]
+__all__ = [
+    "DIGEST",
+    "Platform",
+    "host_platform",
+    "Descriptor",
+    "ImageConfig",
+    "config_document",
+    "Manifest",
+    "parse_json",
+    "declared_compression",
+    "select_platform",
+    "parse_manifest",
+    "parse_config",
+    "sha256_digest",
+    "is_index",
+    "INDEX_TYPES",
+]
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -28,9 +42,19 @@ DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 INDEX_TYPES = frozenset({OCI_INDEX, DOCKER_LIST})
 MANIFEST_TYPES = frozenset({OCI_MANIFEST, DOCKER_MANIFEST})
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")  # what a digest is, everywhere in the store
-_MACHINES = {"x86_64": ("amd64", ""), "amd64": ("amd64", ""), "aarch64": ("arm64", "v8"), "arm64": ("arm64", "v8"),
-             "armv7l": ("arm", "v7"), "armv6l": ("arm", "v6"), "ppc64le": ("ppc64le", ""), "s390x": ("s390x", ""),
-             "riscv64": ("riscv64", ""), "i686": ("386", ""), "i386": ("386", "")}
+_MACHINES = {
+    "x86_64": ("amd64", ""),
+    "amd64": ("amd64", ""),
+    "aarch64": ("arm64", "v8"),
+    "arm64": ("arm64", "v8"),
+    "armv7l": ("arm", "v7"),
+    "armv6l": ("arm", "v6"),
+    "ppc64le": ("ppc64le", ""),
+    "s390x": ("s390x", ""),
+    "riscv64": ("riscv64", ""),
+    "i686": ("386", ""),
+    "i386": ("386", ""),
+}
 _LIMIT = 4 << 20  # a manifest or config larger than this is not one
 
 
@@ -67,10 +91,10 @@ class ImageConfig:
     diff_ids: tuple[str, ...] = ()
     platform: Platform | None = None
     # Recorded from a build (and read from a pulled image's config); nothing runs them.
-    labels: tuple[str, ...] = ()          # "key=value", in order
-    exposed_ports: tuple[str, ...] = ()   # "80/tcp"
+    labels: tuple[str, ...] = ()  # "key=value", in order
+    exposed_ports: tuple[str, ...] = ()  # "80/tcp"
     volumes: tuple[str, ...] = ()
-    healthcheck: tuple[str, ...] = ()     # the Test list (["CMD-SHELL", "..."]), or ("NONE",)
+    healthcheck: tuple[str, ...] = ()  # the Test list (["CMD-SHELL", "..."]), or ("NONE",)
     stop_signal: str = ""
     shell: tuple[str, ...] = ()
 
@@ -120,7 +144,9 @@ def _descriptor(item: Any, what: str) -> Descriptor:
     plat = item.get("platform")
     parsed = None
     if isinstance(plat, dict):
-        parsed = Platform(str(plat.get("os", "")), str(plat.get("architecture", "")), str(plat.get("variant", "") or ""))
+        parsed = Platform(
+            str(plat.get("os", "")), str(plat.get("architecture", "")), str(plat.get("variant", "") or "")
+        )
     return Descriptor(str(item.get("mediaType", "")), digest, size, parsed)
 
 
@@ -131,15 +157,23 @@ def select_platform(index: dict[str, Any], want: Platform, what: str) -> Descrip
     if not isinstance(entries, list) or not entries:
         raise ImageError(f"{what}: an index with no manifests")
     found = [_descriptor(e, what) for e in entries]
-    usable = [d for d in found if d.platform is not None and d.platform.os == want.os
-              and d.platform.architecture == want.architecture]
-    exact = [d for d in usable if not want.variant or not d.platform or not d.platform.variant
-             or d.platform.variant == want.variant]
+    usable = [
+        d
+        for d in found
+        if d.platform is not None and d.platform.os == want.os and d.platform.architecture == want.architecture
+    ]
+    exact = [
+        d
+        for d in usable
+        if not want.variant or not d.platform or not d.platform.variant or d.platform.variant == want.variant
+    ]
     if exact:
         return exact[0]
     have = sorted({str(d.platform) for d in found if d.platform is not None and d.platform.architecture != "unknown"})
-    raise ImageError(f"{what}: no manifest for this machine's platform {want} "
-                     f"(the image has: {', '.join(have) or 'no platform information'})")
+    raise ImageError(
+        f"{what}: no manifest for this machine's platform {want} "
+        f"(the image has: {', '.join(have) or 'no platform information'})"
+    )
 
 
 def parse_manifest(doc: dict[str, Any], what: str) -> Manifest:
@@ -175,14 +209,21 @@ def parse_config(doc: dict[str, Any], what: str) -> ImageConfig:
             raise ImageError(f"{what}: config.{key} is not a string")
     plat = Platform(str(doc.get("os", "")), str(doc.get("architecture", "")), str(doc.get("variant", "") or ""))
     health = cfg.get("Healthcheck")
-    return ImageConfig(env=_strings(cfg.get("Env"), what, "Env"), workdir=cfg.get("WorkingDir") or "",
-                       user=cfg.get("User") or "", cmd=_strings(cfg.get("Cmd"), what, "Cmd"),
-                       entrypoint=_strings(cfg.get("Entrypoint"), what, "Entrypoint"), diff_ids=diff_ids,
-                       platform=plat, labels=_pairs(cfg.get("Labels")), exposed_ports=_keys(cfg.get("ExposedPorts")),
-                       volumes=_keys(cfg.get("Volumes")),
-                       healthcheck=_strings(health.get("Test"), what, "Healthcheck.Test") if isinstance(health, dict) else (),
-                       stop_signal=cfg.get("StopSignal") if isinstance(cfg.get("StopSignal"), str) else "",
-                       shell=_strings(cfg.get("Shell"), what, "Shell"))
+    return ImageConfig(
+        env=_strings(cfg.get("Env"), what, "Env"),
+        workdir=cfg.get("WorkingDir") or "",
+        user=cfg.get("User") or "",
+        cmd=_strings(cfg.get("Cmd"), what, "Cmd"),
+        entrypoint=_strings(cfg.get("Entrypoint"), what, "Entrypoint"),
+        diff_ids=diff_ids,
+        platform=plat,
+        labels=_pairs(cfg.get("Labels")),
+        exposed_ports=_keys(cfg.get("ExposedPorts")),
+        volumes=_keys(cfg.get("Volumes")),
+        healthcheck=_strings(health.get("Test"), what, "Healthcheck.Test") if isinstance(health, dict) else (),
+        stop_signal=cfg.get("StopSignal") if isinstance(cfg.get("StopSignal"), str) else "",
+        shell=_strings(cfg.get("Shell"), what, "Shell"),
+    )
 
 
 def _pairs(value: Any) -> tuple[str, ...]:
@@ -199,9 +240,15 @@ def _keys(value: Any) -> tuple[str, ...]:
 def config_document(config: ImageConfig) -> dict[str, Any]:
     """``config`` as an OCI image config's ``config`` object (what a build writes)."""
     doc: dict[str, Any] = {}
-    for key, value in (("Env", list(config.env)), ("WorkingDir", config.workdir), ("User", config.user),
-                       ("Cmd", list(config.cmd)), ("Entrypoint", list(config.entrypoint)),
-                       ("StopSignal", config.stop_signal), ("Shell", list(config.shell))):
+    for key, value in (
+        ("Env", list(config.env)),
+        ("WorkingDir", config.workdir),
+        ("User", config.user),
+        ("Cmd", list(config.cmd)),
+        ("Entrypoint", list(config.entrypoint)),
+        ("StopSignal", config.stop_signal),
+        ("Shell", list(config.shell)),
+    ):
         if value:
             doc[key] = value
     if config.labels:

@@ -84,11 +84,21 @@ def read_record(path: Path) -> ImageRecord:
             data = json.loads(f.read(4 << 20))
         cfg = dict(data["config"])
         plat = cfg.pop("platform", None)
-        config = ImageConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()},
-                             platform=Platform(**plat) if plat else None)
+        config = ImageConfig(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()},
+            platform=Platform(**plat) if plat else None,
+        )
         layers = tuple(LayerRef(**layer) for layer in data["layers"])
-        return ImageRecord(id=data["id"], names=tuple(data["names"]), source=data["source"],
-                           source_digest=data.get("source_digest"), config_digest=data["config_digest"],
-                           config=config, layers=layers, size=int(data["size"]), created=float(data["created"]))
+        return ImageRecord(
+            id=data["id"],
+            names=tuple(data["names"]),
+            source=data["source"],
+            source_digest=data.get("source_digest"),
+            config_digest=data["config_digest"],
+            config=config,
+            layers=layers,
+            size=int(data["size"]),
+            created=float(data["created"]),
+        )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ImageError(f"the image store's record {path} is damaged: {exc}") from None

@@ -24,8 +24,10 @@ _HUB_ALIASES = frozenset({"docker.io", "index.docker.io", "registry-1.docker.io"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _PATH = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _TAG = re.compile(r"^[\w][\w.-]{0,127}$")
-_HOST = re.compile(r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*"
-                   r"|\[[0-9a-fA-F:]+\])(?::[0-9]{1,5})?$")
+_HOST = re.compile(
+    r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*"
+    r"|\[[0-9a-fA-F:]+\])(?::[0-9]{1,5})?$"
+)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Reference:
         text = str(self)
         for prefix in (f"{DOCKER_HUB}/library/", f"{DOCKER_HUB}/"):
             if text.startswith(prefix):
-                return text[len(prefix):]
+                return text[len(prefix) :]
         return text
 
     def on(self, registry: str) -> Reference:
@@ -71,7 +73,7 @@ def parse_reference(text: str) -> Reference:
     original = text
     text = text.strip()
     if text.startswith("docker://"):
-        text = text[len("docker://"):]
+        text = text[len("docker://") :]
     if not text or any(c.isspace() for c in text):
         raise ImageError(f"image reference {original!r}: empty or contains spaces")
     digest = None
@@ -90,14 +92,16 @@ def parse_reference(text: str) -> Reference:
     last_slash = remainder.rfind("/")
     colon = remainder.rfind(":")
     if colon > last_slash:
-        remainder, tag = remainder[:colon], remainder[colon + 1:]
+        remainder, tag = remainder[:colon], remainder[colon + 1 :]
         if not _TAG.match(tag):
             raise ImageError(f"image reference {original!r}: {tag!r} is not a valid tag")
     if registry == DOCKER_HUB and "/" not in remainder:
         remainder = f"library/{remainder}"
     if not _PATH.match(remainder):
-        raise ImageError(f"image reference {original!r}: {remainder!r} is not a repository name "
-                         "(lowercase letters, digits and separators)")
+        raise ImageError(
+            f"image reference {original!r}: {remainder!r} is not a repository name "
+            "(lowercase letters, digits and separators)"
+        )
     if tag is None and digest is None:
         tag = "latest"
     return Reference(registry, remainder, tag, digest)
@@ -110,5 +114,5 @@ def _canonical_host(host: str) -> str:
 
 def is_loopback_host(host: str) -> bool:
     """``localhost:5000``, ``127.x.y.z:port``, ``[::1]:port``: where plain HTTP may be allowed."""
-    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:host.find("]")]
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1 : host.find("]")]
     return name == "localhost" or name.startswith("127.") or name == "::1"

@@ -45,21 +45,42 @@ _STDERR_LIMIT = 64 * 1024
 def skopeo_path() -> str:
     found = shutil.which("skopeo")
     if found is None:
-        raise ImageError("images need skopeo to be fetched or imported (Debian/Ubuntu: apt-get install skopeo; "
-                         "Fedora: dnf install skopeo); episodes in host mode do not")
+        raise ImageError(
+            "images need skopeo to be fetched or imported (Debian/Ubuntu: apt-get install skopeo; "
+            "Fedora: dnf install skopeo); episodes in host mode do not"
+        )
     return found
 
 
 def _common(skopeo: str, policy: Path, plat: Platform, tmpdir: Path) -> list[str]:
-    argv = [skopeo, "--policy", str(policy), "--command-timeout", _TIMEOUT, "--tmpdir", str(tmpdir),
-            "--override-os", plat.os, "--override-arch", plat.architecture]
+    argv = [
+        skopeo,
+        "--policy",
+        str(policy),
+        "--command-timeout",
+        _TIMEOUT,
+        "--tmpdir",
+        str(tmpdir),
+        "--override-os",
+        plat.os,
+        "--override-arch",
+        plat.architecture,
+    ]
     if plat.variant:
         argv += ["--override-variant", plat.variant]
     return argv
 
 
-def inspect_argv(skopeo: str, source: str, *, policy: Path, plat: Platform, tmpdir: Path,
-                 tls_verify: bool = True, authfile: Path | None = None) -> list[str]:
+def inspect_argv(
+    skopeo: str,
+    source: str,
+    *,
+    policy: Path,
+    plat: Platform,
+    tmpdir: Path,
+    tls_verify: bool = True,
+    authfile: Path | None = None,
+) -> list[str]:
     """``skopeo inspect --raw SOURCE``: the manifest (or index) exactly as the source has it."""
     argv = [*_common(skopeo, policy, plat, tmpdir), "inspect", "--raw", "--retry-times", "2"]
     if source.startswith("docker://"):
@@ -69,12 +90,30 @@ def inspect_argv(skopeo: str, source: str, *, policy: Path, plat: Platform, tmpd
     return [*argv, source]
 
 
-def copy_argv(skopeo: str, source: str, layout: Path, blobs: Path, *, policy: Path, plat: Platform, tmpdir: Path,
-              tls_verify: bool = True, authfile: Path | None = None, daemon_host: str | None = None) -> list[str]:
+def copy_argv(
+    skopeo: str,
+    source: str,
+    layout: Path,
+    blobs: Path,
+    *,
+    policy: Path,
+    plat: Platform,
+    tmpdir: Path,
+    tls_verify: bool = True,
+    authfile: Path | None = None,
+    daemon_host: str | None = None,
+) -> list[str]:
     """``skopeo copy SOURCE oci:LAYOUT:image`` with every blob in the store's ``blobs``;
     ``daemon_host``: the Docker-API engine of a ``docker-daemon:`` source (``$DOCKER_HOST``)."""
-    argv = [*_common(skopeo, policy, plat, tmpdir), "copy", "--retry-times", "2", "--dest-shared-blob-dir", str(blobs),
-            "--dest-oci-accept-uncompressed-layers"]
+    argv = [
+        *_common(skopeo, policy, plat, tmpdir),
+        "copy",
+        "--retry-times",
+        "2",
+        "--dest-shared-blob-dir",
+        str(blobs),
+        "--dest-oci-accept-uncompressed-layers",
+    ]
     if source.startswith("docker://"):
         argv.append(f"--src-tls-verify={'true' if tls_verify else 'false'}")
         if authfile is not None:
@@ -84,8 +123,9 @@ def copy_argv(skopeo: str, source: str, layout: Path, blobs: Path, *, policy: Pa
     return [*argv, source, f"oci:{layout}:image"]
 
 
-def run_skopeo(argv: Sequence[str], what: str, *, on_line: Callable[[str], None] | None = None,
-               timeout: float = 3600) -> bytes:
+def run_skopeo(
+    argv: Sequence[str], what: str, *, on_line: Callable[[str], None] | None = None, timeout: float = 3600
+) -> bytes:
     """Run skopeo; its stdout (bounded to 64 MiB); :class:`ImageError` naming ``what`` on failure.
     ``on_line`` gets each line skopeo prints about its progress (``Copying blob ...``)."""
     log.debug("skopeo: %s", " ".join(argv))  # (credentials are only ever in a file: see .credentials)
@@ -99,7 +139,7 @@ def run_skopeo(argv: Sequence[str], what: str, *, on_line: Callable[[str], None]
         assert proc.stderr is not None
         while chunk := proc.stderr.read(4096):
             if len(err) < _STDERR_LIMIT:
-                err.extend(chunk[:_STDERR_LIMIT - len(err)])
+                err.extend(chunk[: _STDERR_LIMIT - len(err)])
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
@@ -143,9 +183,11 @@ def select_manifest(index: dict, what: str) -> str:
     return digest
 
 
-def progress_lines(progress: "Progress"):
+def progress_lines(progress: Progress):
     """skopeo's 'Copying blob' lines as progress notes."""
+
     def on_line(line: str) -> None:
         if line.startswith("Copying blob"):
             progress.note(line)
+
     return on_line

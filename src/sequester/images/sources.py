@@ -60,12 +60,17 @@ def compression_of(path: Path) -> str:
 def classify(text: str) -> Source:
     """Which kind of source ``text`` is (a path that exists, or else a reference)."""
     if text.startswith("docker-daemon:"):
-        return Source(SourceKind.ENGINE, text[len("docker-daemon:"):])
-    for prefix, kind in (("oci:", SourceKind.OCI_LAYOUT), ("oci-archive:", SourceKind.OCI_ARCHIVE),
-                         ("docker-archive:", SourceKind.DOCKER_ARCHIVE)):
+        return Source(SourceKind.ENGINE, text[len("docker-daemon:") :])
+    for prefix, kind in (
+        ("oci:", SourceKind.OCI_LAYOUT),
+        ("oci-archive:", SourceKind.OCI_ARCHIVE),
+        ("docker-archive:", SourceKind.DOCKER_ARCHIVE),
+    ):
         if text.startswith(prefix):
-            return Source(kind, str(Path(text[len(prefix):]).resolve()) if ":" not in text[len(prefix):]
-                          else text[len(prefix):])
+            return Source(
+                kind,
+                str(Path(text[len(prefix) :]).resolve()) if ":" not in text[len(prefix) :] else text[len(prefix) :],
+            )
     path, ref = Path(text), None
     if not path.exists() and ":" in text and Path(text.rsplit(":", 1)[0]).is_dir():
         path, ref = Path(text.rsplit(":", 1)[0]), text.rsplit(":", 1)[1]

@@ -81,8 +81,11 @@ def merge_tops(layers: Sequence[Path]) -> list[TopEntry]:
                 state[name] = ("file", [path], None, False)
         if _opaque(layer):  # the layer's root is opaque: nothing below it shows
             break
-    return [TopEntry(name, kind, tuple(reversed(lowers)), target)
-            for name, (kind, lowers, target, _) in sorted(state.items()) if kind != "absent"]
+    return [
+        TopEntry(name, kind, tuple(reversed(lowers)), target)
+        for name, (kind, lowers, target, _) in sorted(state.items())
+        if kind != "absent"
+    ]
 
 
 def read_image_file(layers: Sequence[Path], path: str, limit: int = _FILE_LIMIT) -> bytes | None:
@@ -145,12 +148,12 @@ def image_path_kind(layers: Sequence[Path], path: str) -> str:
                 # What is below an opaque folder comes from this layer only. Looked up one
                 # part at a time, never following a link (attack: a link there made the
                 # host answer for a host folder, and a mount point went through it).
-                return _kind_in_layer(here, parts[i + 1:])
+                return _kind_in_layer(here, parts[i + 1 :])
     return "none"
 
 
 def _kind_in_layer(here: Path, parts: Sequence[str]) -> str:
-    for i, part in enumerate(parts):
+    for part in parts:
         try:
             st = os.lstat(here / part)
         except FileNotFoundError:

@@ -39,16 +39,25 @@ from pathlib import Path
 
 from sequester.errors import ImageError
 from sequester.images import skopeo
+from sequester.images.cleanup import collect_garbage, drop_record
 from sequester.images.fetch import skopeo_fetch
-from sequester.images.manifest import Descriptor, Platform, declared_compression, host_platform, parse_config, parse_json, parse_manifest, sha256_digest
+from sequester.images.image_settings import ImageSettings
+from sequester.images.manifest import (
+    Descriptor,
+    Platform,
+    declared_compression,
+    host_platform,
+    parse_config,
+    parse_json,
+    parse_manifest,
+    sha256_digest,
+)
 from sequester.images.progress import NO_PROGRESS, Progress
 from sequester.images.records import ImageRecord, LayerRef, hex_of, read_record, write_record
 from sequester.images.reference import parse_reference
-from sequester.images.image_settings import ImageSettings
 from sequester.images.sources import Source, SourceKind, classify, compression_of
 from sequester.images.synth import rootfs_image
 from sequester.images.unpack import unpack_layer
-from sequester.images.cleanup import collect_garbage, drop_record
 
 __all__ = ["ImageStore", "ImageLease"]
 
@@ -87,8 +96,9 @@ class ImageStore:
             if not policy.exists():
                 policy.write_text(skopeo.POLICY)
         except OSError as exc:  # another user's store, a read-only disk: say which, never a traceback
-            raise ImageError(f"the image store {self.root} cannot be used: {exc.strerror or exc} "
-                             "([images] store_dir names another)") from None
+            raise ImageError(
+                f"the image store {self.root} cannot be used: {exc.strerror or exc} ([images] store_dir names another)"
+            ) from None
 
     def blob(self, digest: str) -> Path:
         return self.root / "blobs" / "sha256" / hex_of(digest)
@@ -162,10 +172,12 @@ class ImageStore:
             if not (self.root / "images" / f"{hex_of(record.id)}.json").exists():
                 raise ImageError(f"image {record.names[0] if record.names else record.short_id} was removed")
             layers = tuple(self.layer_dir(layer.diff_id) for layer in record.layers)
-            for layer, path in zip(record.layers, layers):
+            for layer, path in zip(record.layers, layers, strict=True):
                 if not path.is_dir():
-                    raise ImageError(f"image {record.short_id}: layer {layer.diff_id} is missing from the store "
-                                     f"({path}); pull or import the image again")
+                    raise ImageError(
+                        f"image {record.short_id}: layer {layer.diff_id} is missing from the store "
+                        f"({path}); pull or import the image again"
+                    )
         except BaseException:
             os.close(fd)
             raise
@@ -183,8 +195,10 @@ class ImageStore:
         if alias is None and _is_reference(text):
             # Keys are references too: "python:3.13" also names docker.io/library/python:3.13.
             wanted = str(parse_reference(text))
-            alias = next((v for k, v in self.settings.aliases.items() if _is_reference(k)
-                          and str(parse_reference(k)) == wanted), None)
+            alias = next(
+                (v for k, v in self.settings.aliases.items() if _is_reference(k) and str(parse_reference(k)) == wanted),
+                None,
+            )
         if alias is not None:
             source = classify(alias)
             name = str(parse_reference(text)) if _is_reference(text) else text
@@ -207,16 +221,23 @@ class ImageStore:
             tmp = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.root / "tmp"))
             try:
                 if source.kind in (SourceKind.ROOTFS_DIR, SourceKind.ROOTFS_TAR):
-                    manifest_digest, fetched_from, source_digest = rootfs_image(self, source, tmp, progress), \
-                        f"{source.kind.value}:{source.location}", None
+                    manifest_digest, fetched_from, source_digest = (
+                        rootfs_image(self, source, tmp, progress),
+                        f"{source.kind.value}:{source.location}",
+                        None,
+                    )
                     record = self._unpack_and_record(manifest_digest, name, fetched_from, source_digest, progress, what)
                 else:
                     # Held until the image is recorded: skopeo rewrites a manifest blob in place,
                     # so a second fetch of the same image must not copy while this one reads it.
-                    with skopeo_fetch(self, source, tmp, progress, what) as (manifest_digest, fetched_from,
-                                                                             source_digest):
-                        record = self._unpack_and_record(manifest_digest, name, fetched_from, source_digest,
-                                                         progress, what)
+                    with skopeo_fetch(self, source, tmp, progress, what) as (
+                        manifest_digest,
+                        fetched_from,
+                        source_digest,
+                    ):
+                        record = self._unpack_and_record(
+                            manifest_digest, name, fetched_from, source_digest, progress, what
+                        )
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return record
@@ -230,24 +251,44 @@ class ImageStore:
             raise ImageError(f"{what}: blob {digest} does not match its digest (it hashes to {sha256_digest(data)})")
         return data
 
-    def _unpack_and_record(self, manifest_digest: str, name: str | None, fetched_from: str,
-                           source_digest: str | None, progress: Progress, what: str) -> ImageRecord:
+    def _unpack_and_record(
+        self,
+        manifest_digest: str,
+        name: str | None,
+        fetched_from: str,
+        source_digest: str | None,
+        progress: Progress,
+        what: str,
+    ) -> ImageRecord:
         manifest = parse_manifest(parse_json(self._read_blob(manifest_digest, what), f"{what}: manifest"), what)
         config = parse_config(parse_json(self._read_blob(manifest.config.digest, what), f"{what}: config"), what)
         if len(config.diff_ids) != len(manifest.layers):
-            raise ImageError(f"{what}: the manifest has {len(manifest.layers)} layers but the config names "
-                             f"{len(config.diff_ids)}")
-        if config.platform and config.platform.architecture and config.platform.architecture != self.platform.architecture:
+            raise ImageError(
+                f"{what}: the manifest has {len(manifest.layers)} layers but the config names {len(config.diff_ids)}"
+            )
+        if (
+            config.platform
+            and config.platform.architecture
+            and config.platform.architecture != self.platform.architecture
+        ):
             raise ImageError(f"{what}: the image is for {config.platform}, this machine is {self.platform}")
         layers, size = [], 0
-        for i, (desc, diff_id) in enumerate(zip(manifest.layers, config.diff_ids)):
+        for i, (desc, diff_id) in enumerate(zip(manifest.layers, config.diff_ids, strict=False)):
             size += self._ensure_layer(desc, diff_id, progress, f"{what}: layer {i + 1}/{len(manifest.layers)}")
             layers.append(LayerRef(desc.digest, diff_id, desc.media_type, desc.size))
+
         def make(existing: ImageRecord | None, names: tuple[str, ...]) -> ImageRecord:
-            return ImageRecord(id=manifest_digest, names=names, source=fetched_from,
-                               source_digest=source_digest or (existing.source_digest if existing else None),
-                               config_digest=manifest.config.digest, config=config, layers=tuple(layers),
-                               size=size, created=existing.created if existing else time.time())
+            return ImageRecord(
+                id=manifest_digest,
+                names=names,
+                source=fetched_from,
+                source_digest=source_digest or (existing.source_digest if existing else None),
+                config_digest=manifest.config.digest,
+                config=config,
+                layers=tuple(layers),
+                size=size,
+                created=existing.created if existing else time.time(),
+            )
 
         record = self.save_record(manifest_digest, name, make)
         for layer in layers:  # unpacked: the compressed copy is not needed (one copy of each layer)
@@ -269,22 +310,27 @@ class ImageStore:
                 # tar+gzip: let the unpacker read the bytes (both digests are still checked).
                 media_type = ""
             try:
-                result = unpack_layer(blob, folder, media_type=media_type, digest=desc.digest, diff_id=diff_id,
-                                      progress=progress.advance)
+                result = unpack_layer(
+                    blob, folder, media_type=media_type, digest=desc.digest, diff_id=diff_id, progress=progress.advance
+                )
             except (ImageError, OSError) as exc:
                 if not folder.is_dir():  # else: a concurrent fetch unpacked the same layer first
                     raise ImageError(f"{what}: {exc}") from None
             else:
-                stats.write_text(json.dumps({"bytes": result.bytes, "entries": result.entries,
-                                             "devices_skipped": result.devices_skipped}))
+                stats.write_text(
+                    json.dumps(
+                        {"bytes": result.bytes, "entries": result.entries, "devices_skipped": result.devices_skipped}
+                    )
+                )
             progress.done()
         try:
             return int(json.loads(stats.read_text())["bytes"])
         except (OSError, ValueError, KeyError):
             return 0
 
-    def save_record(self, image_id: str, name: str | None,
-                    make: Callable[[ImageRecord | None, tuple[str, ...]], ImageRecord]) -> ImageRecord:
+    def save_record(
+        self, image_id: str, name: str | None, make: Callable[[ImageRecord | None, tuple[str, ...]], ImageRecord]
+    ) -> ImageRecord:
         """Write the record ``make(existing record, names)`` gives for ``image_id``, known
         also as ``name``: a name belongs to one image, the newest, so it is taken from any
         other that had it."""
@@ -318,6 +364,7 @@ class ImageStore:
         cache's entries not used for as long (None: all of them), then every layer, blob
         and temporary folder no image needs. Returns the removed images and bytes freed."""
         from sequester.images.build_cache import BuildCache
+
         removed = []
         with self.lock("gc.lock", fcntl.LOCK_EX):
             BuildCache(self.root).drop(unused_for)
@@ -330,8 +377,10 @@ class ImageStore:
             freed = collect_garbage(self)
         return removed, freed
 
+
 def _renamed(record: ImageRecord, names: tuple[str, ...]) -> ImageRecord:
     from dataclasses import replace
+
     return replace(record, names=names)
 
 

@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 __all__ = ["rootfs_image", "write_json_blob", "DEFAULT_PATH"]
 
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_MEDIA = {"": "application/vnd.oci.image.layer.v1.tar", "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
-          "zstd": "application/vnd.oci.image.layer.v1.tar+zstd"}
+_MEDIA = {
+    "": "application/vnd.oci.image.layer.v1.tar",
+    "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
+    "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
+}
 
 
 def rootfs_image(store: ImageStore, source: Source, tmp: Path, progress: Progress) -> str:
@@ -44,15 +47,25 @@ def rootfs_image(store: ImageStore, source: Source, tmp: Path, progress: Progres
     blob = store.blob(digest)
     if not blob.exists():
         _copy_into(layer, blob, move=source.kind is SourceKind.ROOTFS_DIR)
-    config = {"architecture": store.platform.architecture, "os": store.platform.os,
-              "config": {"Env": [DEFAULT_PATH]}, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
+    config = {
+        "architecture": store.platform.architecture,
+        "os": store.platform.os,
+        "config": {"Env": [DEFAULT_PATH]},
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+    }
     if store.platform.variant:
         config["variant"] = store.platform.variant
     config_digest, config_size = write_json_blob(store, config)
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest,
-                           "size": config_size},
-                "layers": [{"mediaType": _MEDIA[compression], "digest": digest, "size": size}]}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": config_size,
+        },
+        "layers": [{"mediaType": _MEDIA[compression], "digest": digest, "size": size}],
+    }
     progress.done()
     return write_json_blob(store, manifest)[0]
 

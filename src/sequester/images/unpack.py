@@ -28,15 +28,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sequester.sandbox.remove import remove_tree
 from sequester.errors import ImageError
-from sequester.images._layerstream import CHUNK, HEADER_BUDGET, MEDIA_TYPES, PROGRESS_EVERY, Abort, Blob, LayerStream, ZstdError, bounded_tarinfo, decoder_for
+from sequester.images._layerstream import (
+    CHUNK,
+    HEADER_BUDGET,
+    MEDIA_TYPES,
+    PROGRESS_EVERY,
+    Abort,
+    Blob,
+    LayerStream,
+    ZstdError,
+    bounded_tarinfo,
+    decoder_for,
+)
 from sequester.images._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, split_name
+from sequester.sandbox.remove import remove_tree
 from sequester.sandbox.rename import rename_noreplace
 
-__all__ = ["UnpackStats", "unpack_layer",
-           # re-exported from ._layerstream, still importable from here
-           "CHUNK", "HEADER_BUDGET", "MEDIA_TYPES", "PROGRESS_EVERY"]
+__all__ = [
+    "UnpackStats",
+    "unpack_layer",
+    # re-exported from ._layerstream, still importable from here
+    "CHUNK",
+    "HEADER_BUDGET",
+    "MEDIA_TYPES",
+    "PROGRESS_EVERY",
+]
 
 log = logging.getLogger("sequester.images")
 
@@ -73,7 +90,7 @@ def _mtime_ns(member: tarfile.TarInfo) -> int | None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 class _Unpacker:
@@ -82,16 +99,22 @@ class _Unpacker:
     def __init__(self, tree: Tree, layer: LayerStream, max_entries: int, max_bytes: int):
         self.tree, self.layer = tree, layer
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self.counts = dict.fromkeys(("entries", "files", "dirs", "symlinks", "hardlinks",
-                                     "whiteouts", "opaque_dirs", "devices_skipped"), 0)
+        self.counts = dict.fromkeys(
+            ("entries", "files", "dirs", "symlinks", "hardlinks", "whiteouts", "opaque_dirs", "devices_skipped"), 0
+        )
         self.dirs: dict[Parts, tuple[int, int | None]] = {}
         self.written = 0
 
     def run(self) -> None:
-        tar = tarfile.open(fileobj=self.layer, mode="r|", tarinfo=bounded_tarinfo(self.layer),
-                           encoding="utf-8", errors="surrogateescape")
+        tar = tarfile.open(
+            fileobj=self.layer,
+            mode="r|",
+            tarinfo=bounded_tarinfo(self.layer),
+            encoding="utf-8",
+            errors="surrogateescape",
+        )
         while (member := tar.next()) is not None:
-            tar.members.clear()   # stream mode keeps every TarInfo: 2M members would be GBs
+            tar.members.clear()  # stream mode keeps every TarInfo: 2M members would be GBs
             self.counts["entries"] += 1
             if self.counts["entries"] > self.max_entries:
                 raise ImageError(f"more than max_entries={self.max_entries} members")
@@ -130,7 +153,7 @@ class _Unpacker:
         elif any(p.startswith(WHITEOUT) for p in parent):
             raise ImageError(f"member {name!r}: a whiteout used as a folder")
         elif base.startswith(WHITEOUT):
-            tree.whiteout(parent, base[len(WHITEOUT):], name)
+            tree.whiteout(parent, base[len(WHITEOUT) :], name)
             self.counts["whiteouts"] += 1
         elif m.isreg():
             self.write_file(tar, m, parent, base, mtime)
@@ -160,8 +183,7 @@ class _Unpacker:
         else:
             raise ImageError(f"member {name!r}: unsupported tar entry type {m.type!r}")
 
-    def write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parent: Parts, base: str,
-                   mtime: int | None) -> None:
+    def write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parent: Parts, base: str, mtime: int | None) -> None:
         source = tar.extractfile(m)
         if source is None:  # cannot happen for a regular member; never write an empty file instead
             raise ImageError(f"member {m.name!r}: no data")
@@ -169,7 +191,7 @@ class _Unpacker:
         try:
             while chunk := source.read(CHUNK):
                 self.written += len(chunk)
-                if self.written > self.max_bytes:   # a sparse file's holes count as written
+                if self.written > self.max_bytes:  # a sparse file's holes count as written
                     raise ImageError(f"member {m.name!r}: more than max_bytes={self.max_bytes} bytes written")
                 _write_all(fd, chunk)
             # After the writes: a write by a non-root user clears setuid/setgid bits.
@@ -185,9 +207,17 @@ def _check_digest(value: str | None, what: str) -> None:
         raise ImageError(f"{what} {value!r} is not sha256:<64 hex digits> (or sha384/sha512)")
 
 
-def unpack_layer(blob: Path, dest: Path, *, media_type: str = "", digest: str | None = None,
-                 diff_id: str | None = None, progress: Callable[[int], None] | None = None,
-                 max_entries: int = 2_000_000, max_bytes: int = 64 << 30) -> UnpackStats:
+def unpack_layer(
+    blob: Path,
+    dest: Path,
+    *,
+    media_type: str = "",
+    digest: str | None = None,
+    diff_id: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    max_entries: int = 2_000_000,
+    max_bytes: int = 64 << 30,
+) -> UnpackStats:
     """Unpack the layer file ``blob`` into the new folder ``dest`` (which must not exist).
 
     ``digest`` (of the blob) and ``diff_id`` (of the uncompressed tar), when given, are
@@ -213,7 +243,7 @@ def unpack_layer(blob: Path, dest: Path, *, media_type: str = "", digest: str | 
         if not rename_noreplace(tmp, dest):
             log.info("%s: %s appeared meanwhile (a concurrent unpack): keeping it", label, dest)
             remove_tree(tmp)
-    except BaseException:   # KeyboardInterrupt too: never leave a half-made tree behind
+    except BaseException:  # KeyboardInterrupt too: never leave a half-made tree behind
         try:
             remove_tree(tmp)
         except OSError as exc:
@@ -223,9 +253,17 @@ def unpack_layer(blob: Path, dest: Path, *, media_type: str = "", digest: str | 
     return stats
 
 
-def _unpack(blob: Path, tmp: Path, label: str, media_type: str, digest: str | None,
-            diff_id: str | None, progress: Callable[[int], None] | None, max_entries: int,
-            max_bytes: int) -> UnpackStats:
+def _unpack(
+    blob: Path,
+    tmp: Path,
+    label: str,
+    media_type: str,
+    digest: str | None,
+    diff_id: str | None,
+    progress: Callable[[int], None] | None,
+    max_entries: int,
+    max_bytes: int,
+) -> UnpackStats:
     try:
         f = open(blob, "rb")
     except OSError as exc:

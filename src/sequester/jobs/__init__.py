@@ -7,13 +7,24 @@
 :func:`run_job`.
 """
 
+from sequester.jobs.cancel import Cancellation, TrialCancelled
 from sequester.jobs.job import default_job_name, run_job
 from sequester.jobs.paths import JobPaths, TrialPaths
 from sequester.jobs.results import ExceptionInfo, JobResult, TimingInfo, TrialResult, VerifierOutcome
 from sequester.jobs.trial import new_trial_name, run_trial
-from sequester.jobs.cancel import Cancellation, TrialCancelled
 
 __all__ = [
-    "run_job", "run_trial", "default_job_name", "new_trial_name", "JobPaths", "TrialPaths", "JobResult",
-    "TrialResult", "TimingInfo", "ExceptionInfo", "VerifierOutcome", "Cancellation", "TrialCancelled",
+    "run_job",
+    "run_trial",
+    "default_job_name",
+    "new_trial_name",
+    "JobPaths",
+    "TrialPaths",
+    "JobResult",
+    "TrialResult",
+    "TimingInfo",
+    "ExceptionInfo",
+    "VerifierOutcome",
+    "Cancellation",
+    "TrialCancelled",
 ]

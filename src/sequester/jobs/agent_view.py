@@ -14,8 +14,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from sequester.environments import Environment
-from sequester.errors import EpisodeError
 from sequester.environments.base import ExecResult
+from sequester.errors import EpisodeError
 from sequester.jobs.paths import TrialPaths
 from sequester.jobs.results import utc_now
 

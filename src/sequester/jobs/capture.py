@@ -60,8 +60,10 @@ class _Capture:
         with self._lock:
             if not self._sinks:
                 self._saved = (sys.stdout, sys.stderr)
-                self._installed = (_Router("stdout", sys.stdout, self._sinks),
-                                   _Router("stderr", sys.stderr, self._sinks))
+                self._installed = (
+                    _Router("stdout", sys.stdout, self._sinks),
+                    _Router("stderr", sys.stderr, self._sinks),
+                )
                 sys.stdout, sys.stderr = self._installed  # type: ignore[assignment]
             self._sinks[threading.get_ident()] = sink
 

@@ -23,15 +23,23 @@ if TYPE_CHECKING:
     from sequester.jobs.results import TrialResult
 
 __all__ = [
-    "ENVIRONMENT_IMPORT_PATHS", "harbor_exception", "task_checksum", "agent_config", "agent_info", "task_config",
-    "job_stats", "evals_key",
+    "ENVIRONMENT_IMPORT_PATHS",
+    "harbor_exception",
+    "task_checksum",
+    "agent_config",
+    "agent_info",
+    "task_config",
+    "job_stats",
+    "evals_key",
 ]
 
 # Harbor's TrialConfig.environment names a type (docker, modal, ...) or an import path.
 # Episodes are neither a Docker container nor a Harbor environment class: the import path
 # says what ran the trial without claiming a Harbor environment type.
-ENVIRONMENT_IMPORT_PATHS = {"local": "sequester.environments.local.episode:Episode",  # (on a Ray node too)
-                            "docker": "sequester.environments.docker:DockerEnvironment"}
+ENVIRONMENT_IMPORT_PATHS = {
+    "local": "sequester.environments.local.episode:Episode",  # (on a Ray node too)
+    "docker": "sequester.environments.docker:DockerEnvironment",
+}
 
 # sequester's exception name -> Harbor's name for the same failure (its error policy then
 # applies: retry, grade, reward valid). See harbor/models/trial/error_policy.py.
@@ -126,8 +134,9 @@ def agent_config(spec: str, agent: object | None = None) -> dict[str, Any]:
     """Harbor's ``AgentConfig`` for ``spec``: a built-in by ``name``, a ``module:Class``
     by ``import_path`` (Harbor's own form), with the agent's ``model_name`` if it has one."""
     builtin = spec in ("oracle", "nop") or spec.startswith("script:")
-    config: dict[str, Any] = {"name": spec} if builtin else {"name": str(getattr(agent, "name", "") or spec),
-                                                              "import_path": spec}
+    config: dict[str, Any] = (
+        {"name": spec} if builtin else {"name": str(getattr(agent, "name", "") or spec), "import_path": spec}
+    )
     model = getattr(agent, "model_name", None)
     if isinstance(model, str) and model:
         config["model_name"] = model
@@ -141,9 +150,11 @@ def agent_info(spec: str, agent: object | None) -> dict[str, Any]:
         return {"name": spec, "version": "unknown", "model_info": None}
     builtin = spec in ("oracle", "nop") or spec.startswith("script:")
     version = __version__ if builtin else getattr(agent, "version", None)
-    return {"name": str(agent.name) if getattr(agent, "name", None) else spec,  # type: ignore[attr-defined]
-            "version": str(version) if version else "unknown",
-            "model_info": _model_info(getattr(agent, "model_name", None))}
+    return {
+        "name": str(agent.name) if getattr(agent, "name", None) else spec,  # type: ignore[attr-defined]
+        "version": str(version) if version else "unknown",
+        "model_info": _model_info(getattr(agent, "model_name", None)),
+    }
 
 
 def task_config(task_path: Path, source: str | None) -> dict[str, Any]:
@@ -177,8 +188,10 @@ def job_stats(trials: Sequence[TrialResult], n_total: int, n_running: int) -> di
     verdicts: dict[str, list[dict[str, float]]] = {}
     n_errors = n_cancelled = 0
     for trial in trials:
-        group = evals.setdefault(evals_key(trial), {"n_trials": 0, "n_errors": 0, "metrics": [], "pass_at_k": {},
-                                                    "reward_stats": {}, "exception_stats": {}})
+        group = evals.setdefault(
+            evals_key(trial),
+            {"n_trials": 0, "n_errors": 0, "metrics": [], "pass_at_k": {}, "reward_stats": {}, "exception_stats": {}},
+        )
         if trial.verifier_result is not None and trial.exception_info is None:
             group["n_trials"] += 1
             verdicts.setdefault(evals_key(trial), []).append(dict(trial.verifier_result.rewards))
@@ -193,7 +206,11 @@ def job_stats(trials: Sequence[TrialResult], n_total: int, n_running: int) -> di
     for key, rewards in verdicts.items():
         evals[key]["metrics"] = [_mean_metric(rewards)]
     return {
-        "n_completed_trials": len(trials), "n_errored_trials": n_errors, "n_running_trials": n_running,
-        "n_pending_trials": max(n_total - len(trials) - n_running, 0), "n_cancelled_trials": n_cancelled,
-        "n_retries": 0, "evals": evals,
+        "n_completed_trials": len(trials),
+        "n_errored_trials": n_errors,
+        "n_running_trials": n_running,
+        "n_pending_trials": max(n_total - len(trials) - n_running, 0),
+        "n_cancelled_trials": n_cancelled,
+        "n_retries": 0,
+        "evals": evals,
     }

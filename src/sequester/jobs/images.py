@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sequester.errors import BuildError, ImageError
 from sequester.environments.settings import EpisodeSettings
+from sequester.errors import BuildError, ImageError
 from sequester.imagebuild import StepReport, ensure_built
 from sequester.images.choose import Choice, choose_image
 from sequester.images.progress import NO_PROGRESS, Progress
@@ -31,9 +31,14 @@ __all__ = ["ImagePlan", "choose_job_images"]
 ImagePlan = Choice | ImageError
 
 
-def choose_job_images(tasks: list[Task], settings: EpisodeSettings, *,
-                      log_path: Callable[[str], Path] | None = None, progress: Progress = NO_PROGRESS,
-                      on_step: Callable[[str, StepReport, bool], None] | None = None) -> dict[Path, ImagePlan]:
+def choose_job_images(
+    tasks: list[Task],
+    settings: EpisodeSettings,
+    *,
+    log_path: Callable[[str], Path] | None = None,
+    progress: Progress = NO_PROGRESS,
+    on_step: Callable[[str, StepReport, bool], None] | None = None,
+) -> dict[Path, ImagePlan]:
     """Each task's system, by task folder. An image that cannot be had with ``prebuilt``
     raises :class:`ImageError` here; any other failure is that task's plan."""
     store = ImageStore(settings.images)

@@ -18,18 +18,18 @@ from pathlib import Path
 
 from sequester.agents import load_agent
 from sequester.environments.settings import EpisodeSettings
+from sequester.errors import PolicyError
 from sequester.imagebuild import StepReport
 from sequester.images.progress import NO_PROGRESS, Progress
-from sequester.jobs.images import ImagePlan, choose_job_images
-from sequester.sandbox.remove import remove_tree
-from sequester.errors import PolicyError
-from sequester.tasks import Task, find_tasks
-from sequester.tasks.finder import looks_like_task
 from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
+from sequester.jobs.images import ImagePlan, choose_job_images
 from sequester.jobs.paths import JobPaths, check_name
 from sequester.jobs.results import JobResult, TrialResult, utc_now
 from sequester.jobs.schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
 from sequester.jobs.trial import new_trial_name, settings_to_dict, write_json
+from sequester.sandbox.remove import remove_tree
+from sequester.tasks import Task, find_tasks
+from sequester.tasks.finder import looks_like_task
 
 __all__ = ["PreparedJob", "default_job_name", "job_config", "prepare_job", "run_job"]
 
@@ -39,12 +39,19 @@ def default_job_name() -> str:
     return datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
 
 
-def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jobs_dir: str | os.PathLike[str],
-            job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
-            progress: Callable[[TrialResult], None] | None = None,
-            image_progress: Progress = NO_PROGRESS,
-            build_progress: Callable[[str, StepReport, bool], None] | None = None,
-            scheduler: TrialScheduler | None = None) -> JobResult:
+def run_job(
+    task_paths: Sequence[str | os.PathLike[str]],
+    agent_spec: str,
+    *,
+    jobs_dir: str | os.PathLike[str],
+    job_name: str | None = None,
+    concurrency: int = 4,
+    settings: EpisodeSettings | None = None,
+    progress: Callable[[TrialResult], None] | None = None,
+    image_progress: Progress = NO_PROGRESS,
+    build_progress: Callable[[str, StepReport, bool], None] | None = None,
+    scheduler: TrialScheduler | None = None,
+) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
 
@@ -56,9 +63,17 @@ def run_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jo
     :class:`sequester.cluster.RayScheduler` for a Ray cluster). The same as
     :func:`prepare_job`, then :meth:`PreparedJob.run`.
     """
-    job = prepare_job(task_paths, agent_spec, jobs_dir=jobs_dir, job_name=job_name, concurrency=concurrency,
-                      settings=settings, image_progress=image_progress, build_progress=build_progress,
-                      scheduler=scheduler)
+    job = prepare_job(
+        task_paths,
+        agent_spec,
+        jobs_dir=jobs_dir,
+        job_name=job_name,
+        concurrency=concurrency,
+        settings=settings,
+        image_progress=image_progress,
+        build_progress=build_progress,
+        scheduler=scheduler,
+    )
     return job.run(progress)
 
 
@@ -89,8 +104,15 @@ class PreparedJob:
         def write_result(finished_at: str | None) -> JobResult:
             with lock:
                 in_order = [finished[name] for name in names if name in finished]
-                result = JobResult.from_trials(self.name, started_at, finished_at, len(names), in_order,
-                                               job_id=job_id, n_running=len(running - finished.keys()))
+                result = JobResult.from_trials(
+                    self.name,
+                    started_at,
+                    finished_at,
+                    len(names),
+                    in_order,
+                    job_id=job_id,
+                    n_running=len(running - finished.keys()),
+                )
                 write_json(self.paths.result_path, result.to_dict())
             return result
 
@@ -120,11 +142,18 @@ class PreparedJob:
         return result
 
 
-def prepare_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *, jobs_dir: str | os.PathLike[str],
-                job_name: str | None = None, concurrency: int = 4, settings: EpisodeSettings | None = None,
-                image_progress: Progress = NO_PROGRESS,
-                build_progress: Callable[[str, StepReport, bool], None] | None = None,
-                scheduler: TrialScheduler | None = None) -> PreparedJob:
+def prepare_job(
+    task_paths: Sequence[str | os.PathLike[str]],
+    agent_spec: str,
+    *,
+    jobs_dir: str | os.PathLike[str],
+    job_name: str | None = None,
+    concurrency: int = 4,
+    settings: EpisodeSettings | None = None,
+    image_progress: Progress = NO_PROGRESS,
+    build_progress: Callable[[str, StepReport, bool], None] | None = None,
+    scheduler: TrialScheduler | None = None,
+) -> PreparedJob:
     """Everything of :func:`run_job` before its trials: the input checked, the job's folder
     made, each task's system chosen once (fetched, or built with its log in the job's
     folder). Bad input raises before anything is made; an image that cannot be had with
@@ -145,8 +174,9 @@ def prepare_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *
     jobs_root = Path(jobs_dir).resolve()
     for task in tasks:
         if jobs_root == task.path.resolve() or task.path.resolve() in jobs_root.parents:
-            raise PolicyError(f"jobs folder {str(jobs_root)!r} is inside the task {str(task.path)!r}, "
-                              "which a job only reads")
+            raise PolicyError(
+                f"jobs folder {str(jobs_root)!r} is inside the task {str(task.path)!r}, which a job only reads"
+            )
     jobs_root.mkdir(parents=True, exist_ok=True)
     paths = JobPaths(jobs_root / job_name)
     try:
@@ -158,40 +188,59 @@ def prepare_job(task_paths: Sequence[str | os.PathLike[str]], agent_spec: str, *
     images: dict[Path, ImagePlan] = {}
     if settings.backend == "local" and scheduler.runs_here:
         try:
-            images = choose_job_images(tasks, settings, log_path=paths.build_log, progress=image_progress,
-                                       on_step=build_progress)
+            images = choose_job_images(
+                tasks, settings, log_path=paths.build_log, progress=image_progress, on_step=build_progress
+            )
         except BaseException:
             remove_tree(paths.root)
             raise
     hide = (*(task.path for task in tasks), jobs_root)
     datasets, sources = _datasets(task_paths, tasks)
     config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, None)
-    trials = [PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path))
-              for name, task in _plan(tasks)]
-    return PreparedJob(job_name, paths, agent_spec, settings, scheduler, trials, hide,
-                       {**config, "scheduler": scheduler.describe()})
+    trials = [
+        PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path))
+        for name, task in _plan(tasks)
+    ]
+    return PreparedJob(
+        job_name, paths, agent_spec, settings, scheduler, trials, hide, {**config, "scheduler": scheduler.describe()}
+    )
 
 
-def job_config(job_name: str, jobs_root: Path, agent_spec: str, concurrency: int, tasks: list[Task],
-               datasets: list[Path], sources: dict[str, str | None], settings: EpisodeSettings,
-               started_at: str | None) -> dict[str, object]:
+def job_config(
+    job_name: str,
+    jobs_root: Path,
+    agent_spec: str,
+    concurrency: int,
+    tasks: list[Task],
+    datasets: list[Path],
+    sources: dict[str, str | None],
+    settings: EpisodeSettings,
+    started_at: str | None,
+) -> dict[str, object]:
     """The job's ``config.json``: Harbor's ``JobConfig`` (``agents``, ``n_concurrent_trials``,
     each folder of tasks as a local dataset and each task given by itself under
     ``tasks``), plus sequester's ``settings``, the exact ``task_names`` in order and the
     ``agent_spec`` as given."""
     return {
-        "schema_version": 1, "job_name": job_name, "jobs_dir": str(jobs_root), "n_attempts": 1,
-        "n_concurrent_trials": concurrency, "agents": [agent_config(agent_spec, load_agent(agent_spec))],
+        "schema_version": 1,
+        "job_name": job_name,
+        "jobs_dir": str(jobs_root),
+        "n_attempts": 1,
+        "n_concurrent_trials": concurrency,
+        "agents": [agent_config(agent_spec, load_agent(agent_spec))],
         "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]},
         "datasets": [{"path": str(folder)} for folder in datasets],
         "tasks": [task_config(t.path, None) for t in tasks if sources[t.name] is None],
-        "agent_spec": agent_spec, "task_names": [t.name for t in tasks], "settings": settings_to_dict(settings),
+        "agent_spec": agent_spec,
+        "task_names": [t.name for t in tasks],
+        "settings": settings_to_dict(settings),
         "started_at": started_at,
     }
 
 
-def _datasets(task_paths: Sequence[str | os.PathLike[str]], tasks: list[Task]
-              ) -> tuple[list[Path], dict[str, str | None]]:
+def _datasets(
+    task_paths: Sequence[str | os.PathLike[str]], tasks: list[Task]
+) -> tuple[list[Path], dict[str, str | None]]:
     """The folders of tasks among ``task_paths`` (Harbor's local datasets) and, for each
     task, the name of the one it came from (``None``: the task was given by itself)."""
     given = [Path(os.path.abspath(p)) for p in task_paths]

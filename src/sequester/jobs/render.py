@@ -20,8 +20,14 @@ __all__ = ["trial_progress", "print_summary", "summary_table", "summary_line"]
 def trial_progress(total: int, console: Console, label: str) -> Iterator[Callable[[TrialResult], None]]:
     """A progress bar over ``total`` trials; yields the callback that advances it."""
     errors = 0
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[errors]}"), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[errors]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         job = bar.add_task(escape(label), total=total, errors="")
 
@@ -60,7 +66,9 @@ def summary_table(job: JobResult, trials: list[TrialResult], width: int) -> Tabl
         seconds = t.duration_sec
         cells = [escape(t.task_name), escape(t.trial_name.rpartition("__")[2])] if wide else [escape(t.task_name)]
         table.add_row(
-            *cells, _reward(t), "" if seconds is None else f"{seconds:.1f} s",
+            *cells,
+            _reward(t),
+            "" if seconds is None else f"{seconds:.1f} s",
             f"[red]{escape(t.exception_info.exception_type)}[/]" if t.exception_info else "",
             f"[yellow]! {len(t.tampering)}[/]" if t.tampering else "",
         )
@@ -71,10 +79,15 @@ def summary_line(job: JobResult, job_dir: Path) -> str:
     """The job folder, the mean reward and the counts, tampered trials included."""
     mean = "-" if job.mean_reward is None else f"{job.mean_reward:.3f}"
     counts = ", ".join(f"{n} × {reward}" for reward, n in job.reward_counts.items()) or "no verdicts"
-    tampered = (f"; [yellow]{job.n_tampered} with tampering[/] (information only: see 'tampering' in each "
-                "result.json)") if job.n_tampered else "; 0 with tampering"
-    return (f"{escape(str(job_dir))}: mean reward {mean} over {job.n_trials - job.n_errors} verdict(s) "
-            f"({counts}){tampered}; {job.n_errors} error(s); {job.n_trials}/{job.n_total_trials} trials finished")
+    tampered = (
+        (f"; [yellow]{job.n_tampered} with tampering[/] (information only: see 'tampering' in each result.json)")
+        if job.n_tampered
+        else "; 0 with tampering"
+    )
+    return (
+        f"{escape(str(job_dir))}: mean reward {mean} over {job.n_trials - job.n_errors} verdict(s) "
+        f"({counts}){tampered}; {job.n_errors} error(s); {job.n_trials}/{job.n_total_trials} trials finished"
+    )
 
 
 def print_summary(console: Console, job: JobResult, trials: list[TrialResult], job_dir: Path) -> None:
@@ -85,6 +98,10 @@ def print_summary(console: Console, job: JobResult, trials: list[TrialResult], j
     console.print(summary_table(job, trials, console.width))
     for t in trials:
         if t.exception_info is not None:
-            console.print(f"[red]{escape(t.trial_name)}[/]: {escape(t.exception_info.exception_type)}: "
-                          f"{escape(t.exception_info.exception_message)}", highlight=False, soft_wrap=True)
+            console.print(
+                f"[red]{escape(t.trial_name)}[/]: {escape(t.exception_info.exception_type)}: "
+                f"{escape(t.exception_info.exception_message)}",
+                highlight=False,
+                soft_wrap=True,
+            )
     console.print(summary_line(job, job_dir), highlight=False, soft_wrap=True)

@@ -12,7 +12,7 @@ import traceback
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sequester.environments.verdict import primary_reward
@@ -22,7 +22,7 @@ __all__ = ["TimingInfo", "ExceptionInfo", "VerifierOutcome", "TrialResult", "Job
 
 
 def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 def _seconds(started_at: str | None, finished_at: str | None) -> float | None:
@@ -68,9 +68,13 @@ class ExceptionInfo:
 
     def to_dict(self) -> dict[str, Any]:
         name, override = harbor_exception(self.exception_type, self.exception_message)
-        out: dict[str, Any] = {"exception_type": name, "sequester_exception_type": self.exception_type,
-                               "exception_message": self.exception_message,
-                               "exception_traceback": self.exception_traceback, "occurred_at": self.occurred_at}
+        out: dict[str, Any] = {
+            "exception_type": name,
+            "sequester_exception_type": self.exception_type,
+            "exception_message": self.exception_message,
+            "exception_traceback": self.exception_traceback,
+            "occurred_at": self.occurred_at,
+        }
         if override is not None:
             out["policy_override"] = dict(override)
         return out
@@ -136,17 +140,29 @@ class TrialResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema_version": 1, "id": self.id, "task_name": self.task_name, "trial_name": self.trial_name,
-            "trial_uri": self.trial_uri, "task_id": {"path": self.task_path}, "source": self.source,
-            "task_checksum": self.task_checksum, "config": dict(self.config), "agent_info": dict(self.agent_info),
+            "schema_version": 1,
+            "id": self.id,
+            "task_name": self.task_name,
+            "trial_name": self.trial_name,
+            "trial_uri": self.trial_uri,
+            "task_id": {"path": self.task_path},
+            "source": self.source,
+            "task_checksum": self.task_checksum,
+            "config": dict(self.config),
+            "agent_info": dict(self.agent_info),
             "verifier_result": self.verifier_result.to_dict() if self.verifier_result else None,
             "verifier_environment_mode": self.verifier_environment_mode,
             "exception_info": self.exception_info.to_dict() if self.exception_info else None,
-            "started_at": self.started_at, "finished_at": self.finished_at,
-            "environment_setup": self.environment_setup.to_dict(), "agent_execution": self.agent_execution.to_dict(),
-            "verifier": self.verifier.to_dict(), "tampering": list(self.tampering), "notes": list(self.notes),
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "environment_setup": self.environment_setup.to_dict(),
+            "agent_execution": self.agent_execution.to_dict(),
+            "verifier": self.verifier.to_dict(),
+            "tampering": list(self.tampering),
+            "notes": list(self.notes),
             "system": dict(self.system) if self.system is not None else None,
-            "node": dict(self.node) if self.node is not None else None, "retries": [dict(r) for r in self.retries],
+            "node": dict(self.node) if self.node is not None else None,
+            "retries": [dict(r) for r in self.retries],
         }
 
 
@@ -179,27 +195,62 @@ class JobResult:
         return len(self.tampered)
 
     @classmethod
-    def from_trials(cls, job_name: str, started_at: str, finished_at: str | None, n_total_trials: int,
-                    trials: list[TrialResult], *, job_id: str | None = None, n_running: int = 0) -> JobResult:
+    def from_trials(
+        cls,
+        job_name: str,
+        started_at: str,
+        finished_at: str | None,
+        n_total_trials: int,
+        trials: list[TrialResult],
+        *,
+        job_id: str | None = None,
+        n_running: int = 0,
+    ) -> JobResult:
         rewards = [t.reward for t in trials if t.reward is not None]
-        errors = [{"trial_name": t.trial_name, "exception_type": t.exception_info.harbor_type,
-                   "sequester_exception_type": t.exception_info.exception_type,
-                   "exception_message": t.exception_info.exception_message}
-                  for t in trials if t.exception_info is not None]
+        errors = [
+            {
+                "trial_name": t.trial_name,
+                "exception_type": t.exception_info.harbor_type,
+                "sequester_exception_type": t.exception_info.exception_type,
+                "exception_message": t.exception_info.exception_message,
+            }
+            for t in trials
+            if t.exception_info is not None
+        ]
         counts = Counter(str(r) for r in rewards)
-        return cls(job_name, started_at, finished_at, n_total_trials, len(trials), len(errors),
-                   sum(rewards) / len(rewards) if rewards else None,
-                   dict(sorted(counts.items(), key=lambda kv: -float(kv[0]))), errors,
-                   [t.trial_name for t in trials], [t.trial_name for t in trials if t.tampering],
-                   job_id or str(uuid.uuid4()), finished_at or utc_now(),
-                   job_stats(trials, n_total_trials, 0 if finished_at else n_running))
+        return cls(
+            job_name,
+            started_at,
+            finished_at,
+            n_total_trials,
+            len(trials),
+            len(errors),
+            sum(rewards) / len(rewards) if rewards else None,
+            dict(sorted(counts.items(), key=lambda kv: -float(kv[0]))),
+            errors,
+            [t.trial_name for t in trials],
+            [t.trial_name for t in trials if t.tampering],
+            job_id or str(uuid.uuid4()),
+            finished_at or utc_now(),
+            job_stats(trials, n_total_trials, 0 if finished_at else n_running),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema_version": 1, "id": self.id, "job_name": self.job_name, "started_at": self.started_at,
-            "updated_at": self.updated_at, "finished_at": self.finished_at, "n_total_trials": self.n_total_trials,
-            "stats": self.stats, "n_trials": self.n_trials, "n_errors": self.n_errors,
-            "mean_reward": self.mean_reward, "reward_counts": dict(self.reward_counts),
-            "n_tampered": self.n_tampered, "tampered": list(self.tampered),
-            "errors": [dict(e) for e in self.errors], "trials": list(self.trials),
+            "schema_version": 1,
+            "id": self.id,
+            "job_name": self.job_name,
+            "started_at": self.started_at,
+            "updated_at": self.updated_at,
+            "finished_at": self.finished_at,
+            "n_total_trials": self.n_total_trials,
+            "stats": self.stats,
+            "n_trials": self.n_trials,
+            "n_errors": self.n_errors,
+            "mean_reward": self.mean_reward,
+            "reward_counts": dict(self.reward_counts),
+            "n_tampered": self.n_tampered,
+            "tampered": list(self.tampered),
+            "errors": [dict(e) for e in self.errors],
+            "trials": list(self.trials),
         }

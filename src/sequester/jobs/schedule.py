@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Protocol
 
 from sequester.environments.settings import EpisodeSettings
-from sequester.tasks import Task
 from sequester.jobs.images import ImagePlan
 from sequester.jobs.results import TrialResult
 from sequester.jobs.trial import Cancellation, run_trial
+from sequester.tasks import Task
 
 __all__ = ["PlannedTrial", "JobRun", "TrialScheduler", "LocalScheduler"]
 
@@ -79,9 +79,17 @@ class LocalScheduler:
     def run(self, job: JobRun, trials: list[PlannedTrial], started: Callable[[str], None]) -> Iterator[TrialResult]:
         def one(trial: PlannedTrial) -> TrialResult:
             started(trial.name)
-            return run_trial(trial.task, job.agent_spec, trial.trial_dir, settings=job.settings, hide=list(job.hide),
-                             cancel=self._cancel, source=trial.source, job_id=job.job_id,
-                             image=trial.image)
+            return run_trial(
+                trial.task,
+                job.agent_spec,
+                trial.trial_dir,
+                settings=job.settings,
+                hide=list(job.hide),
+                cancel=self._cancel,
+                source=trial.source,
+                job_id=job.job_id,
+                image=trial.image,
+            )
 
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="trial")
         self._futures = {self._pool.submit(one, trial): trial.name for trial in trials}
@@ -100,6 +108,8 @@ class LocalScheduler:
         if self._pool is None:
             return []
         self._pool.shutdown(wait=True, cancel_futures=True)
-        return [future.result() for future, name in self._futures.items()
-                if name not in self._yielded and future.done() and not future.cancelled()
-                and future.exception() is None]
+        return [
+            future.result()
+            for future, name in self._futures.items()
+            if name not in self._yielded and future.done() and not future.cancelled() and future.exception() is None
+        ]

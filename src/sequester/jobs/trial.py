@@ -31,17 +31,17 @@ from typing import Any
 from sequester.agents import load_agent
 from sequester.environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
 from sequester.environments.base import wanted_verifier_env
-from sequester.errors import EpisodeError, ImageError
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.verdict import VerifierError
-from sequester.tasks import Task
+from sequester.errors import EpisodeError, ImageError
 from sequester.jobs.agent_view import RecordingEnvironment
 from sequester.jobs.cancel import Cancellation, TrialCancelled
 from sequester.jobs.capture import capture_thread_output
-from sequester.jobs.images import ImagePlan
 from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
+from sequester.jobs.images import ImagePlan
 from sequester.jobs.paths import TEST_STDOUT, TrialPaths
 from sequester.jobs.results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
+from sequester.tasks import Task
 
 __all__ = ["run_trial", "trial_config", "new_trial_name", "settings_to_dict", "write_json"]
 
@@ -58,6 +58,7 @@ def new_trial_name(task_name: str) -> str:
 
 def settings_to_dict(settings: Any) -> dict[str, Any]:
     """A settings dataclass (nested ones too: ``[images]``) as JSON-ready data."""
+
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value):
             return settings_to_dict(value)
@@ -68,6 +69,7 @@ def settings_to_dict(settings: Any) -> dict[str, Any]:
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return value
+
     return {f.name: plain(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
 
 
@@ -132,21 +134,45 @@ class _Phases:
         return self.timings.get(name, TimingInfo())
 
 
-def trial_config(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
-                 source: str | None = None, job_id: str | None = None, agent: object | None = None) -> dict[str, Any]:
+def trial_config(
+    task: Task,
+    agent_spec: str,
+    trial_dir: Path,
+    *,
+    settings: EpisodeSettings,
+    hide: list[Path],
+    source: str | None = None,
+    job_id: str | None = None,
+    agent: object | None = None,
+) -> dict[str, Any]:
     """The trial's ``config.json``: Harbor's ``TrialConfig`` (the task by ``path``, the
     agent as an ``AgentConfig``, the job's id), plus sequester's ``settings`` and ``hide``."""
     return {
-        "schema_version": 1, "task": task_config(task.path, source), "trial_name": trial_dir.name,
-        "trials_dir": str(trial_dir.parent), "agent": agent_config(agent_spec, agent),
-        "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]}, "job_id": job_id,
-        "settings": settings_to_dict(settings), "hide": [str(p) for p in hide],
+        "schema_version": 1,
+        "task": task_config(task.path, source),
+        "trial_name": trial_dir.name,
+        "trials_dir": str(trial_dir.parent),
+        "agent": agent_config(agent_spec, agent),
+        "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]},
+        "job_id": job_id,
+        "settings": settings_to_dict(settings),
+        "hide": [str(p) for p in hide],
     }
 
 
-def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: EpisodeSettings, hide: list[Path],
-              cancel: Cancellation | None = None, source: str | None = None, job_id: str | None = None,
-              open_env: Callable[..., Environment] = open_environment, image: ImagePlan | None = None) -> TrialResult:
+def run_trial(
+    task: Task,
+    agent_spec: str,
+    trial_dir: Path,
+    *,
+    settings: EpisodeSettings,
+    hide: list[Path],
+    cancel: Cancellation | None = None,
+    source: str | None = None,
+    job_id: str | None = None,
+    open_env: Callable[..., Environment] = open_environment,
+    image: ImagePlan | None = None,
+) -> TrialResult:
     """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
     episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
     exist; its name is the trial's name). ``source`` is the dataset the task belongs to
@@ -176,8 +202,9 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
         try:
             agent = load_agent(agent_spec)
             info = agent_info(agent_spec, agent)
-            config = trial_config(task, agent_spec, trial_dir, settings=settings, hide=hide, source=source,
-                                  job_id=job_id, agent=agent)
+            config = trial_config(
+                task, agent_spec, trial_dir, settings=settings, hide=hide, source=source, job_id=job_id, agent=agent
+            )
             write_json(paths.config_path, config)
             trial_log.write(f"task {task.name} ({task.path}), agent {info['name']}")
             with contextlib.ExitStack() as watch:
@@ -213,8 +240,9 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
         except BaseException as exc:
             if cancel is not None and cancel.cancelled and not isinstance(exc, TrialCancelled):
                 stopped = TrialCancelled(f"the job was interrupted ({type(exc).__name__}: {exc})")
-                error = ExceptionInfo(type(stopped).__name__, str(stopped),
-                                      "".join(traceback.format_exception(exc)), utc_now())
+                error = ExceptionInfo(
+                    type(stopped).__name__, str(stopped), "".join(traceback.format_exception(exc)), utc_now()
+                )
             else:
                 error = ExceptionInfo.from_exception(exc)
             trial_log.write(f"error: {error.exception_traceback}")
@@ -229,12 +257,24 @@ def run_trial(task: Task, agent_spec: str, trial_dir: Path, *, settings: Episode
                     notes.append(f"closing the episode failed: {exc}")
                     log.warning("%s: closing the episode failed: %s", trial_dir.name, exc)
             result = TrialResult(
-                task_name=task.name, trial_name=trial_dir.name, trial_uri=trial_dir.resolve().as_uri(),
-                agent_info=info, verifier_result=verdict if error is None else None, exception_info=error,
-                started_at=started_at, finished_at=utc_now(), environment_setup=phase.get("environment_setup"),
-                agent_execution=phase.get("agent_execution"), verifier=phase.get("verifier"),
-                tampering=tampering, notes=notes, source=source, task_path=str(task.path), task_checksum=checksum,
-                config=config, verifier_environment_mode=mode if "verifier" in phase.timings else None,
+                task_name=task.name,
+                trial_name=trial_dir.name,
+                trial_uri=trial_dir.resolve().as_uri(),
+                agent_info=info,
+                verifier_result=verdict if error is None else None,
+                exception_info=error,
+                started_at=started_at,
+                finished_at=utc_now(),
+                environment_setup=phase.get("environment_setup"),
+                agent_execution=phase.get("agent_execution"),
+                verifier=phase.get("verifier"),
+                tampering=tampering,
+                notes=notes,
+                source=source,
+                task_path=str(task.path),
+                task_checksum=checksum,
+                config=config,
+                verifier_environment_mode=mode if "verifier" in phase.timings else None,
                 system=system,
             )
             write_json(paths.result_path, result.to_dict())

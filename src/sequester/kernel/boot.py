@@ -39,12 +39,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # The host's ``-c`` program: the package root is its first argument (``-I -S``: not on
 # sys.path otherwise; appended, so it never shadows the standard library).
-STAGE_ONE = ("import sys,time;t=time.monotonic_ns();sys.path.append(sys.argv.pop(1));"
-             "from sequester.kernel.boot import main;main(started=t)")
+STAGE_ONE = (
+    "import sys,time;t=time.monotonic_ns();sys.path.append(sys.argv.pop(1));"
+    "from sequester.kernel.boot import main;main(started=t)"
+)
 # The cell runner's ``-c`` program (not ``-m``: runpy imports importlib.util, contextlib,
 # ... milliseconds of every start), same convention.
-STAGE_TWO = ("import sys;sys.path.append(sys.argv.pop(1));"
-             "from sequester.kernel.server import main;main()")
+STAGE_TWO = "import sys;sys.path.append(sys.argv.pop(1));from sequester.kernel.server import main;main()"
 _HEADER = 4
 
 
@@ -123,8 +124,12 @@ def confine(cfg: dict[str, Any], marks: list | None = None) -> dict[str, Any]:
         apply_workspace(workspace["steps"], workspace["path"])
         mark(("namespaces", time.monotonic_ns()))
     # The bridge's thread runs in the second stage and counts against the thread cap.
-    privileges.apply_rlimits(memory_bytes=limits["memory_bytes"], max_threads=limits["max_threads"] + bool(cfg.get("bridge")),
-                             file_bytes=limits["file_bytes"], threads_now=threads_now)
+    privileges.apply_rlimits(
+        memory_bytes=limits["memory_bytes"],
+        max_threads=limits["max_threads"] + bool(cfg.get("bridge")),
+        file_bytes=limits["file_bytes"],
+        threads_now=threads_now,
+    )
     if cfg.get("root_flow"):
         privileges.disable_nested_userns()
     if cfg["mode"] == "sandbox" or os.geteuid() == 0:
@@ -134,15 +139,18 @@ def confine(cfg: dict[str, Any], marks: list | None = None) -> dict[str, Any]:
 
         lock = cfg["write_lock"]
         _no_new_privs()
-        report["landlock_abi"] = landlock.restrict_self(read=(), write=lock["paths"], connect_ports=None,
-                                                        handled_fs=lock["handled"], scoped=False)
+        report["landlock_abi"] = landlock.restrict_self(
+            read=(), write=lock["paths"], connect_ports=None, handled_fs=lock["handled"], scoped=False
+        )
     if cfg.get("landlock"):
         from sequester.guard import landlock
 
         spec = cfg["landlock"]
         _no_new_privs()
         report["landlock_abi"] = landlock.restrict_self(
-            read=spec["read"], write=spec["write"], connect_ports=spec.get("connect_ports"),
+            read=spec["read"],
+            write=spec["write"],
+            connect_ports=spec.get("connect_ports"),
             list_only=spec.get("list_only", ()),
         )
     mark(("privileges", time.monotonic_ns()))
@@ -196,8 +204,9 @@ def main(argv: list[str] | None = None, *, started: int | None = None) -> None:
         second = stage_two(cfg, report)
         marks.append(("handoff", time.monotonic_ns()))  # what is left: the filter and the execve
         second["timing"] = marks
-        handoff = Handoff(sys.executable, server_command(sys.executable, in_fd, out_fd, encode_stage_two(second)),
-                          dict(os.environ))
+        handoff = Handoff(
+            sys.executable, server_command(sys.executable, in_fd, out_fd, encode_stage_two(second)), dict(os.environ)
+        )
         seccomp.load_filter(cfg["seccomp"]["bpf"], cfg["seccomp"]["nr"])
         handoff.execute()
     except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed

@@ -19,11 +19,18 @@ from sequester.sandbox.mounts import WORKSPACE
 __all__ = ["bootstrap_config"]
 
 
-def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False,
-                     bridge: dict[str, Any] | None = None, landlock_spec: dict[str, Any] | None = None,
-                     audit_network: dict[str, Any] | None = None, ctypes_fd: int | None = None,
-                     keep_below_tmp: tuple[Path, ...] = (),
-                     template_ids: tuple[int, int] | None = None) -> dict[str, Any]:
+def bootstrap_config(
+    policy: Policy,
+    mode: Isolation,
+    *,
+    root_flow: bool = False,
+    bridge: dict[str, Any] | None = None,
+    landlock_spec: dict[str, Any] | None = None,
+    audit_network: dict[str, Any] | None = None,
+    ctypes_fd: int | None = None,
+    keep_below_tmp: tuple[Path, ...] = (),
+    template_ids: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """The first message a kernel reads: what its bootstrap must do. Everything in it
     that depends only on the policy and the host (the seccomp program, the workspace's
     mounts) is computed here, once, so the kernel's first stage only applies it."""
@@ -45,8 +52,12 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
         # A view template's kernel (native stage only) makes the /proc and /dev/pts bwrap would.
         # ``template_ids``: the kernel enters a view template (native stage only), so it
         # makes the /proc and /dev/pts bwrap would, and a user namespace whose ids are these.
-        steps = plan_workspace(limits.workspace_mb * 1024 * 1024, WORKSPACE, keep_below_tmp,
-                               own_proc=_proc_covers() if template_ids else None)
+        steps = plan_workspace(
+            limits.workspace_mb * 1024 * 1024,
+            WORKSPACE,
+            keep_below_tmp,
+            own_proc=_proc_covers() if template_ids else None,
+        )
         config["workspace"] = {"steps": steps_for_kernel(steps), "path": str(WORKSPACE)}
         if template_ids:
             config.update(template=True, template_ids=list(template_ids))
@@ -55,7 +66,11 @@ def bootstrap_config(policy: Policy, mode: Isolation, *, root_flow: bool = False
         # nothing is writable but the workspace and the device nodes (reads are the view's).
         abi = _landlock_abi()
         if abi:
-            config["write_lock"] = {"handled": landlock.write_rights(abi), "paths": ["/tmp", "/dev/shm", "/dev"], "abi": abi}
+            config["write_lock"] = {
+                "handled": landlock.write_rights(abi),
+                "paths": ["/tmp", "/dev/shm", "/dev"],
+                "abi": abi,
+            }
     if ctypes_fd is not None:
         config["ctypes_fd"] = ctypes_fd
     if root_flow:

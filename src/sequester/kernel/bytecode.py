@@ -61,8 +61,9 @@ def ensure_kernel_bytecode(package_root: Path) -> int:
         if is_fresh(source, cached):
             continue
         try:
-            py_compile.compile(str(source), cfile=str(cached), doraise=True,
-                               invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+            py_compile.compile(
+                str(source), cfile=str(cached), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP
+            )
             written += 1
         except (OSError, py_compile.PyCompileError) as exc:
             log.debug("no bytecode for %s: %s", source, exc)

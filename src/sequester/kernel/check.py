@@ -92,7 +92,7 @@ def _probe(kernel: Kernel, code: str) -> dict:
         return {"error": f"probe printed no JSON: {result.stdout[-200:]!r}"}
 
 
-_PROCESS_ROUTES = r'''
+_PROCESS_ROUTES = r"""
 import json, os, sys
 marker = os.path.join(os.getcwd(), "spawned")
 shell = ["/bin/sh", "-c", "echo yes > " + marker]
@@ -129,7 +129,7 @@ for name, call in routes.items():
     except BaseException as exc:
         out[name] = type(exc).__name__ + ": " + str(exc)
 print(json.dumps({"routes": out, "marker": os.path.exists(marker)}))
-'''
+"""
 
 
 def run_check(policy: Policy) -> CheckReport:
@@ -186,7 +186,9 @@ def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:  # type: ig
     for path, host_count, expected in sorted(probes, key=lambda p: -p[1]):
         inside = seen.get(path)
         ok = isinstance(inside, str) or (isinstance(inside, list) and set(inside) <= set(expected))
-        (notes if ok else bad).append(f"{path}: host {host_count} entries, kernel {inside if isinstance(inside, str) else len(inside)}")
+        (notes if ok else bad).append(
+            f"{path}: host {host_count} entries, kernel {inside if isinstance(inside, str) else len(inside)}"
+        )
     return Finding("files hidden", not bad and bool(probes), "; ".join(bad or notes[:4]) or "nothing to hide")
 
 
@@ -209,14 +211,17 @@ def _source_readonly(kernel: Kernel, policy: Policy, facts) -> Finding:  # type:
 
 
 def _workspace_writable(kernel: Kernel) -> Finding:
-    seen = _probe(kernel, "import json, os\nopen('probe.txt', 'w').write('ok')\n"
-                          "print(json.dumps({'cwd': os.getcwd(), 'read': open('probe.txt').read()}))")
+    seen = _probe(
+        kernel,
+        "import json, os\nopen('probe.txt', 'w').write('ok')\n"
+        "print(json.dumps({'cwd': os.getcwd(), 'read': open('probe.txt').read()}))",
+    )
     ok = seen.get("read") == "ok"
     return Finding("workspace writable", ok, seen.get("error") or f"wrote and read back a file in {seen.get('cwd')}")
 
 
 def _network(kernel: Kernel, allowed: int, other: int, mode: Isolation) -> Finding:
-    code = f'''
+    code = f"""
 import json, os, socket
 def grab(host, port):
     try:
@@ -243,14 +248,16 @@ def resolve(name):
         return type(e).__name__
 print(json.dumps({{"allowed": grab("127.0.0.1", {allowed}), "other": grab("127.0.0.1", {other}),
                   "other_via_proxy": via_proxy({other}), "resolve": resolve("example.com")}}))
-'''
+"""
     seen = _probe(kernel, code)
     if "error" in seen:
         return Finding("network allowlist", False, seen["error"])
     proxy_ok = seen["other_via_proxy"] in ("no proxy",) or " 403 " in seen["other_via_proxy"] + " "
     ok = seen["allowed"] == "allowed" and seen["other"] != "other" and proxy_ok and seen["resolve"] != "resolved"
-    evidence = (f"allowed 127.0.0.1:{allowed} answered {seen['allowed']!r}; other 127.0.0.1:{other}: {seen['other']}; "
-                f"through the proxy: {seen['other_via_proxy']}; example.com: {seen['resolve']}")
+    evidence = (
+        f"allowed 127.0.0.1:{allowed} answered {seen['allowed']!r}; other 127.0.0.1:{other}: {seen['other']}; "
+        f"through the proxy: {seen['other_via_proxy']}; example.com: {seen['resolve']}"
+    )
     if mode is Isolation.GUARD:
         evidence += " (guard only: enforced by port (Landlock) and the audit hook, not by a namespace)"
     return Finding("network allowlist", ok, evidence)
@@ -262,28 +269,40 @@ def _processes_blocked(kernel: Kernel) -> Finding:
         return Finding("processes blocked", False, seen["error"])
     ran = [name for name, outcome in seen["routes"].items() if outcome == "ran"]
     ok = not ran and not seen["marker"]
-    evidence = f"ran: {ran}" if ran else f"{len(seen['routes'])} routes refused (e.g. {seen['routes']['_posixsubprocess.fork_exec']})"
+    evidence = (
+        f"ran: {ran}"
+        if ran
+        else f"{len(seen['routes'])} routes refused (e.g. {seen['routes']['_posixsubprocess.fork_exec']})"
+    )
     if seen["marker"]:
         evidence += "; a child process wrote its marker file"
     return Finding("processes blocked", ok, evidence)
 
 
 def _processes_invisible(kernel: Kernel) -> Finding:
-    seen = _probe(kernel, "import json, os\nprint(json.dumps({'pids': sorted(int(p) for p in os.listdir('/proc') "
-                          "if p.isdigit()), 'me': os.getpid()}))")
+    seen = _probe(
+        kernel,
+        "import json, os\nprint(json.dumps({'pids': sorted(int(p) for p in os.listdir('/proc') "
+        "if p.isdigit()), 'me': os.getpid()}))",
+    )
     if "error" in seen:
         return Finding("processes invisible", False, seen["error"])
     # The kernel is its namespace's only process (pid 1): an init of bwrap's beside it
     # would be a process of its uid without its filter.
     others = [p for p in seen["pids"] if p != seen["me"]]
-    return Finding("processes invisible", not others,
-                   f"/proc lists {seen['pids'][:8]}{'...' if len(seen['pids']) > 8 else ''} (the kernel is pid {seen['me']})")
+    return Finding(
+        "processes invisible",
+        not others,
+        f"/proc lists {seen['pids'][:8]}{'...' if len(seen['pids']) > 8 else ''} (the kernel is pid {seen['me']})",
+    )
 
 
 # The first kernel marks its workspace and /dev/shm and listens on loopback; the second
 # looks for the marks, dials the port, and lists its processes.
-_MARK = ("import os, socket\nfor d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, 'sequester-check-mark'), 'w').close()\n"
-         "_check_listener = socket.create_server(('127.0.0.1', 0))\n_check_listener.getsockname()[1]")
+_MARK = (
+    "import os, socket\nfor d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, 'sequester-check-mark'), 'w').close()\n"
+    "_check_listener = socket.create_server(('127.0.0.1', 0))\n_check_listener.getsockname()[1]"
+)
 _LOOK = """import json, os, socket
 files = [d for d in ('/tmp', '/dev/shm') if os.path.exists(os.path.join(d, 'sequester-check-mark'))]
 try:
@@ -310,13 +329,17 @@ def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
     if "error" in seen:
         return Finding("kernels apart", False, seen["error"])
     ok = not seen["files"] and not seen["reached"] and seen["pids"] == [1]
-    return Finding("kernels apart", ok, f"a second kernel of the same {view} view saw the first's marks in "
-                                        f"{seen['files'] or 'none'} of /tmp, /dev/shm, "
-                                        f"{'reached' if seen['reached'] else 'could not reach'} its loopback listener; "
-                                        f"its /proc lists {seen['pids'][:8]}")
+    return Finding(
+        "kernels apart",
+        ok,
+        f"a second kernel of the same {view} view saw the first's marks in "
+        f"{seen['files'] or 'none'} of /tmp, /dev/shm, "
+        f"{'reached' if seen['reached'] else 'could not reach'} its loopback listener; "
+        f"its /proc lists {seen['pids'][:8]}",
+    )
 
 
-_OWN_MEMORY = r'''
+_OWN_MEMORY = r"""
 import json, os, threading
 code = next(int(l.split("-")[0], 16) for l in open("/proc/self/maps") if l.split()[1] == "r-xp")
 out = {}
@@ -342,7 +365,7 @@ for path in paths:
 done.set()
 thread.join()
 print(json.dumps(out))
-'''
+"""
 
 
 def _own_memory(kernel: Kernel) -> Finding:
@@ -359,11 +382,17 @@ def _own_memory(kernel: Kernel) -> Finding:
 def _capabilities(kernel: Kernel) -> Finding:
     caps = kernel.report.get("caps", {})
     nonzero = {k: v for k, v in caps.items() if int(v or "0", 16)}
-    seen = _probe(kernel, "import json\nprint(json.dumps({l.split(':')[0]: l.split()[1] for l in open('/proc/self/status') "
-                          "if l.startswith('Cap')}))")
+    seen = _probe(
+        kernel,
+        "import json\nprint(json.dumps({l.split(':')[0]: l.split()[1] for l in open('/proc/self/status') "
+        "if l.startswith('Cap')}))",
+    )
     nonzero.update({k: v for k, v in seen.items() if k != "error" and int(v, 16)})
-    return Finding("capabilities zero", not nonzero and "error" not in seen,
-                   f"non-zero: {nonzero}" if nonzero else f"all five sets are 0 (uid {kernel.report.get('uid')})")
+    return Finding(
+        "capabilities zero",
+        not nonzero and "error" not in seen,
+        f"non-zero: {nonzero}" if nonzero else f"all five sets are 0 (uid {kernel.report.get('uid')})",
+    )
 
 
 def _ctypes(kernel: Kernel) -> Finding:

@@ -21,7 +21,7 @@ __all__ = ["DISABLE_HOOK", "NATIVE_PROBE", "ctypes_unloadable", "sample_library"
 
 # Switches the kernel's audit hook off from Python. Leaves
 # ``hook_off`` = "disabled" or the reason it could not.
-DISABLE_HOOK = r'''
+DISABLE_HOOK = r"""
 def _disable_hook():
     try:
         import ctypes  # refused: the traceback holds the hook's frame
@@ -47,11 +47,13 @@ def _disable_hook():
     hook.__code__ = scope["outer"]().__code__
     return "disabled"
 hook_off = _disable_hook()
-'''
+"""
 
 # Then tries every way back to native code. ``LIBRARIES`` (host paths of _ctypes and
 # friends) and ``SAMPLE`` (a harmless extension library of the view) are set before.
-NATIVE_PROBE = DISABLE_HOOK + r'''
+NATIVE_PROBE = (
+    DISABLE_HOOK
+    + r"""
 import json, mmap, os, shutil
 out = {"hook_off": hook_off}
 try:
@@ -82,7 +84,8 @@ except OSError as exc:
     out["memfd_create"] = exc.strerror
 out["ctypes types in memory"] = sorted({c.__name__ for c in object.__subclasses__() if "ctypes" in c.__module__})
 print(json.dumps(out))
-'''
+"""
+)
 
 
 def sample_library() -> str:
@@ -120,11 +123,15 @@ def ctypes_unloadable(kernel: Kernel, libraries: Iterable[Path]) -> tuple[bool, 
     elif loaded:
         evidence = "loadable: " + "; ".join(f"{k}: {seen[k]}" for k in loaded)
     else:
-        evidence = (f"with the audit hook {seen['hook_off']}: import ctypes: {seen['import ctypes']}; dlopen of "
-                    f"{len(paths)} _ctypes path(s) refused (e.g. {seen[paths[0]] if paths else 'none found'}); "
-                    f"a library copied to the workspace and /dev/shm cannot be mapped executable; "
-                    f"memfd_create: {seen['memfd_create']}")
+        evidence = (
+            f"with the audit hook {seen['hook_off']}: import ctypes: {seen['import ctypes']}; dlopen of "
+            f"{len(paths)} _ctypes path(s) refused (e.g. {seen[paths[0]] if paths else 'none found'}); "
+            f"a library copied to the workspace and /dev/shm cannot be mapped executable; "
+            f"memfd_create: {seen['memfd_create']}"
+        )
     if kernel.mode is Isolation.GUARD:
-        evidence += (" (guard only: Landlock withholds _ctypes, but it has no right for executable mappings, so a "
-                     "library written to the workspace can be loaded)")
+        evidence += (
+            " (guard only: Landlock withholds _ctypes, but it has no right for executable mappings, so a "
+            "library written to the workspace can be loaded)"
+        )
     return ok, evidence

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from sequester.errors import KernelClosedError, KernelError, SandboxError
-from sequester.policy import Isolation, Policy
-from sequester.sandbox.bwrap import read_pending
 from sequester.kernel.launch import KernelProcess, launch_kernel
-from sequester.kernel.start_timing import phases as _phases
 from sequester.kernel.protocol import MessageReader, ProtocolError, frame_limit, write_message
 from sequester.kernel.results import CellError, CellResult
+from sequester.kernel.start_timing import phases as _phases
+from sequester.policy import Isolation, Policy
+from sequester.sandbox.bwrap import read_pending
 
 __all__ = ["Kernel"]
 
@@ -201,9 +201,13 @@ class Kernel:
             raise
         self._start_timing = _phases(process.timing, report.pop("timing", None), ready_ns)
         # Host-side fact, not the kernel's word: which first stage confined it.
-        report["first_stage"] = ("native" if process.native_stage else "python") if process.mode is not Isolation.OFF else "none"
+        report["first_stage"] = (
+            ("native" if process.native_stage else "python") if process.mode is not Isolation.OFF else "none"
+        )
         # ... and whether the view was a template's (kept per policy) or bwrap's own.
-        report["view"] = ("template" if process.from_template else "bwrap") if process.mode is Isolation.SANDBOX else "none"
+        report["view"] = (
+            ("template" if process.from_template else "bwrap") if process.mode is Isolation.SANDBOX else "none"
+        )
         if process.native_stage and process.config.get("write_lock"):
             report.setdefault("landlock_abi", process.config["write_lock"]["abi"])
         self._report = report
@@ -212,8 +216,14 @@ class Kernel:
 
     # -- cells ----------------------------------------------------------------------
 
-    def run(self, code: str, *, timeout: float | None = None, filename: str | None = None,
-            on_output: OutputCallback | None = None) -> CellResult:
+    def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        filename: str | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> CellResult:
         """Run one cell. Blocked or failing code is a result with ``error``, never an exception.
 
         ``timeout`` (seconds) defaults to the policy's ``cell_timeout`` and is clipped to
@@ -231,8 +241,14 @@ class Kernel:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         budget = min(wanted, life_left)
         self._next_id += 1
-        request = {"op": "run", "id": self._next_id, "code": code, "timeout": budget,
-                   "filename": filename or "<cell>", "stream": on_output is not None}
+        request = {
+            "op": "run",
+            "id": self._next_id,
+            "code": code,
+            "timeout": budget,
+            "filename": filename or "<cell>",
+            "stream": on_output is not None,
+        }
         assert self._process is not None
         try:
             write_message(self._process.to_kernel, request)
@@ -242,16 +258,22 @@ class Kernel:
         except OSError as exc:
             return self._recover(_CellFailure(CellError("KernelDied", f"the kernel went away: {exc}")), started, False)
         if message.get("op") != "result" or message.get("id") != self._next_id:
-            return self._recover(_CellFailure(CellError("KernelError", "the kernel answered out of turn")), started, False)
+            return self._recover(
+                _CellFailure(CellError("KernelError", "the kernel answered out of turn")), started, False
+            )
         error = _cell_error(message.get("error"))
         timed_out = error is not None and error.type == "TimeoutError"
         if timed_out and budget >= life_left:
             self.close()
-            error = CellError("KernelTimeout", f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime ran out "
-                              "during this cell; the kernel is closed")
+            error = CellError(
+                "KernelTimeout",
+                f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime ran out "
+                "during this cell; the kernel is closed",
+            )
         value = message.get("value")
-        return CellResult(out, err, value if isinstance(value, str) else None, error,
-                          time.monotonic() - started, timed_out=timed_out)
+        return CellResult(
+            out, err, value if isinstance(value, str) else None, error, time.monotonic() - started, timed_out=timed_out
+        )
 
     def _recover(self, failure: _CellFailure, started: float, lifetime_hit: bool) -> CellResult:
         """Kill the kernel; restart it unless its lifetime is over."""
@@ -259,16 +281,22 @@ class Kernel:
         error = failure.error
         if lifetime_hit and failure.timed_out:
             self.close()
-            error = CellError("KernelTimeout", f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime ran out; "
-                              "the kernel was killed and is closed")
+            error = CellError(
+                "KernelTimeout",
+                f"the kernel's {self.policy.limits.kernel_timeout:g} s lifetime ran out; "
+                "the kernel was killed and is closed",
+            )
             return CellResult(out, err, None, error, time.monotonic() - started, timed_out=True)
         self._kill()
         self._spawn()
         log.info("kernel restarted after: %s", error)
-        return CellResult(out, err, None, error, time.monotonic() - started, timed_out=failure.timed_out, restarted=True)
+        return CellResult(
+            out, err, None, error, time.monotonic() - started, timed_out=failure.timed_out, restarted=True
+        )
 
-    def _wait_message(self, process: KernelProcess, deadline: float, on_output: OutputCallback | None,
-                      *, startup: bool = False) -> tuple[dict[str, Any], str, str]:
+    def _wait_message(
+        self, process: KernelProcess, deadline: float, on_output: OutputCallback | None, *, startup: bool = False
+    ) -> tuple[dict[str, Any], str, str]:
         """Read the kernel's pipes until one protocol message arrives, or fail.
 
         Raises :class:`_CellFailure` (with the output so far) on death, deadline or
@@ -296,8 +324,13 @@ class Kernel:
                 chunks[name].append(data)
                 size += len(data)
                 if size > cap:
-                    raise fail(CellError("OutputLimitExceeded", f"the cell wrote more than {self.policy.limits.output_bytes} "
-                                         "bytes outside Python's streams; the kernel was killed and restarted"))
+                    raise fail(
+                        CellError(
+                            "OutputLimitExceeded",
+                            f"the cell wrote more than {self.policy.limits.output_bytes} "
+                            "bytes outside Python's streams; the kernel was killed and restarted",
+                        )
+                    )
                 if on_output is not None:
                     piece = decoders[name].decode(data)
                     if piece:
@@ -308,8 +341,14 @@ class Kernel:
                 if left <= 0:
                     if startup:
                         raise fail(CellError("TimeoutError", f"no answer within {_START_TIMEOUT:g} s"))
-                    raise fail(CellError("TimeoutError", "the cell ran over its timeout and did not stop when "
-                                         "interrupted; the kernel was killed and restarted (its state is lost)"), True)
+                    raise fail(
+                        CellError(
+                            "TimeoutError",
+                            "the cell ran over its timeout and did not stop when "
+                            "interrupted; the kernel was killed and restarted (its state is lost)",
+                        ),
+                        True,
+                    )
                 for key, _ in sel.select(left):
                     fd = key.fd
                     try:
@@ -322,8 +361,11 @@ class Kernel:
                         try:
                             messages = reader.feed(data)
                         except ProtocolError as exc:
-                            raise fail(CellError("KernelError", f"the kernel broke the protocol ({exc}); it was killed "
-                                                             "and restarted")) from None
+                            raise fail(
+                                CellError(
+                                    "KernelError", f"the kernel broke the protocol ({exc}); it was killed and restarted"
+                                )
+                            ) from None
                         if messages:
                             for out_fd, name in names.items():
                                 # Written before the result message: already in the pipe.

@@ -10,7 +10,16 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["PROXY_VARIABLES", "kernel_environment"]
 
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy", "no_proxy")
+PROXY_VARIABLES = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+)
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 

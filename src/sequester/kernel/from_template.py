@@ -21,31 +21,48 @@ from sequester.errors import SandboxError
 from sequester.guard.native_plan import NativePlanError, encode_plan, plan_stage0
 from sequester.guard.privileges import NOBODY
 from sequester.kernel.boot import encode_stage_two, server_command, stage_two
+from sequester.kernel.bootstrap import bootstrap_config
 from sequester.kernel.protocol import loads
+from sequester.kernel.spawn import KernelNetwork, KernelView, kernel_network, kernel_view
 from sequester.kernel.stage0 import stage0_program
+from sequester.kernel.template import (
+    StaleView,
+    TemplateKernel,
+    TemplateSandbox,
+    ViewTemplate,
+    forget,
+    template_for,
+    templates_enabled,
+)
 from sequester.net.plan import plan_network
 from sequester.policy import Isolation, Policy
-from sequester.kernel.bootstrap import bootstrap_config
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.host import HostFacts, gather_host_facts
-from sequester.kernel.spawn import KernelNetwork, KernelView, kernel_network, kernel_view
-from sequester.kernel.template import StaleView, TemplateKernel, TemplateSandbox, ViewTemplate, forget, template_for, templates_enabled
 
 __all__ = ["kernel_from_template", "run_confined"]
 
 ConfigFor = Callable[[tuple[int, int], "dict[str, Any] | None", "tuple[Path, ...]"], "dict[str, Any]"]
 
 
-def _template(policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork) -> tuple[ViewTemplate, KernelView]:
+def _template(
+    policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork
+) -> tuple[ViewTemplate, KernelView]:
     view = kernel_view(policy, facts, (), network, stage0=stage0, allow_userns=True)
     # The template is the view: whatever would change bwrap's argv or files changes the key.
     key = repr((view.spec, sorted(view.data_files.items()), str(stage0)))
     return template_for(key, lambda: ViewTemplate.start(view)), view
 
 
-def _spawn(policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork,
-           plan_for: Callable[[KernelView], tuple[bytes, dict[str, Any]]], fds: list[tuple[int, int]],
-           out_target: int, **spawn_options: bool) -> tuple[TemplateKernel, KernelView, dict[str, Any]]:
+def _spawn(
+    policy: Policy,
+    facts: HostFacts,
+    stage0: Path,
+    network: KernelNetwork,
+    plan_for: Callable[[KernelView], tuple[bytes, dict[str, Any]]],
+    fds: list[tuple[int, int]],
+    out_target: int,
+    **spawn_options: bool,
+) -> tuple[TemplateKernel, KernelView, dict[str, Any]]:
     """The keeper's child running the plan of ``plan_for(view)`` (the plan, and the
     configuration it came from), from the view's live template. A
     view found stale (a file it covers was replaced on the host) or retired meanwhile is
@@ -75,9 +92,17 @@ def _plan(config: dict[str, Any], command: list[str], *, timing: bool = True) ->
         raise SandboxError(f"cannot plan the kernel's native first stage: {exc}") from None
 
 
-def kernel_from_template(policy: Policy, facts: HostFacts, stage0: Path, config_for: ConfigFor, to_kernel_r: int,
-                         from_kernel_w: int, out_w: int, err_w: int,
-                         timing: dict[str, int]) -> tuple[TemplateSandbox, dict[str, Any]]:
+def kernel_from_template(
+    policy: Policy,
+    facts: HostFacts,
+    stage0: Path,
+    config_for: ConfigFor,
+    to_kernel_r: int,
+    from_kernel_w: int,
+    out_w: int,
+    err_w: int,
+    timing: dict[str, int],
+) -> tuple[TemplateSandbox, dict[str, Any]]:
     """A kernel of ``policy`` as a child of its view's keeper, running the plan of
     ``config_for(ids, bridge, below_tmp)``; the kernel's pipes are placed at the numbers
     its cell runner's command names (stdout and stderr at 1 and 2)."""
@@ -86,11 +111,13 @@ def kernel_from_template(policy: Policy, facts: HostFacts, stage0: Path, config_
         fds = [(to_kernel_r, to_kernel_r), (from_kernel_w, from_kernel_w), (out_w, 1), (err_w, 2)]
         if network.control_fd is not None:
             fds.append((network.control_fd, network.control_fd))
+
         def plan_for(view: KernelView) -> tuple[bytes, dict[str, Any]]:
             timing["t:view"] = time.monotonic_ns()
             config = config_for(_ids(facts), network.bridge, view.below_tmp)
-            runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
-                                    encode_stage_two(stage_two(config, {})))
+            runner = server_command(
+                str(facts.python_executable), to_kernel_r, from_kernel_w, encode_stage_two(stage_two(config, {}))
+            )
             plan = _plan(config, runner)
             timing["t:planned"] = time.monotonic_ns()
             return plan, config
@@ -105,8 +132,9 @@ def kernel_from_template(policy: Policy, facts: HostFacts, stage0: Path, config_
     return TemplateSandbox(kernel, network, view.below_tmp), config
 
 
-def run_confined(policy: Policy, command: list[str], *, timeout: float | None = None,
-                 facts: HostFacts | None = None) -> subprocess.CompletedProcess[str]:
+def run_confined(
+    policy: Policy, command: list[str], *, timeout: float | None = None, facts: HostFacts | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``command`` (its program an absolute path in the view) under a kernel's whole
     confinement in the view of ``policy``: what a kernel's cells get, from the policy's
     view template (no network: the allowed services need the kernel's bridge). Its
@@ -125,14 +153,27 @@ def run_confined(policy: Policy, command: list[str], *, timeout: float | None = 
     network = KernelNetwork(plan_network(policy.allow) if policy.allow else None, None, None, None)
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]  # stdout, stderr, the stage's report
     try:
+
         def plan_for(view: KernelView) -> tuple[bytes, dict[str, Any]]:
-            config = bootstrap_config(policy, Isolation.SANDBOX, root_flow=facts.is_root,
-                                      keep_below_tmp=view.below_tmp, template_ids=_ids(facts))
+            config = bootstrap_config(
+                policy,
+                Isolation.SANDBOX,
+                root_flow=facts.is_root,
+                keep_below_tmp=view.below_tmp,
+                template_ids=_ids(facts),
+            )
             return _plan(config, list(command), timing=False), config
 
-        kernel, _, _ = _spawn(policy, facts, stage0, network, plan_for,
-                           [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])], pipes[2][1],
-                           close_report_on_exec=True)
+        kernel, _, _ = _spawn(
+            policy,
+            facts,
+            stage0,
+            network,
+            plan_for,
+            [(pipes[0][1], 1), (pipes[1][1], 2), (pipes[2][1], pipes[2][1])],
+            pipes[2][1],
+            close_report_on_exec=True,
+        )
     except BaseException:
         for r, w in pipes:
             close_fd(r)
@@ -146,8 +187,9 @@ def run_confined(policy: Policy, command: list[str], *, timeout: float | None = 
 _OUTPUT_LIMIT = 16 << 20
 
 
-def _collect(kernel: TemplateKernel, command: list[str], readers: list[int],
-             timeout: float | None) -> subprocess.CompletedProcess[str]:
+def _collect(
+    kernel: TemplateKernel, command: list[str], readers: list[int], timeout: float | None
+) -> subprocess.CompletedProcess[str]:
     import select
 
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -179,7 +221,7 @@ def _collect(kernel: TemplateKernel, command: list[str], readers: list[int],
                     open_fds.discard(fd)
                     poller.unregister(fd)
                 elif sizes[i] < _OUTPUT_LIMIT:  # beyond the limit it is read and dropped
-                    chunks[i].append(data[:_OUTPUT_LIMIT - sizes[i]])
+                    chunks[i].append(data[: _OUTPUT_LIMIT - sizes[i]])
                     sizes[i] += len(chunks[i][-1])
         # Its output closed is not its end (red team: a command that closes 1 and 2 and
         # sleeps): the deadline holds until it exits.

@@ -14,11 +14,11 @@ propagates (fail closed).
 from __future__ import annotations
 
 import os
-import time
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,23 +28,32 @@ from sequester.errors import SandboxError
 from sequester.guard import landlock
 from sequester.guard.native_plan import NativePlanError, encode_plan, plan_stage0
 from sequester.kernel.boot import STAGE_ONE, encode_config, encode_stage_two, server_command, stage_two
+from sequester.kernel.bootstrap import bootstrap_config
 from sequester.kernel.bytecode import ensure_kernel_bytecode
+from sequester.kernel.environ import kernel_environment
+from sequester.kernel.from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
+from sequester.kernel.spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
 from sequester.kernel.stage0 import stage0_program
+from sequester.kernel.template import TemplateSandbox, ViewTemplate, templates_enabled
 from sequester.net.broker import Broker
 from sequester.policy import Isolation, Policy
-from sequester.kernel.environ import kernel_environment
+from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.host import HostFacts, gather_host_facts
 from sequester.sandbox.mounts import ROOT_SECRETS, hidden_paths, mount_backs
 from sequester.sandbox.native import ctypes_library
-from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.probe import resolve_isolation
-from sequester.kernel.spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
-from sequester.kernel.bootstrap import bootstrap_config
-from sequester.kernel.from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
-from sequester.kernel.template import TemplateSandbox, ViewTemplate, templates_enabled
 
-__all__ = ["KernelProcess", "SandboxProcess", "launch_kernel", "spawn_sandbox", "run_in_sandbox", "run_confined",
-           "kernel_command", "bootstrap_config"]
+__all__ = [
+    "KernelProcess",
+    "SandboxProcess",
+    "launch_kernel",
+    "spawn_sandbox",
+    "run_in_sandbox",
+    "run_confined",
+    "kernel_command",
+    "bootstrap_config",
+]
+
 
 @dataclass
 class KernelProcess:
@@ -91,7 +100,7 @@ class KernelProcess:
         or, through the native stage, its plan."""
         view = memoryview(self.first_frame if self.first_frame is not None else encode_config(self.config))
         while view:
-            view = view[os.write(self.to_kernel, view):]
+            view = view[os.write(self.to_kernel, view) :]
 
     @property
     def broker(self) -> Broker | None:
@@ -132,8 +141,9 @@ class KernelProcess:
                 close_fd(fd)
 
 
-def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True,
-                   native: bool = False) -> tuple[str, ...]:
+def kernel_command(
+    facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool = True, native: bool = False
+) -> tuple[str, ...]:
     """The kernel's command: its confining first stage (which becomes the cell runner):
     the native one (``native``, bound at :data:`STAGE0_IN_VIEW`) or Python's; or (``off``)
     the cell runner straight away."""
@@ -143,8 +153,17 @@ def kernel_command(facts: HostFacts, in_fd: int, out_fd: int, *, confined: bool 
         # -I: no PYTHON* variables, no user site, nothing prepended to sys.path; -S: no
         # site (the first stage needs the standard library and sequester, whose root it
         # is given); -B: no .pyc writes. Each saves milliseconds of every start.
-        return (str(facts.python_executable), "-I", "-S", "-B", "-c", STAGE_ONE, str(facts.package_root),
-                str(in_fd), str(out_fd))
+        return (
+            str(facts.python_executable),
+            "-I",
+            "-S",
+            "-B",
+            "-c",
+            STAGE_ONE,
+            str(facts.package_root),
+            str(in_fd),
+            str(out_fd),
+        )
     return tuple(server_command(str(facts.python_executable), in_fd, out_fd))
 
 
@@ -157,6 +176,7 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     ensure_kernel_bytecode(facts.package_root)
     timing["facts"] = time.monotonic_ns()
     with ExitStack() as on_failure, ExitStack() as child_side:
+
         def pipe() -> tuple[int, int]:
             r, w = os.pipe()
             on_failure.callback(close_fd, r)
@@ -171,33 +191,48 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         for fd in child_ends:  # the kernel has them now; the host closes its copies
             child_side.callback(close_fd, fd)
         stage0 = stage0_program() if mode is Isolation.SANDBOX else None
-        command = kernel_command(facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF,
-                                 native=stage0 is not None)
+        command = kernel_command(
+            facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF, native=stage0 is not None
+        )
         first_frame = None
         try:
             if stage0 is not None and templates_enabled():
                 # The view is assembled once per policy; this kernel is a child of its keeper.
-                def kernel_config(ids: tuple[int, int], bridge: dict[str, Any] | None,
-                                  below_tmp: tuple[Path, ...]) -> dict[str, Any]:
-                    return bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=bridge,
-                                            keep_below_tmp=below_tmp, template_ids=ids)
+                def kernel_config(
+                    ids: tuple[int, int], bridge: dict[str, Any] | None, below_tmp: tuple[Path, ...]
+                ) -> dict[str, Any]:
+                    return bootstrap_config(
+                        policy, mode, root_flow=facts.is_root, bridge=bridge, keep_below_tmp=below_tmp, template_ids=ids
+                    )
 
-                sandbox, config = kernel_from_template(policy, facts, stage0, kernel_config, to_kernel_r,
-                                                       from_kernel_w, out_w, err_w, timing)
+                sandbox, config = kernel_from_template(
+                    policy, facts, stage0, kernel_config, to_kernel_r, from_kernel_w, out_w, err_w, timing
+                )
                 first_frame = b""  # the plan went with the spawn
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.kernel, None
             elif stage0 is not None:
                 # bwrap execs the native stage (bound below /tmp, which the workspace then
                 # covers); it applies the host's plan and execs the cell runner directly.
-                sandbox = spawn_sandbox(policy, facts, command, keep_fds=child_ends, stdout=out_w, stderr=err_w,
-                                        stderr_reader=err_r, timing=timing, stage0=stage0)
+                sandbox = spawn_sandbox(
+                    policy,
+                    facts,
+                    command,
+                    keep_fds=child_ends,
+                    stdout=out_w,
+                    stderr=err_w,
+                    stderr_reader=err_r,
+                    timing=timing,
+                    stage0=stage0,
+                )
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.started.popen, None
-                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge,
-                                          keep_below_tmp=sandbox.below_tmp)
-                runner = server_command(str(facts.python_executable), to_kernel_r, from_kernel_w,
-                                        encode_stage_two(stage_two(config, {})))
+                config = bootstrap_config(
+                    policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge, keep_below_tmp=sandbox.below_tmp
+                )
+                runner = server_command(
+                    str(facts.python_executable), to_kernel_r, from_kernel_w, encode_stage_two(stage_two(config, {}))
+                )
                 try:
                     first_frame = encode_plan(plan_stage0(config, runner))
                 except NativePlanError as exc:
@@ -206,20 +241,40 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
                 # The view covers _ctypes; the first stage gets it as this open file.
                 ctypes_fd = os.open(ctypes_library(), os.O_RDONLY | os.O_CLOEXEC)
                 child_side.callback(close_fd, ctypes_fd)
-                sandbox = spawn_sandbox(policy, facts, command, keep_fds=[*child_ends, ctypes_fd], stdout=out_w,
-                                        stderr=err_w, stderr_reader=err_r, timing=timing)
+                sandbox = spawn_sandbox(
+                    policy,
+                    facts,
+                    command,
+                    keep_fds=[*child_ends, ctypes_fd],
+                    stdout=out_w,
+                    stderr=err_w,
+                    stderr_reader=err_r,
+                    timing=timing,
+                )
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.started.popen, None
-                config = bootstrap_config(policy, mode, root_flow=facts.is_root, bridge=sandbox.bridge, ctypes_fd=ctypes_fd,
-                                          keep_below_tmp=sandbox.below_tmp)
+                config = bootstrap_config(
+                    policy,
+                    mode,
+                    root_flow=facts.is_root,
+                    bridge=sandbox.bridge,
+                    ctypes_fd=ctypes_fd,
+                    keep_below_tmp=sandbox.below_tmp,
+                )
             else:
                 workspace = Path(tempfile.mkdtemp(prefix="sequester-workspace-"))
                 on_failure.callback(shutil.rmtree, workspace, ignore_errors=True)
                 config = _guard_config(policy, facts, mode, workspace)
                 env = kernel_environment(os.environ, passthrough=policy.env, proxy=None, tmpdir=str(workspace))
                 popen = subprocess.Popen(
-                    command, cwd=workspace, env=env, pass_fds=child_ends, stdin=subprocess.DEVNULL,
-                    stdout=out_w, stderr=err_w, start_new_session=True,
+                    command,
+                    cwd=workspace,
+                    env=env,
+                    pass_fds=child_ends,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_w,
+                    stderr=err_w,
+                    start_new_session=True,
                 )
                 sandbox = None
         except OSError as exc:
@@ -228,8 +283,9 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
     for fd in (to_kernel_w, from_kernel_r, out_r, err_r):
         os.set_inheritable(fd, False)
     timing["launched"] = time.monotonic_ns()
-    return KernelProcess(mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing,
-                         first_frame)
+    return KernelProcess(
+        mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing, first_frame
+    )
 
 
 def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: Path) -> dict[str, Any]:
@@ -254,7 +310,11 @@ def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: 
         "write": [str(workspace), "/dev/null"],
         "connect_ports": sorted({e.port for e in policy.allow}),
     }
-    connects = [[e.host if e.host != "localhost" else "127.0.0.1", e.port] for e in policy.allow if e.is_ip or e.host == "localhost"]
+    connects = [
+        [e.host if e.host != "localhost" else "127.0.0.1", e.port]
+        for e in policy.allow
+        if e.is_ip or e.host == "localhost"
+    ]
     names = [e.host for e in policy.allow if not e.is_ip]
     return bootstrap_config(policy, mode, landlock_spec=spec, audit_network={"names": names, "connects": connects})
 
@@ -270,9 +330,16 @@ def run_in_sandbox(policy: Policy, command: list[str]) -> subprocess.CompletedPr
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        sandbox = spawn_sandbox(policy, gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly)),
-                                tuple(command), keep_fds=[], stdout=out_w, stderr=err_w, stderr_reader=err_r,
-                                kernel=False)
+        sandbox = spawn_sandbox(
+            policy,
+            gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly)),
+            tuple(command),
+            keep_fds=[],
+            stdout=out_w,
+            stderr=err_w,
+            stderr_reader=err_r,
+            kernel=False,
+        )
     except BaseException:
         for fd in (out_r, err_r):
             close_fd(fd)

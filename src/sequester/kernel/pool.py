@@ -26,8 +26,8 @@ import time
 from collections import deque
 
 from sequester.errors import KernelClosedError, KernelError, PolicyError, SequesterError
-from sequester.policy import Policy
 from sequester.kernel.client import Kernel
+from sequester.policy import Policy
 
 __all__ = ["KernelPool"]
 
@@ -58,8 +58,10 @@ class KernelPool:
         ready. :class:`KernelClosedError` after :meth:`close`; :class:`PolicyError` for a
         ``policy`` other than the pool's (its kernels were started under the pool's)."""
         if policy is not None and policy != self.policy:
-            raise PolicyError("this pool's kernels run under the policy the pool was made with; make a KernelPool "
-                              "for the other policy")
+            raise PolicyError(
+                "this pool's kernels run under the policy the pool was made with; make a KernelPool "
+                "for the other policy"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:

@@ -22,8 +22,16 @@ TYPE_CHECKING = False  # not ``typing``: every kernel imports this module at sta
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
-__all__ = ["ProtocolError", "MessageReader", "encode", "write_message", "read_message", "MAX_MESSAGE",
-           "TEXT_LIMIT", "frame_limit"]
+__all__ = [
+    "ProtocolError",
+    "MessageReader",
+    "encode",
+    "write_message",
+    "read_message",
+    "MAX_MESSAGE",
+    "TEXT_LIMIT",
+    "frame_limit",
+]
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -101,7 +109,7 @@ def encode(message: dict[str, Any]) -> bytes:
 def write_message(fd: int, message: dict[str, Any]) -> None:
     view = memoryview(encode(message))
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _decode(body: bytes) -> dict[str, Any]:
@@ -145,6 +153,6 @@ class MessageReader:
             end = _HEADER.size + size
             if len(self._buffer) < end:
                 break
-            out.append(_decode(bytes(self._buffer[_HEADER.size:end])))
+            out.append(_decode(bytes(self._buffer[_HEADER.size : end])))
             del self._buffer[:end]
         return out

@@ -21,12 +21,11 @@ import time
 
 _STARTED = time.monotonic_ns()  # start-up timing (see Kernel.start_timing): this image's first line
 
+import _signal  # not ``signal``: it wraps the same functions in enums (milliseconds at start)
 import builtins
 import io
 import os
 import sys
-
-import _signal  # not ``signal``: it wraps the same functions in enums (milliseconds at start)
 
 from sequester.kernel.protocol import TEXT_LIMIT, read_message, write_message
 
@@ -147,7 +146,7 @@ class _CellOutput(io.TextIOBase):
         self._pending.clear()
         self._pending_size = 0
         while view:
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
 
 
 class Cells:
@@ -188,8 +187,11 @@ class Cells:
                 _signal.setitimer(_signal.ITIMER_REAL, 0)
                 self._in_cell = False
         except CellTimeout:
-            error = {"type": "TimeoutError", "message": f"the cell ran over its {timeout:g} s timeout and was interrupted",
-                     "traceback": ""}
+            error = {
+                "type": "TimeoutError",
+                "message": f"the cell ran over its {timeout:g} s timeout and was interrupted",
+                "traceback": "",
+            }
         except BaseException as exc:  # noqa: BLE001 - everything the cell raises is its result
             error = _describe(exc)
         finally:
@@ -263,8 +265,12 @@ def serve(in_fd: int, out_fd: int, output_limit: int) -> None:
         if request is None or request.get("op") == "shutdown":
             return
         if request.get("op") == "run":
-            result = cells.run(str(request.get("code", "")), request.get("timeout"),
-                               str(request.get("filename") or "<cell>"), bool(request.get("stream")))
+            result = cells.run(
+                str(request.get("code", "")),
+                request.get("timeout"),
+                str(request.get("filename") or "<cell>"),
+                bool(request.get("stream")),
+            )
             write_message(out_fd, {"op": "result", "id": request.get("id"), **result})
 
 
@@ -290,8 +296,13 @@ def main(argv: list[str] | None = None) -> None:
         if cfg is None:
             return
         report = start(cfg)
-        timing = [*cfg.get("timing", ()), *_native_marks(args[3:]), ("server", _STARTED), ("server_imported", imported),
-                  ("started", time.monotonic_ns())]
+        timing = [
+            *cfg.get("timing", ()),
+            *_native_marks(args[3:]),
+            ("server", _STARTED),
+            ("server_imported", imported),
+            ("started", time.monotonic_ns()),
+        ]
         report["timing"] = [[name, ns] for name, ns in timing]
     except BaseException as exc:  # noqa: BLE001 - tell the host why, then die: fail closed
         import traceback

@@ -14,18 +14,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sequester.kernel.environ import kernel_environment
 from sequester.net.broker import Broker
 from sequester.net.plan import NetworkPlan, plan_network
 from sequester.policy import Policy
 from sequester.sandbox.argv import BOOTSTRAP_CAPS, ROOT_BOOTSTRAP_CAPS, TEMPLATE_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
-from sequester.sandbox.procs import descendants
-from sequester.kernel.environ import kernel_environment
 from sequester.sandbox.host import HostFacts
 from sequester.sandbox.mounts import MountKind, MountOp, plan_mounts
+from sequester.sandbox.procs import descendants
 
-__all__ = ["SandboxProcess", "KernelNetwork", "spawn_sandbox", "kernel_network", "kernel_view", "KernelView",
-           "STAGE0_IN_VIEW"]
+__all__ = [
+    "SandboxProcess",
+    "KernelNetwork",
+    "spawn_sandbox",
+    "kernel_network",
+    "kernel_view",
+    "KernelView",
+    "STAGE0_IN_VIEW",
+]
 
 _HOSTS = Path("/etc/hosts").resolve()
 # Where a kernel's view shows the native first stage while it runs (then covered).
@@ -93,14 +100,31 @@ def kernel_network(policy: Policy) -> KernelNetwork:
     except BaseException:
         broker.close()
         raise
-    bridge = {"control_fd": control_fd, "listeners": [
-        [l.address, l.port, l.target.host if l.target else None, l.target.port if l.target else None]
-        for l in plan.listeners]}
+    bridge = {
+        "control_fd": control_fd,
+        "listeners": [
+            [
+                listener.address,
+                listener.port,
+                listener.target.host if listener.target else None,
+                listener.target.port if listener.target else None,
+            ]
+            for listener in plan.listeners
+        ],
+    }
     return KernelNetwork(plan, broker, bridge, control_fd)
 
 
-def kernel_view(policy: Policy, facts: HostFacts, command: tuple[str, ...], network: KernelNetwork, *,
-                kernel: bool = True, stage0: Path | None = None, allow_userns: bool = False) -> KernelView:
+def kernel_view(
+    policy: Policy,
+    facts: HostFacts,
+    command: tuple[str, ...],
+    network: KernelNetwork,
+    *,
+    kernel: bool = True,
+    stage0: Path | None = None,
+    allow_userns: bool = False,
+) -> KernelView:
     """bwrap's spec for ``command`` in the view of ``policy`` (pure but for the
     environment it copies). ``stage0``: the native first stage's program, bound
     read-only at :data:`STAGE0_IN_VIEW`."""
@@ -135,9 +159,19 @@ def kernel_view(policy: Policy, facts: HostFacts, command: tuple[str, ...], netw
     return KernelView(spec, data_files, below_tmp)
 
 
-def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *, keep_fds: list[int],
-                  stdout: int, stderr: int, stderr_reader: int, kernel: bool = True,
-                  timing: dict[str, int] | None = None, stage0: Path | None = None) -> SandboxProcess:
+def spawn_sandbox(
+    policy: Policy,
+    facts: HostFacts,
+    command: tuple[str, ...],
+    *,
+    keep_fds: list[int],
+    stdout: int,
+    stderr: int,
+    stderr_reader: int,
+    kernel: bool = True,
+    timing: dict[str, int] | None = None,
+    stage0: Path | None = None,
+) -> SandboxProcess:
     """Spawn bwrap running ``command`` in the view of ``policy``; fail closed.
 
     ``keep_fds`` are passed to the command; ``stderr_reader`` is read for bwrap's own
@@ -156,15 +190,24 @@ def spawn_sandbox(policy: Policy, facts: HostFacts, command: tuple[str, ...], *,
         view = kernel_view(policy, facts, command, network, kernel=kernel, stage0=stage0)
         if timing is not None:
             timing["planned"] = time.monotonic_ns()
-        started = start_bwrap(view.spec, data_files=view.data_files, keep_fds=pass_fds, stdout=stdout, stderr=stderr,
-                              stderr_reader=stderr_reader, timing=timing)
+        started = start_bwrap(
+            view.spec,
+            data_files=view.data_files,
+            keep_fds=pass_fds,
+            stdout=stdout,
+            stderr=stderr,
+            stderr_reader=stderr_reader,
+            timing=timing,
+        )
         on_failure.pop_all()
     return SandboxProcess(started, network.broker, network.bridge, view.below_tmp)
 
 
 def _below_tmp(mounts: tuple[MountOp, ...]) -> tuple[Path, ...]:
     tmp = Path("/tmp")
-    binds = [op.dest for op in mounts if op.kind is MountKind.READONLY and op.dest.is_relative_to(tmp) and op.dest != tmp]
+    binds = [
+        op.dest for op in mounts if op.kind is MountKind.READONLY and op.dest.is_relative_to(tmp) and op.dest != tmp
+    ]
     return tuple(b for b in binds if not any(b != o and b.is_relative_to(o) for o in binds))
 
 

@@ -84,7 +84,9 @@ def build_stage0(folder: Path, compiler: str) -> Path:
     """Compile ``stage0.c`` into ``folder/<hash of source, compiler and flags>/stage0``
     (atomically: a temporary name, then a rename); the existing build when there is one."""
     sources = [p.read_bytes() for p in (*SOURCES, HEADER)]
-    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), *(f.encode() for f in _FLAGS), b"static-first"])).hexdigest()[:24]
+    key = hashlib.sha256(
+        b"\0".join([*sources, compiler.encode(), *(f.encode() for f in _FLAGS), b"static-first"])
+    ).hexdigest()[:24]
     target = folder / key / "stage0"
     if target.is_file():
         return target
@@ -94,8 +96,13 @@ def build_stage0(folder: Path, compiler: str) -> Path:
         # Static where the C library allows it (libc.a): no dynamic loading at every
         # kernel start (about 0.25 ms here), and nothing of the view's libraries runs first.
         for link in (("-static",), ()):
-            result = subprocess.run([compiler, *_FLAGS, *link, "-o", str(out), *(str(p) for p in SOURCES)], capture_output=True,
-                                    text=True, timeout=_BUILD_TIMEOUT, stdin=subprocess.DEVNULL)
+            result = subprocess.run(
+                [compiler, *_FLAGS, *link, "-o", str(out), *(str(p) for p in SOURCES)],
+                capture_output=True,
+                text=True,
+                timeout=_BUILD_TIMEOUT,
+                stdin=subprocess.DEVNULL,
+            )
             if result.returncode == 0:
                 break
         if result.returncode != 0:
@@ -111,7 +118,12 @@ def _drop_old_builds(folder: Path, keep: Path, age: float = 86400.0) -> None:
     old version may still bind its own, so only old ones go."""
     for entry in folder.iterdir():
         try:
-            if entry != keep and entry.is_dir() and not entry.is_symlink() and time.time() - entry.stat().st_mtime > age:
+            if (
+                entry != keep
+                and entry.is_dir()
+                and not entry.is_symlink()
+                and time.time() - entry.stat().st_mtime > age
+            ):
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             continue
@@ -165,9 +177,15 @@ def stage0_program() -> Path | None:
         except OSError:
             _cached_program.cache_clear()
             return None
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022
-                or not st.st_mode & stat.S_IXUSR or not stat.S_ISDIR(folder.st_mode)
-                or folder.st_uid != os.getuid() or folder.st_mode & 0o022):
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid != os.getuid()
+            or st.st_mode & 0o022
+            or not st.st_mode & stat.S_IXUSR
+            or not stat.S_ISDIR(folder.st_mode)
+            or folder.st_uid != os.getuid()
+            or folder.st_mode & 0o022
+        ):
             log.warning("%s changed owner or mode: kernels use the Python first stage", program)
             return None
     return program

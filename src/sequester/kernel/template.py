@@ -33,16 +33,25 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from sequester.errors import SandboxError
-from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
 from sequester.kernel.spawn import STAGE0_IN_VIEW, KernelView
 from sequester.kernel.template_kernel import StaleView, TemplateKernel, TemplateSandbox
+from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
 
-__all__ = ["ViewTemplate", "TemplateKernel", "TemplateSandbox", "StaleView", "template_for", "forget", "close_templates",
-           "templates_enabled", "MAX_TEMPLATES"]
+__all__ = [
+    "ViewTemplate",
+    "TemplateKernel",
+    "TemplateSandbox",
+    "StaleView",
+    "template_for",
+    "forget",
+    "close_templates",
+    "templates_enabled",
+    "MAX_TEMPLATES",
+]
 
 _MAGIC = 0x31545153  # "SQT1", stage0_template.c's MAGIC
 _CLOSE_ON_EXEC = 0x8000_0000  # its REPORT_CLOSE_ON_EXEC
@@ -79,8 +88,14 @@ class ViewTemplate:
             spec = dataclasses.replace(view.spec, command=(stage0_in_view, "--template", str(theirs.fileno())))
             null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                started = start_bwrap(spec, data_files=view.data_files, keep_fds=[theirs.fileno()], stdout=null,
-                                      stderr=err, stderr_reader=None)
+                started = start_bwrap(
+                    spec,
+                    data_files=view.data_files,
+                    keep_fds=[theirs.fileno()],
+                    stdout=null,
+                    stderr=err,
+                    stderr_reader=None,
+                )
             finally:
                 close_fd(null)
         except BaseException as exc:
@@ -130,8 +145,9 @@ class ViewTemplate:
     def alive(self) -> bool:
         return not self._closed and self._started.popen.poll() is None
 
-    def spawn(self, plan_body: bytes, fds: list[tuple[int, int]], out_target: int, *,
-              close_report_on_exec: bool = False) -> TemplateKernel:
+    def spawn(
+        self, plan_body: bytes, fds: list[tuple[int, int]], out_target: int, *, close_report_on_exec: bool = False
+    ) -> TemplateKernel:
         """Start a kernel running ``plan_body`` (an encoded plan without its length) with
         each ``(fd, target)`` of ``fds`` at ``target`` and nothing else; failures are reported
         by the plan on ``out_target``, as a kernel's first stage reports them
@@ -143,8 +159,13 @@ class ViewTemplate:
                     # Red team: retired (and so closed) by another view's first kernel
                     # between this kernel's lookup and its spawn: the caller starts again.
                     raise StaleView("the view template was closed")
-                head = struct.pack("<4I", _MAGIC, len(fds) + 1, out_target | (_CLOSE_ON_EXEC if close_report_on_exec else 0),
-                                   len(plan_body))
+                head = struct.pack(
+                    "<4I",
+                    _MAGIC,
+                    len(fds) + 1,
+                    out_target | (_CLOSE_ON_EXEC if close_report_on_exec else 0),
+                    len(plan_body),
+                )
                 targets = struct.pack(f"<{len(fds) + 1}I", 0, *(t for _, t in fds))
                 try:
                     socket.send_fds(self._control, [head], [status_w, *(fd for fd, _ in fds)])

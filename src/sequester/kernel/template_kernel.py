@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sequester.errors import SandboxError
+from sequester.kernel.spawn import KernelNetwork
 from sequester.sandbox.bwrap import close_fd, readable
 from sequester.sandbox.procs import descendants
-from sequester.kernel.spawn import KernelNetwork
 
 if TYPE_CHECKING:  # pragma: no cover
     from sequester.kernel.template import ViewTemplate
@@ -78,8 +78,11 @@ class TemplateKernel:
                 return self.returncode
             raw = os.read(self.status_fd, 4)
             # No status: the keeper died, and its namespace's kernels with it.
-            self.returncode = os.waitstatus_to_exitcode(int.from_bytes(raw, "little", signed=True)) \
-                if len(raw) == 4 else -signal.SIGKILL
+            self.returncode = (
+                os.waitstatus_to_exitcode(int.from_bytes(raw, "little", signed=True))
+                if len(raw) == 4
+                else -signal.SIGKILL
+            )
             close_fd(self.status_fd)
             close_fd(self.pidfd)
         self.template.release()

@@ -65,9 +65,12 @@ class _Bridge:
             _, ancillary, _, _ = self.control.recvmsg(1, _socket.CMSG_SPACE(_FD_BYTES))
         except OSError:
             return None
-        fds = [int.from_bytes(data[i:i + _FD_BYTES], sys.byteorder)
-               for level, kind, data in ancillary if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS
-               for i in range(0, len(data) - len(data) % _FD_BYTES, _FD_BYTES)]
+        fds = [
+            int.from_bytes(data[i : i + _FD_BYTES], sys.byteorder)
+            for level, kind, data in ancillary
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS
+            for i in range(0, len(data) - len(data) % _FD_BYTES, _FD_BYTES)
+        ]
         for extra in fds[1:]:  # the broker sends one; never keep more
             _close_fd(extra)
         return _socket.socket(fileno=fds[0]) if fds else None

@@ -33,10 +33,10 @@ import threading
 from collections.abc import Iterable
 from functools import lru_cache
 
-from sequester.policy import Endpoint
 from sequester.net.http import Refused, Request, origin_headers, parse_direct, parse_request_line, refusal, shorten
 from sequester.net.plan import is_allowed
 from sequester.net.stats import BrokerStats
+from sequester.policy import Endpoint
 
 __all__ = ["Broker", "BrokerStats", "MAX_CHANNELS", "shared_loop"]
 
@@ -59,8 +59,15 @@ def shared_loop() -> asyncio.AbstractEventLoop:
 class Broker:
     """Serves one sandbox's connections (on the process's shared network loop)."""
 
-    def __init__(self, allow: Iterable[Endpoint], *, connect_timeout: float = 10.0, head_timeout: float = 10.0,
-                 max_channels: int = MAX_CHANNELS, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        allow: Iterable[Endpoint],
+        *,
+        connect_timeout: float = 10.0,
+        head_timeout: float = 10.0,
+        max_channels: int = MAX_CHANNELS,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
         self.allow = frozenset(allow)
         self.connect_timeout = connect_timeout
         self.head_timeout = head_timeout
@@ -202,7 +209,7 @@ class Broker:
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             return await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout)
-        except (OSError, UnicodeError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, UnicodeError) as exc:
             raise Refused(502, f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
 
     async def _read_headers(self, reader: asyncio.StreamReader) -> bytes:
@@ -224,8 +231,12 @@ async def _respond(writer: asyncio.StreamWriter, status: int, reason: str) -> No
         pass
 
 
-async def _splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
-                  b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter) -> None:
+async def _splice(
+    a_reader: asyncio.StreamReader,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+) -> None:
     async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         try:
             while data := await src.read(65536):

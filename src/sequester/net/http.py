@@ -14,8 +14,7 @@ from urllib.parse import urlsplit
 __all__ = ["Refused", "Request", "parse_request_line", "parse_direct", "origin_headers", "refusal", "shorten"]
 
 _HOP_BY_HOP = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
-_TITLES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 502: "Bad Gateway",
-           503: "Service Unavailable"}
+_TITLES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 502: "Bad Gateway", 503: "Service Unavailable"}
 # A target quoted in a reason (and kept in the broker's records) is cut to this.
 _QUOTE = 200
 

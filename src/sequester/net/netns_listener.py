@@ -42,8 +42,16 @@ _NS_GET_USERNS = 0xB701
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def open_listener_in(pid: int, port: int = 3128, *, pidfd: int | None = None, net_namespace: int | None = None,
-                     address: str = "127.0.0.1", backlog: int = 128, timeout: float = 10.0) -> socket.socket:
+def open_listener_in(
+    pid: int,
+    port: int = 3128,
+    *,
+    pidfd: int | None = None,
+    net_namespace: int | None = None,
+    address: str = "127.0.0.1",
+    backlog: int = 128,
+    timeout: float = 10.0,
+) -> socket.socket:
     """A TCP socket listening on ``address:port`` in the network namespace of ``pid``
     (close-on-exec, blocking). :class:`SandboxError` if that cannot be done."""
     if not 0 <= port <= 65535:
@@ -57,11 +65,14 @@ def open_listener_in(pid: int, port: int = 3128, *, pidfd: int | None = None, ne
             net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             fds.append(net)
         except OSError as exc:
-            raise SandboxError(f"cannot open the network namespace of process {pid}: {exc.strerror} "
-                               "(has the sandbox exited?)") from None
+            raise SandboxError(
+                f"cannot open the network namespace of process {pid}: {exc.strerror} (has the sandbox exited?)"
+            ) from None
         if net_namespace is not None and os.fstat(net).st_ino != net_namespace:
-            raise SandboxError(f"process {pid} is not in the sandbox's network namespace "
-                               f"(net:[{os.fstat(net).st_ino}], not net:[{net_namespace}]): its pid was reused?")
+            raise SandboxError(
+                f"process {pid} is not in the sandbox's network namespace "
+                f"(net:[{os.fstat(net).st_ino}], not net:[{net_namespace}]): its pid was reused?"
+            )
         user = _owner(net)
         if user is not None:
             fds.append(user)
@@ -89,8 +100,9 @@ def _owner(net: int) -> int | None:
     return user
 
 
-def _listen_in(pid: int, net: int, user: int | None, address: str, port: int, backlog: int,
-               timeout: float) -> socket.socket:
+def _listen_in(
+    pid: int, net: int, user: int | None, address: str, port: int, backlog: int, timeout: float
+) -> socket.socket:
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with parent_end:
         child = os.fork()
@@ -102,8 +114,9 @@ def _listen_in(pid: int, net: int, user: int | None, address: str, port: int, ba
             try:
                 message, fds, _, _ = socket.recv_fds(parent_end, 4096, 1, socket.MSG_CMSG_CLOEXEC)
             except (TimeoutError, OSError) as exc:
-                raise SandboxError(f"the helper that joins process {pid}'s network namespace did not answer: "
-                                   f"{exc or 'timed out'}") from None
+                raise SandboxError(
+                    f"the helper that joins process {pid}'s network namespace did not answer: {exc or 'timed out'}"
+                ) from None
         finally:
             _reap(child)
     if message[:1] != b"+" or len(fds) != 1:
@@ -114,8 +127,9 @@ def _listen_in(pid: int, net: int, user: int | None, address: str, port: int, ba
     return socket.socket(fileno=fds[0])
 
 
-def _child(channel: socket.socket, net: int, user: int | None, address: str, port: int,
-           backlog: int) -> None:  # pragma: no cover - runs in the forked child
+def _child(
+    channel: socket.socket, net: int, user: int | None, address: str, port: int, backlog: int
+) -> None:  # pragma: no cover - runs in the forked child
     code = 1
     try:
         try:

@@ -85,7 +85,7 @@ def _plan(allow: tuple[Endpoint, ...]) -> NetworkPlan:
         if address is not None:
             listeners.append(Listener(address, endpoint.port, endpoint))
     listeners = _one_per_address(listeners)
-    taken = {l.port for l in listeners if l.address == "127.0.0.1"}
+    taken = {listener.port for listener in listeners if listener.address == "127.0.0.1"}
     proxy_port = next((p for p in PROXY_PORTS if p not in taken), None)
     if proxy_port is None:  # pragma: no cover - would need five allowed ports on 127.0.0.1
         raise ValueError("no free in-sandbox proxy port")
@@ -109,8 +109,9 @@ def _one_per_address(listeners: list[Listener]) -> list[Listener]:
     for listener in listeners:
         key = (listener.address, listener.port)
         held = chosen.get(key)
-        if held is None or (held.target is not None and listener.target is not None
-                            and not held.target.is_ip and listener.target.is_ip):
+        if held is None or (
+            held.target is not None and listener.target is not None and not held.target.is_ip and listener.target.is_ip
+        ):
             chosen[key] = listener
     return list(chosen.values())
 

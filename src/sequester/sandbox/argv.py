@@ -27,7 +27,16 @@ from pathlib import Path
 
 from sequester.sandbox.mounts import WORKSPACE, MountKind, MountOp
 
-__all__ = ["TEMPLATE_CAPS", "BOOTSTRAP_CAPS", "CONTAINER_CAPS", "ROOT_BOOTSTRAP_CAPS", "Identity", "SandboxSpec", "LaunchFds", "build_argv"]
+__all__ = [
+    "TEMPLATE_CAPS",
+    "BOOTSTRAP_CAPS",
+    "CONTAINER_CAPS",
+    "ROOT_BOOTSTRAP_CAPS",
+    "Identity",
+    "SandboxSpec",
+    "LaunchFds",
+    "build_argv",
+]
 
 # Kept until the kernel's first stage drops them, before any model code runs: it makes
 # its own mount and network namespaces with a noexec workspace (SYS_ADMIN), brings up
@@ -43,8 +52,19 @@ TEMPLATE_CAPS = (*BOOTSTRAP_CAPS, "CAP_SETFCAP")
 # An agent's root: what a container gets by default (Docker's set). Notably not
 # SYS_ADMIN (mounts), SYS_PTRACE, NET_ADMIN or SYS_MODULE.
 CONTAINER_CAPS = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW", "CAP_SETGID",
-    "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
     "CAP_AUDIT_WRITE",
 )
 
@@ -149,8 +169,12 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     for cap in spec.caps:
         argv += ["--cap-add", cap]
     argv += [
-        "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-        "--hostname", spec.hostname,
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--hostname",
+        spec.hostname,
         "--die-with-parent",  # die with the host process
     ]
     if spec.new_session:

@@ -40,7 +40,7 @@ _SYS_READ = {"x86_64": 0, "aarch64": 63}  # read(2)'s number, as /proc/PID/sysca
 @dataclass
 class StartedBwrap:
     popen: subprocess.Popen[bytes]
-    pid: int    # the sandbox's init, in the host's PID namespace
+    pid: int  # the sandbox's init, in the host's PID namespace
     pidfd: int
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _reaped: bool = field(default=False, repr=False)
@@ -101,11 +101,20 @@ def close_fd(fd: int) -> None:
         pass
 
 
-def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: list[int], stdout: int | None,
-                stderr: int | None, stderr_reader: int | None, timing: dict[str, int] | None = None) -> StartedBwrap:
+def start_bwrap(
+    spec: SandboxSpec,
+    *,
+    data_files: dict[Path, str],
+    keep_fds: list[int],
+    stdout: int | None,
+    stderr: int | None,
+    stderr_reader: int | None,
+    timing: dict[str, int] | None = None,
+) -> StartedBwrap:
     """Run bwrap for ``spec``; ``stderr_reader`` is read for bwrap's own message on failure.
     ``timing`` gets the ``time.monotonic_ns()`` of its steps (``spawned``, ``sandbox``)."""
     with ExitStack() as on_failure, ExitStack() as temporary:
+
         def temp(fd: int) -> int:
             temporary.callback(close_fd, fd)
             return fd
@@ -122,13 +131,25 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
         if hold_r is not None:
             temp(hold_r)
             on_failure.callback(close_fd, hold_w)
-        fds = LaunchFds(data=data_fds, info=info_w, userns_block=block_r if needs_map else None, seccomp=seccomp_fd,
-                        hold=hold_r)
-        pass_fds = [*keep_fds, *data_fds.values(), info_w, *([block_r] if needs_map else []),
-                    *([seccomp_fd] if seccomp_fd is not None else []), *([hold_r] if hold_r is not None else [])]
+        fds = LaunchFds(
+            data=data_fds, info=info_w, userns_block=block_r if needs_map else None, seccomp=seccomp_fd, hold=hold_r
+        )
+        pass_fds = [
+            *keep_fds,
+            *data_fds.values(),
+            info_w,
+            *([block_r] if needs_map else []),
+            *([seccomp_fd] if seccomp_fd is not None else []),
+            *([hold_r] if hold_r is not None else []),
+        ]
         popen = subprocess.Popen(
-            build_argv(bwrap_path(), spec, fds), env=dict(spec.env), pass_fds=pass_fds, stdin=subprocess.DEVNULL,
-            stdout=stdout, stderr=stderr, start_new_session=True,
+            build_argv(bwrap_path(), spec, fds),
+            env=dict(spec.env),
+            pass_fds=pass_fds,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
         )
         on_failure.callback(lambda: (popen.kill(), popen.wait()))
         if timing is not None:
@@ -165,8 +186,9 @@ def start_bwrap(spec: SandboxSpec, *, data_files: dict[Path, str], keep_fds: lis
     return StartedBwrap(popen, pid, pidfd, hold_fd=hold_w, net_namespace=net_ns if isinstance(net_ns, int) else None)
 
 
-def _wait_until_held(pid: int, pidfd: int, hold_fd: int, popen: subprocess.Popen[bytes],
-                     stderr_reader: int | None, timeout: float = 30) -> None:
+def _wait_until_held(
+    pid: int, pidfd: int, hold_fd: int, popen: subprocess.Popen[bytes], stderr_reader: int | None, timeout: float = 30
+) -> None:
     """Return once bwrap's child is blocked reading ``hold_fd`` (its ``--block-fd``).
 
     Attack (CI, a root caller's ``ADD`` of a tar with ``proc/sys/...``): bwrap reports the
@@ -186,8 +208,10 @@ def _wait_until_held(pid: int, pidfd: int, hold_fd: int, popen: subprocess.Popen
             with open(f"/proc/{pid}/syscall") as f:
                 fields = f.read().split()
         except PermissionError as exc:
-            raise SandboxError(f"cannot see whether the sandbox is ready ({exc}): a held sandbox needs read access "
-                               "to its own child's /proc/PID/syscall (kernel.yama.ptrace_scope 0 or 1)") from None
+            raise SandboxError(
+                f"cannot see whether the sandbox is ready ({exc}): a held sandbox needs read access "
+                "to its own child's /proc/PID/syscall (kernel.yama.ptrace_scope 0 or 1)"
+            ) from None
         except OSError:
             fields = []  # the child is gone: found below
         if len(fields) >= 4 and fields[0] == str(number) and int(fields[1], 16) == hold_fd and int(fields[3], 16) == 1:
@@ -233,7 +257,8 @@ def read_pending(fd: int, limit: int | None = None) -> bytes:
     chunks, size = [], 0
     try:
         while (limit is None or size < limit) and (
-                chunk := os.read(fd, 65536 if limit is None else min(65536, limit - size))):
+            chunk := os.read(fd, 65536 if limit is None else min(65536, limit - size))
+        ):
             chunks.append(chunk)
             size += len(chunk)
     except OSError:  # BlockingIOError: nothing more for now

@@ -150,4 +150,4 @@ def show_path(parts: list[str], limit: int = 240) -> str:
     text = "/".join(parts)
     if len(text) <= limit:
         return text
-    return f"{text[: limit // 2]}/...[{len(parts)} levels]/{text[-limit // 2:]}"
+    return f"{text[: limit // 2]}/...[{len(parts)} levels]/{text[-limit // 2 :]}"

@@ -36,7 +36,16 @@ from pathlib import Path
 from sequester.policy import Policy
 from sequester.sandbox.host import DirEntry, HostFacts
 
-__all__ = ["MountKind", "MountOp", "ROOT_SECRETS", "SYSTEM_DIRS", "WORKSPACE", "hidden_paths", "mount_backs", "plan_mounts"]
+__all__ = [
+    "MountKind",
+    "MountOp",
+    "ROOT_SECRETS",
+    "SYSTEM_DIRS",
+    "WORKSPACE",
+    "hidden_paths",
+    "mount_backs",
+    "plan_mounts",
+]
 
 WORKSPACE = Path("/tmp/workspace")
 
@@ -47,25 +56,36 @@ SYSTEM_DIRS = frozenset({"bin", "etc", "lib", "lib32", "lib64", "libx32", "opt",
 
 # Root-only files no sandbox of a root caller may show (a guard-only kernel running as
 # uid 0, which Landlock grants the rest of /etc; an episode's view of the host).
-ROOT_SECRETS = tuple(Path(p) for p in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
-                                        "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private"))
+ROOT_SECRETS = tuple(
+    Path(p)
+    for p in (
+        "/etc/shadow",
+        "/etc/shadow-",
+        "/etc/gshadow",
+        "/etc/gshadow-",
+        "/etc/sudoers",
+        "/etc/sudoers.d",
+        "/etc/ssh",
+        "/etc/ssl/private",
+    )
+)
 
 # Replaced wholesale by the sandbox; never bound, hidden or scanned.
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
 
 
 class MountKind(enum.Enum):
-    READONLY = "readonly"    # read-only bind of a host path on the same path
-    BIND = "bind"            # writable bind of a host path
-    OVERLAY = "overlay"      # host path read-only beneath a writable upper folder
-    HIDE_DIR = "hide-dir"    # empty tmpfs, made read-only at the end
+    READONLY = "readonly"  # read-only bind of a host path on the same path
+    BIND = "bind"  # writable bind of a host path
+    OVERLAY = "overlay"  # host path read-only beneath a writable upper folder
+    HIDE_DIR = "hide-dir"  # empty tmpfs, made read-only at the end
     HIDE_FILE = "hide-file"  # /dev/null bound over a file
-    SYMLINK = "symlink"      # a symlink with the host's target
+    SYMLINK = "symlink"  # a symlink with the host's target
     PROC = "proc"
     DEV = "dev"
-    TMPFS = "tmpfs"          # writable tmpfs (size-capped when size is set)
-    DIR = "dir"              # a directory created inside the sandbox
-    DATA = "data"            # a read-only file whose content comes from the host (fd)
+    TMPFS = "tmpfs"  # writable tmpfs (size-capped when size is set)
+    DIR = "dir"  # a directory created inside the sandbox
+    DATA = "data"  # a read-only file whose content comes from the host (fd)
 
 
 @dataclass(frozen=True)
@@ -98,8 +118,9 @@ def hidden_paths(policy: Policy, facts: HostFacts) -> tuple[tuple[Path, ...], tu
             if not e.is_symlink and e.path.name not in SYSTEM_DIRS:
                 (dirs if e.is_dir else files).append(e.path)
     else:
-        owned = [e for e in facts.entries
-                 if e.owner == facts.uid and not e.is_symlink and e.path.parts[1] not in _REPLACED]
+        owned = [
+            e for e in facts.entries if e.owner == facts.uid and not e.is_symlink and e.path.parts[1] not in _REPLACED
+        ]
         owned_dirs = {e.path for e in owned if e.is_dir}
         for e in owned:
             # Only the top-most: a user-owned folder inside another hidden one is covered.
@@ -121,8 +142,11 @@ def visible_files(files: Iterable[Path], ops: Iterable[tuple[int, int, MountOp]]
     """Those of ``files`` the view shows: the deepest mount that contains each is a
     read-only bind (not a hiding tmpfs or folder). Covering the others would only make
     bwrap create their parents inside hidden folders."""
-    covers = [(op.dest, op.kind is MountKind.READONLY) for _, _, op in ops
-              if op.kind in (MountKind.READONLY, MountKind.HIDE_DIR) or (op.kind is MountKind.DIR and op.dest in hidden_top)]
+    covers = [
+        (op.dest, op.kind is MountKind.READONLY)
+        for _, _, op in ops
+        if op.kind in (MountKind.READONLY, MountKind.HIDE_DIR) or (op.kind is MountKind.DIR and op.dest in hidden_top)
+    ]
     out = []
     for path in files:
         inside = [c for c in covers if path.is_relative_to(c[0])]
@@ -185,8 +209,11 @@ def _plan(policy: Policy, facts: HostFacts, data_files: tuple[tuple[Path, str], 
         # Inside something fresh (the root, a tmpfs), bwrap would create missing parents
         # as 0700, which the kernel could not traverse once it is nobody: make them 0755.
         # Inside a bound host folder the parents exist already.
-        base = max((f for f in (*fresh, *bound) if path.is_relative_to(f) and path != f),
-                   key=lambda f: len(f.parts), default=Path("/"))
+        base = max(
+            (f for f in (*fresh, *bound) if path.is_relative_to(f) and path != f),
+            key=lambda f: len(f.parts),
+            default=Path("/"),
+        )
         if base in bound:
             return
         for parent in reversed(path.parents):

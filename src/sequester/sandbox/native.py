@@ -24,8 +24,14 @@ from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["FFI_MODULES", "package_dir_patterns", "is_ffi_library", "find_ffi_libraries", "ctypes_library",
-           "installation_roots"]
+__all__ = [
+    "FFI_MODULES",
+    "package_dir_patterns",
+    "is_ffi_library",
+    "find_ffi_libraries",
+    "ctypes_library",
+    "installation_roots",
+]
 
 # The foreign-function interfaces and ctypes' own test helper.
 FFI_MODULES = ("_ctypes", "_ctypes_test", "_cffi_backend")
@@ -77,7 +83,9 @@ def find_ffi_libraries(roots: Iterable[Path]) -> tuple[Path, ...]:
 @lru_cache(maxsize=16)
 def _stamp_paths(roots: tuple[Path, ...]) -> tuple[str, ...]:
     """The folders whose mtimes date the folder list (strings: this runs at every launch)."""
-    return tuple(os.path.join(str(r), sub) if sub else str(r) for r in roots for sub in ("", "lib", "lib64", "local/lib"))
+    return tuple(
+        os.path.join(str(r), sub) if sub else str(r) for r in roots for sub in ("", "lib", "lib64", "local/lib")
+    )
 
 
 def _mtime(path: str) -> int:
@@ -98,8 +106,11 @@ def _ffi_in(folder: str, stamp: int) -> tuple[Path, ...]:
         names = os.listdir(folder)
     except OSError:
         return ()
-    return tuple(Path(os.path.realpath(os.path.join(folder, n))) for n in names
-                 if is_ffi_library(n) and os.path.isfile(os.path.join(folder, n)))
+    return tuple(
+        Path(os.path.realpath(os.path.join(folder, n)))
+        for n in names
+        if is_ffi_library(n) and os.path.isfile(os.path.join(folder, n))
+    )
 
 
 def ctypes_library() -> Path:

@@ -36,8 +36,21 @@ class NamespaceSupport:
 def namespace_support() -> NamespaceSupport:
     """Try the namespaces once per process: user, mount, PID and network, with a real bwrap."""
     try:
-        argv = [bwrap_path(), "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-                "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--", "/bin/true"]
+        argv = [
+            bwrap_path(),
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--die-with-parent",
+            "--ro-bind",
+            "/",
+            "/",
+            "--proc",
+            "/proc",
+            "--",
+            "/bin/true",
+        ]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError, ImportError) as exc:
         return NamespaceSupport(False, f"bwrap could not run: {exc}")

@@ -35,8 +35,21 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Namespace", "Proc", "Thread", "Identity", "parse_stat", "reopen", "SIGSTOP_BIT", "pid_namespace",
-           "open_pidfd", "kill_tree", "kill_init", "signal_group_in", "descendants"]
+__all__ = [
+    "Namespace",
+    "Proc",
+    "Thread",
+    "Identity",
+    "parse_stat",
+    "reopen",
+    "SIGSTOP_BIT",
+    "pid_namespace",
+    "open_pidfd",
+    "kill_tree",
+    "kill_init",
+    "signal_group_in",
+    "descendants",
+]
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)
@@ -66,7 +79,7 @@ class Thread:
 def parse_stat(data: bytes) -> tuple[str, int, int]:
     """``(state, ppid, starttime)`` from a ``stat`` line. The fields after ``comm`` start
     after the last ``)``: a ``comm`` of ``x) R 1 (`` cannot shift them."""
-    rest = data[data.rindex(b")") + 2:].split()
+    rest = data[data.rindex(b")") + 2 :].split()
     return rest[0].decode("ascii"), int(rest[1]), int(rest[19])
 
 

@@ -31,9 +31,9 @@ from sequester.sandbox.fdwalk import Cursor, OtherFilesystem, open_root, show_pa
 
 __all__ = ["RemovalError", "remove_tree", "BATCH"]
 
-BATCH = 4096            # names read from one folder before working on them
-_MAX_PASSES = 100_000   # passes over one folder (BATCH names each): a writer racing us cannot keep us forever
-_MAX_LISTED = 20        # leftover paths named in the error
+BATCH = 4096  # names read from one folder before working on them
+_MAX_PASSES = 100_000  # passes over one folder (BATCH names each): a writer racing us cannot keep us forever
+_MAX_LISTED = 20  # leftover paths named in the error
 
 
 class RemovalError(OSError):

@@ -29,10 +29,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sequester import __version__
-from sequester.serve.serve_settings import ServeSettings
 from sequester.serve import protocol
 from sequester.serve.auth import TokenGuard, load_token
 from sequester.serve.connection import Connection
+from sequester.serve.serve_settings import ServeSettings
 from sequester.serve.sessions import SessionManager, log_event
 
 if TYPE_CHECKING:
@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = ["create_app", "count_tasks", "uvicorn_config"]
 
-DESCRIPTION = ("Terminal-Bench 2 / Harbor task episodes in sandboxes, scored by verifiers the agent cannot reach, "
-               "and isolated Python kernels, over OpenEnv's protocol.")
+DESCRIPTION = (
+    "Terminal-Bench 2 / Harbor task episodes in sandboxes, scored by verifiers the agent cannot reach, "
+    "and isolated Python kernels, over OpenEnv's protocol."
+)
 README = """# sequester
 
 One WebSocket connection to `/ws` is one session.
@@ -152,8 +154,9 @@ def count_tasks(tasks_dir: Path | None, depth: int = 3) -> int:
     return count
 
 
-def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ...] = (),
-               tasks: int | None = None) -> FastAPI:
+def create_app(
+    config: Config, *, token: str | None = None, hide: tuple[Path, ...] = (), tasks: int | None = None
+) -> FastAPI:
     """The app serving ``config`` (its ``[serve]`` settings, its episode settings and
     ``[images] source``, its kernel policy). ``token``: the bearer token (default: from
     ``$SEQUESTER_SERVE_TOKEN`` or ``[serve] token``, else generated: ``app.state.token``).
@@ -170,8 +173,9 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
         yield
         await manager.close_all()  # graceful shutdown (SIGTERM): every session closed
 
-    app = FastAPI(title="sequester", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="sequester", version=__version__, docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.manager, app.state.token = manager, token
 
     @app.get("/health")
@@ -180,8 +184,14 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
 
     @app.get("/metadata")
     async def metadata() -> dict[str, Any]:
-        return EnvironmentMetadata(name="sequester", description=DESCRIPTION, readme_content=README,
-                                   version=__version__, author="sequester", documentation_url=None).model_dump()
+        return EnvironmentMetadata(
+            name="sequester",
+            description=DESCRIPTION,
+            readme_content=README,
+            version=__version__,
+            author="sequester",
+            documentation_url=None,
+        ).model_dump()
 
     @app.get("/schema")
     async def schema() -> dict[str, Any]:
@@ -189,10 +199,16 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
 
     @app.get("/state")
     async def state() -> dict[str, Any]:
-        return ServerState(sessions_active=manager.active, sessions_max=manager.max_sessions,
-                           connections=len(manager.connections), tasks=manager.task_count,
-                           idle_timeout_s=settings.idle_timeout, max_message_bytes=limit,
-                           image_source=config.episodes.images.source, version=__version__).model_dump()
+        return ServerState(
+            sessions_active=manager.active,
+            sessions_max=manager.max_sessions,
+            connections=len(manager.connections),
+            tasks=manager.task_count,
+            idle_timeout_s=settings.idle_timeout,
+            max_message_bytes=limit,
+            image_source=config.episodes.images.source,
+            version=__version__,
+        ).model_dump()
 
     @app.post("/reset")
     async def reset(request: Request) -> JSONResponse:
@@ -204,7 +220,9 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
                 raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, "body: not a JSON object")
             reset_request = protocol.parse_reset(body, where="body")
             if not manager.try_acquire():
-                return _refusal(503, protocol.ErrorCode.CAPACITY_REACHED, f"all {manager.max_sessions} sessions are in use")
+                return _refusal(
+                    503, protocol.ErrorCode.CAPACITY_REACHED, f"all {manager.max_sessions} sessions are in use"
+                )
             try:
                 try:
                     session = manager.new_session(secrets.token_hex(8), reset_request, where="body")
@@ -234,12 +252,17 @@ def create_app(config: Config, *, token: str | None = None, hide: tuple[Path, ..
             try:
                 checked = _StepRequest.model_validate(body)
             except ValidationError as exc:
-                raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, protocol.error_text(exc, "body")) from None
+                raise protocol.FrameError(
+                    protocol.ErrorCode.VALIDATION_ERROR, protocol.error_text(exc, "body")
+                ) from None
             protocol.parse_action(checked.action, where="body.action")
         except protocol.FrameError as exc:
             return _refusal(_status(exc), exc.code, exc.message)
-        return _refusal(400, protocol.ErrorCode.SESSION_ERROR, "a step needs a session, and plain HTTP has none: open the "
-                        "WebSocket /ws, send a reset, then step there")
+        return _refusal(
+            400,
+            protocol.ErrorCode.SESSION_ERROR,
+            "a step needs a session, and plain HTTP has none: open the WebSocket /ws, send a reset, then step there",
+        )
 
     @app.websocket("/ws")
     async def ws(websocket: WebSocket) -> None:
@@ -259,10 +282,18 @@ def uvicorn_config(app: FastAPI, settings: ServeSettings, *, access_log: bool = 
         # client making the server hold a message of gigabytes in memory).
         # No permessage-deflate: zlib on every frame was most of a step's CPU in the server
         # (measured: benchmarks/serve_bench.py), for frames that are small or already dense.
-        app, ws="websockets-sansio", ws_max_size=settings.max_message_bytes, ws_per_message_deflate=False,
-        ws_ping_interval=settings.ping_interval, ws_ping_timeout=settings.ping_timeout,
+        app,
+        ws="websockets-sansio",
+        ws_max_size=settings.max_message_bytes,
+        ws_per_message_deflate=False,
+        ws_ping_interval=settings.ping_interval,
+        ws_ping_timeout=settings.ping_timeout,
         # Connections beyond this are answered 503 before any app code runs (a flood of
         # handshakes cannot take all of the process's file descriptors).
         limit_concurrency=max(64, 4 * settings.max_sessions + 16),
-        lifespan="on", timeout_graceful_shutdown=60, server_header=False, access_log=access_log,
-        log_level="warning")
+        lifespan="on",
+        timeout_graceful_shutdown=60,
+        server_header=False,
+        access_log=access_log,
+        log_level="warning",
+    )

@@ -16,9 +16,10 @@ import json
 import os
 import secrets
 import stat
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from sequester.errors import PolicyError
 from sequester.serve.serve_settings import ServeSettings, check_token
@@ -48,8 +49,9 @@ class Token:
         return f"Token(source={self.source!r})"
 
 
-def load_token(token_file: str | os.PathLike[str] | None, settings: ServeSettings,
-               environ: dict[str, str] | None = None) -> Token:
+def load_token(
+    token_file: str | os.PathLike[str] | None, settings: ServeSettings, environ: dict[str, str] | None = None
+) -> Token:
     """The token from the first source that has one (see the module), checked for length
     and characters; a bad one is a :class:`PolicyError` (exit 2) naming its source."""
     env = os.environ if environ is None else environ
@@ -119,8 +121,11 @@ class TokenGuard:
             await self.app(scope, receive, send)
             return
         body = json.dumps({"detail": "a valid 'Authorization: Bearer <token>' header is required"}).encode()
-        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b'Bearer realm="sequester"'),
-                   (b"content-length", str(len(body)).encode())]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"www-authenticate", b'Bearer realm="sequester"'),
+            (b"content-length", str(len(body)).encode()),
+        ]
         if scope["type"] == "http":
             await send({"type": "http.response.start", "status": 401, "headers": headers})
             await send({"type": "http.response.body", "body": body})

@@ -103,8 +103,15 @@ class AsyncSequesterClient:
     """One session of ``sequester serve`` (see the module). Not for concurrent use by
     several tasks at once: requests are answered in order, so they are serialized."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, connect_timeout_s: float = 10.0,
-                 message_timeout_s: float | None = None, max_message_size: int = 100 * 1024 * 1024):
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        connect_timeout_s: float = 10.0,
+        message_timeout_s: float | None = None,
+        max_message_size: int = 100 * 1024 * 1024,
+    ):
         self.url = ws_url(base_url)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.connect_timeout_s, self.message_timeout_s = connect_timeout_s, message_timeout_s
@@ -128,13 +135,18 @@ class AsyncSequesterClient:
         # websockets >= 15 honours $https_proxy & co.: never for loopback (older: no proxies at all)
         extra: dict[str, Any] = {"proxy": None} if _loopback(self.url) and _takes_proxy(connect) else {}
         try:
-            self._ws = await connect(self.url, additional_headers=headers, open_timeout=self.connect_timeout_s,
-                                     max_size=self.max_message_size, **extra)
+            self._ws = await connect(
+                self.url,
+                additional_headers=headers,
+                open_timeout=self.connect_timeout_s,
+                max_size=self.max_message_size,
+                **extra,
+            )
         except InvalidStatus as exc:
             status = exc.response.status_code
             hint = " (a wrong or missing token)" if status == 401 else ""
             raise ClientError(f"{self.url}: the server refused the connection with HTTP {status}{hint}") from None
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise ClientError(f"{self.url}: cannot connect: {exc or type(exc).__name__}") from None
         except Exception as exc:  # websockets' handshake errors (InvalidHandshake, InvalidURI, ...)
             raise ClientError(f"{self.url}: cannot connect: {exc}") from None
@@ -175,10 +187,12 @@ class AsyncSequesterClient:
                     ws, self._ws = self._ws, None
                     asyncio.ensure_future(ws.close())
                     raise
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await self._drop()
-                    raise ClientError(f"no reply in {wait_s:g} s to a {frame['type']!r} frame; the connection "
-                                      "was closed (its session is gone)") from None
+                    raise ClientError(
+                        f"no reply in {wait_s:g} s to a {frame['type']!r} frame; the connection "
+                        "was closed (its session is gone)"
+                    ) from None
                 except ConnectionClosed as exc:
                     self._ws = None
                     reason = f" ({' '.join(map(str, (exc.rcvd.code, exc.rcvd.reason))).strip()})" if exc.rcvd else ""
@@ -236,8 +250,11 @@ class AsyncSequesterClient:
         """``content`` into ``path``: text as UTF-8, bytes exactly (base64 on the wire)."""
         if isinstance(content, str):
             return await self.step(_action("write_file", path=path, content=content, mode=mode))
-        return await self.step(_action("write_file", path=path, content=base64.b64encode(content).decode("ascii"),
-                                       encoding="base64", mode=mode))
+        return await self.step(
+            _action(
+                "write_file", path=path, content=base64.b64encode(content).decode("ascii"), encoding="base64", mode=mode
+            )
+        )
 
     async def read_file(self, path: str, limit: int | None = None) -> bytes:
         """The file's bytes (its first ``limit`` bytes if given)."""

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Any, Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -150,7 +151,9 @@ class Connection:
         text = message.get("text")
         if text is None:
             # Binary frames carry nothing of this protocol; refused rather than guessed at.
-            await self._error(protocol.ErrorCode.INVALID_JSON, "binary frames are not accepted: send JSON as a text frame")
+            await self._error(
+                protocol.ErrorCode.INVALID_JSON, "binary frames are not accepted: send JSON as a text frame"
+            )
             return True
         try:
             frame = protocol.parse_frame(text)
@@ -172,8 +175,10 @@ class Connection:
         acquired = self.session is None  # else the new session takes over this connection's slot
         if acquired and not self.manager.try_acquire():
             log_event("refused", reason="capacity", active=self.manager.active, max=self.manager.max_sessions)
-            raise protocol.FrameError(protocol.ErrorCode.CAPACITY_REACHED, f"all {self.manager.max_sessions} sessions are in use; "
-                               "try again later")
+            raise protocol.FrameError(
+                protocol.ErrorCode.CAPACITY_REACHED,
+                f"all {self.manager.max_sessions} sessions are in use; try again later",
+            )
         session_id = secrets.token_hex(8)
         started = time.monotonic()
         try:
@@ -182,7 +187,9 @@ class Connection:
             if acquired:
                 self.manager.release()
             if isinstance(exc, Exception) and not isinstance(exc, protocol.FrameError):
-                raise protocol.FrameError(protocol.ErrorCode.FACTORY_ERROR, _cut(f"the session could not be made: {exc}")) from None
+                raise protocol.FrameError(
+                    protocol.ErrorCode.FACTORY_ERROR, _cut(f"the session could not be made: {exc}")
+                ) from None
             raise
         await self._end_session("reset", release=False)
         self.progress = request.progress
@@ -193,9 +200,17 @@ class Connection:
             self.manager.release()
             if not isinstance(exc, Exception) or isinstance(exc, _Gone):
                 raise
-            log_event("factory_error", session=session_id, kind=session.kind, task=session.task,
-                      duration_ms=_ms(started), error=_cut(str(exc), 500))
-            raise protocol.FrameError(protocol.ErrorCode.FACTORY_ERROR, _cut(f"the {session.kind} could not start: {exc}")) from None
+            log_event(
+                "factory_error",
+                session=session_id,
+                kind=session.kind,
+                task=session.task,
+                duration_ms=_ms(started),
+                error=_cut(str(exc), 500),
+            )
+            raise protocol.FrameError(
+                protocol.ErrorCode.FACTORY_ERROR, _cut(f"the {session.kind} could not start: {exc}")
+            ) from None
         self.session = session
         log_event("reset", session=session_id, kind=session.kind, task=session.task, duration_ms=_ms(started))
         await self._send(protocol.observation_frame(observation))
@@ -206,11 +221,14 @@ class Connection:
         if session is None:
             raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "no session: send a reset first")
         if action.type not in session.actions:
-            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, f"this {session.kind} session takes "
-                               f"{', '.join(sorted(session.actions))} actions, not {action.type!r}")
+            raise protocol.FrameError(
+                protocol.ErrorCode.SESSION_ERROR,
+                f"this {session.kind} session takes {', '.join(sorted(session.actions))} actions, not {action.type!r}",
+            )
         if session.done:
-            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "the episode is done (it was evaluated): reset to start "
-                               "another")
+            raise protocol.FrameError(
+                protocol.ErrorCode.SESSION_ERROR, "the episode is done (it was evaluated): reset to start another"
+            )
         started = time.monotonic()
         try:
             observation, reward, done = await self._watched(session.step(action))
@@ -218,11 +236,20 @@ class Connection:
             raise
         except Exception as exc:  # noqa: BLE001 - this step's error; the session goes on
             log.debug("session %s: %s failed", session.id, action.type, exc_info=True)
-            log_event("step", session=session.id, task=session.task, action=action.type, duration_ms=_ms(started),
-                      error=_cut(str(exc), 500))
-            raise protocol.FrameError(protocol.ErrorCode.EXECUTION_ERROR, _cut(f"{action.type} failed: {exc}")) from None
-        log_event("step", session=session.id, task=session.task, action=action.type, duration_ms=_ms(started),
-                  reward=reward)
+            log_event(
+                "step",
+                session=session.id,
+                task=session.task,
+                action=action.type,
+                duration_ms=_ms(started),
+                error=_cut(str(exc), 500),
+            )
+            raise protocol.FrameError(
+                protocol.ErrorCode.EXECUTION_ERROR, _cut(f"{action.type} failed: {exc}")
+            ) from None
+        log_event(
+            "step", session=session.id, task=session.task, action=action.type, duration_ms=_ms(started), reward=reward
+        )
         await self._send(protocol.observation_frame(observation, reward, done))
 
     # -- ends -----------------------------------------------------------------------------
@@ -234,8 +261,7 @@ class Connection:
         await session.close()
         if release:
             self.manager.release()
-        log_event("close", session=session.id, kind=session.kind, task=session.task, steps=session.steps,
-                  reason=reason)
+        log_event("close", session=session.id, kind=session.kind, task=session.task, steps=session.steps, reason=reason)
 
     async def _send(self, frame: dict[str, Any]) -> None:
         try:

@@ -28,9 +28,25 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["ErrorCode", "FrameError", "ClientFrame", "parse_frame", "parse_json", "parse_action", "parse_reset",
-           "Action", "Observation", "SessionState", "schemas", "error_text",
-           "observation_frame", "state_frame", "error_frame", "progress_frame", "encode_frame"]  # and the models
+__all__ = [
+    "ErrorCode",
+    "FrameError",
+    "ClientFrame",
+    "parse_frame",
+    "parse_json",
+    "parse_action",
+    "parse_reset",
+    "Action",
+    "Observation",
+    "SessionState",
+    "schemas",
+    "error_text",
+    "observation_frame",
+    "state_frame",
+    "error_frame",
+    "progress_frame",
+    "encode_frame",
+]  # and the models
 
 MAX_TIMEOUT = 86_400.0  # a day: beyond it a number is a mistake (or an overflow attempt)
 MAX_PATH = 4096
@@ -148,8 +164,9 @@ class CellAction(_Action):
     timeout: Timeout = None
 
 
-Action = Annotated[Union[ExecAction, WriteFileAction, ReadFileAction, EvaluateAction, CellAction],
-                   Field(discriminator="type")]
+Action = Annotated[
+    ExecAction | WriteFileAction | ReadFileAction | EvaluateAction | CellAction, Field(discriminator="type")
+]
 EPISODE_ACTIONS = frozenset({"exec", "write_file", "read_file", "evaluate"})
 KERNEL_ACTIONS = frozenset({"cell"})
 ACTION_TYPES = ("exec", "write_file", "read_file", "evaluate", "cell")
@@ -239,8 +256,9 @@ class CellObservation(_Out):
     restarted: bool
 
 
-Observation = Union[ResetObservation, ExecObservation, WriteFileObservation, ReadFileObservation,
-                    EvaluateObservation, CellObservation]
+Observation = Union[  # noqa: UP007 - pydantic reads this alias at run time
+    ResetObservation, ExecObservation, WriteFileObservation, ReadFileObservation, EvaluateObservation, CellObservation
+]
 
 
 class SessionState(_Out):
@@ -256,8 +274,11 @@ class SessionState(_Out):
 
 def schemas() -> dict[str, Any]:
     """``GET /schema``: JSON schemas of an action, an observation and a session's state."""
-    return {"action": _ACTION.json_schema(), "observation": TypeAdapter(Observation).json_schema(),
-            "state": SessionState.model_json_schema()}
+    return {
+        "action": _ACTION.json_schema(),
+        "observation": TypeAdapter(Observation).json_schema(),
+        "state": SessionState.model_json_schema(),
+    }
 
 
 # -- parsing -----------------------------------------------------------------------------
@@ -295,8 +316,9 @@ def parse_frame(text: str) -> ClientFrame:
     if not isinstance(kind, str):
         raise FrameError(ErrorCode.VALIDATION_ERROR, "type: missing or not a string (one of reset, step, state, close)")
     if kind not in _CLIENT_TYPES:
-        raise FrameError(ErrorCode.UNKNOWN_TYPE,
-                         f"unknown message type {kind[:40]!r} (one of reset, step, state, close)")
+        raise FrameError(
+            ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind[:40]!r} (one of reset, step, state, close)"
+        )
     extra = sorted(str(k)[:40] for k in frame if k not in ("type", "data"))
     if extra:
         raise FrameError(ErrorCode.VALIDATION_ERROR, f"{extra[0]}: not a field of a frame (type, data)")
@@ -304,17 +326,24 @@ def parse_frame(text: str) -> ClientFrame:
     if data is None and kind != "step":
         data = {}
     if not isinstance(data, dict):
-        raise FrameError(ErrorCode.VALIDATION_ERROR, f"data: {'missing' if data is None else 'not an object'}"
-                         + (" (a step's data is its action)" if kind == "step" else ""))
+        raise FrameError(
+            ErrorCode.VALIDATION_ERROR,
+            f"data: {'missing' if data is None else 'not an object'}"
+            + (" (a step's data is its action)" if kind == "step" else ""),
+        )
     return ClientFrame(kind, data)  # type: ignore[arg-type]
 
 
-def parse_action(data: dict[str, Any], where: str = "data") -> ExecAction | WriteFileAction | ReadFileAction | \
-        EvaluateAction | CellAction:
+def parse_action(
+    data: dict[str, Any], where: str = "data"
+) -> ExecAction | WriteFileAction | ReadFileAction | EvaluateAction | CellAction:
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in ACTION_TYPES:
-        said = "missing" if kind is None else (f"{kind[:40]!r} is not an action" if isinstance(kind, str)
-                                              else "not a string")
+        said = (
+            "missing"
+            if kind is None
+            else (f"{kind[:40]!r} is not an action" if isinstance(kind, str) else "not a string")
+        )
         raise FrameError(ErrorCode.VALIDATION_ERROR, f"{where}.type: {said} (one of {', '.join(ACTION_TYPES)})")
     try:
         return _ACTION.validate_python(data)
@@ -347,7 +376,7 @@ def error_text(exc: ValidationError, where: str, *, tag: str | None = None) -> s
         field = ".".join([where, *loc])
         message = str(error["msg"])
         if message.startswith("Value error, "):
-            message = message[len("Value error, "):]
+            message = message[len("Value error, ") :]
             if ": " in message and loc == []:  # a model validator's "content: ..." names its field
                 name, message = message.split(": ", 1)
                 field = f"{where}.{name}"
@@ -364,8 +393,10 @@ def _kind(value: Any) -> str:
 
 
 def observation_frame(observation: BaseModel, reward: float | None = None, done: bool = False) -> dict[str, Any]:
-    return {"type": "observation", "data": {"observation": observation.model_dump(mode="json"),
-                                            "reward": reward, "done": done}}
+    return {
+        "type": "observation",
+        "data": {"observation": observation.model_dump(mode="json"), "reward": reward, "done": done},
+    }
 
 
 def state_frame(state: SessionState) -> dict[str, Any]:

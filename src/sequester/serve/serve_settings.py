@@ -69,8 +69,14 @@ class ServeSettings:
             raise PolicyError(f"serve.port: {self.port!r} is not a port (0-65535)")
         if self.token is not None:
             check_token(self.token, "serve.token")
-        for name, kind in (("max_sessions", int), ("max_message_bytes", int), ("idle_timeout", float),
-                           ("progress_interval", float), ("ping_interval", float), ("ping_timeout", float)):
+        for name, kind in (
+            ("max_sessions", int),
+            ("max_message_bytes", int),
+            ("idle_timeout", float),
+            ("progress_interval", float),
+            ("ping_interval", float),
+            ("ping_timeout", float),
+        ):
             value = getattr(self, name)
             number_ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
             if isinstance(value, bool) or not number_ok or not math.isfinite(value) or value <= 0:
@@ -79,5 +85,3 @@ class ServeSettings:
             raise PolicyError(f"serve.kernel_pool: {self.kernel_pool!r} is not a whole number of kernels (0: none)")
         if self.tasks_dir is not None:
             object.__setattr__(self, "tasks_dir", Path(self.tasks_dir))
-
-

@@ -26,14 +26,15 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from sequester.errors import KernelClosedError, SequesterError
 from sequester.environments.verdict import VerifierError
+from sequester.errors import KernelClosedError, SequesterError
+from sequester.serve import protocol
 from sequester.tasks import Task, load_task
 from sequester.tasks.finder import has_task_toml
-from sequester.serve import protocol
 
 if TYPE_CHECKING:
     from sequester.config import Config
@@ -119,8 +120,14 @@ class Session:
             self._running -= 1
 
     def state(self) -> protocol.SessionState:
-        return protocol.SessionState(session_id=self.id, kind=self.kind, task=self.task,  # type: ignore[arg-type]
-                              steps=self.steps, done=self.done, started_at=self.started_at)
+        return protocol.SessionState(
+            session_id=self.id,
+            kind=self.kind,
+            task=self.task,  # type: ignore[arg-type]
+            steps=self.steps,
+            done=self.done,
+            started_at=self.started_at,
+        )
 
     async def start(self) -> protocol.ResetObservation:
         observation = await self._call(self._start)
@@ -152,7 +159,7 @@ class Session:
         closing.add_done_callback(self._closed)
         try:
             await asyncio.wait_for(asyncio.shield(closing), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("session %s: a step did not stop within %g s; it closes when the step ends", self.id, grace)
         except Exception:  # noqa: BLE001 - reported by _closed: a failed cleanup is the server's, not a client's
             pass
@@ -209,8 +216,13 @@ class EpisodeSession(Session):
         except BaseException:
             self._episode.close()
             raise
-        return protocol.ResetObservation(session_id=self.id, kind="episode", task=self.task,
-                                  instruction=self._episode.instruction, workdir=self._episode.workdir)
+        return protocol.ResetObservation(
+            session_id=self.id,
+            kind="episode",
+            task=self.task,
+            instruction=self._episode.instruction,
+            workdir=self._episode.workdir,
+        )
 
     @property
     def init_pid(self) -> int:
@@ -221,8 +233,18 @@ class EpisodeSession(Session):
         ep = self._episode
         if isinstance(action, protocol.ExecAction):
             r = ep.exec(action.command, action.timeout)
-            return protocol.ExecObservation(stdout=r.stdout, stderr=r.stderr, exit_code=r.exit_code, timed_out=r.timed_out,
-                                     duration=r.duration, note=r.note), None, False
+            return (
+                protocol.ExecObservation(
+                    stdout=r.stdout,
+                    stderr=r.stderr,
+                    exit_code=r.exit_code,
+                    timed_out=r.timed_out,
+                    duration=r.duration,
+                    note=r.note,
+                ),
+                None,
+                False,
+            )
         if isinstance(action, protocol.WriteFileAction):
             data = action.data()
             ep.write_file(action.path, data, mode=action.mode)
@@ -231,12 +253,19 @@ class EpisodeSession(Session):
             data = ep.read_file(action.path)
             cap = self._read_cap if action.limit is None else min(action.limit, self._read_cap)
             truncated, data = len(data) > cap, data[:cap]
-            content = (base64.b64encode(data).decode() if action.encoding == "base64"
-                       else data.decode("utf-8", "replace"))
-            return protocol.ReadFileObservation(content=content, encoding=action.encoding, truncated=truncated), None, False
+            content = (
+                base64.b64encode(data).decode() if action.encoding == "base64" else data.decode("utf-8", "replace")
+            )
+            return (
+                protocol.ReadFileObservation(content=content, encoding=action.encoding, truncated=truncated),
+                None,
+                False,
+            )
         if isinstance(action, protocol.EvaluateAction):
             return self._evaluate()
-        raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action")
+        raise protocol.FrameError(
+            protocol.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action"
+        )
 
     def _evaluate(self) -> StepResult:
         """The verdict only: neither the tests' output nor the files they left (the client
@@ -244,12 +273,18 @@ class EpisodeSession(Session):
         try:
             result = self._episode.evaluate()
         except VerifierError as exc:  # the verifier could not run: no verdict, the trial is an error
-            verdict = protocol.VerifierObservation(reward=None, rewards={}, zero_reason=None, tampering=list(exc.tampering),
-                                            notes=[], error=str(exc))
+            verdict = protocol.VerifierObservation(
+                reward=None, rewards={}, zero_reason=None, tampering=list(exc.tampering), notes=[], error=str(exc)
+            )
             return protocol.EvaluateObservation(verifier=verdict), None, True
-        verdict = protocol.VerifierObservation(reward=result.reward, rewards=dict(result.rewards),
-                                        zero_reason=result.zero_reason, tampering=list(result.tampering),
-                                        notes=list(result.notes), error=None)
+        verdict = protocol.VerifierObservation(
+            reward=result.reward,
+            rewards=dict(result.rewards),
+            zero_reason=result.zero_reason,
+            tampering=list(result.tampering),
+            notes=list(result.notes),
+            error=None,
+        )
         return protocol.EvaluateObservation(verifier=verdict), result.reward, True
 
     def _interrupt(self) -> None:
@@ -281,15 +316,31 @@ class KernelSession(Session):
 
     def _step(self, action: Any) -> StepResult:
         if not isinstance(action, protocol.CellAction):
-            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, f"a kernel session takes no {action.type!r} action")
+            raise protocol.FrameError(
+                protocol.ErrorCode.SESSION_ERROR, f"a kernel session takes no {action.type!r} action"
+            )
         try:
             r = self._kernel.run(action.code, timeout=action.timeout)
         except KernelClosedError as exc:  # its lifetime (limits.kernel_timeout) is over
             raise protocol.FrameError(protocol.ErrorCode.EXECUTION_ERROR, f"{exc}: reset for a new kernel") from None
-        error = None if r.error is None else protocol.CellErrorModel(type=r.error.type, message=r.error.message,
-                                                              traceback=r.error.traceback)
-        return protocol.CellObservation(stdout=r.stdout, stderr=r.stderr, value=r.value, error=error, duration=r.duration,
-                                 timed_out=r.timed_out, restarted=r.restarted), None, False
+        error = (
+            None
+            if r.error is None
+            else protocol.CellErrorModel(type=r.error.type, message=r.error.message, traceback=r.error.traceback)
+        )
+        return (
+            protocol.CellObservation(
+                stdout=r.stdout,
+                stderr=r.stderr,
+                value=r.value,
+                error=error,
+                duration=r.duration,
+                timed_out=r.timed_out,
+                restarted=r.restarted,
+            ),
+            None,
+            False,
+        )
 
     def _interrupt(self) -> None:
         # Kill the kernel's processes without closing its pipes: the worker reading them
@@ -320,20 +371,29 @@ def resolve_task(root: Path, task_id: str, where: str = "data.task") -> Path:
     then its real path must lie inside ``root``'s.
     """
     if task_id.startswith("/") or "\\" in task_id:
-        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: an absolute path is refused: name a task of the "
-                           "tasks folder by its folder name or its path relative to it")
+        raise protocol.FrameError(
+            protocol.ErrorCode.VALIDATION_ERROR,
+            f"{where}: an absolute path is refused: name a task of the "
+            "tasks folder by its folder name or its path relative to it",
+        )
     parts = task_id.split("/")
     if parts[-1] == "":  # "python-csv-stats/"
         parts = parts[:-1]
     if not parts or any(part == "" or part.startswith(".") for part in parts):
-        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: '..', '.', empty and hidden path components are "
-                           "refused: name a task of the tasks folder")
+        raise protocol.FrameError(
+            protocol.ErrorCode.VALIDATION_ERROR,
+            f"{where}: '..', '.', empty and hidden path components are refused: name a task of the tasks folder",
+        )
     real = Path(os.path.realpath(root.joinpath(*parts)))
     if real == root or root not in real.parents:
-        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: resolves outside the tasks folder (a symlink "
-                           "pointing out of it?): refused")
+        raise protocol.FrameError(
+            protocol.ErrorCode.VALIDATION_ERROR,
+            f"{where}: resolves outside the tasks folder (a symlink pointing out of it?): refused",
+        )
     if not has_task_toml(real):
-        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}: no task {task_id[:200]!r} in the tasks folder")
+        raise protocol.FrameError(
+            protocol.ErrorCode.VALIDATION_ERROR, f"{where}: no task {task_id[:200]!r} in the tasks folder"
+        )
     return real
 
 
@@ -373,18 +433,25 @@ class SessionManager:
     def release(self) -> None:
         self.active = max(0, self.active - 1)
 
-    def new_session(self, session_id: str, request: protocol.EpisodeReset | protocol.KernelReset, where: str = "data") -> Session:
+    def new_session(
+        self, session_id: str, request: protocol.EpisodeReset | protocol.KernelReset, where: str = "data"
+    ) -> Session:
         """A session for a reset (not started); :class:`FrameError` for a task that cannot be named or loaded."""
         if isinstance(request, protocol.KernelReset):
             return KernelSession(session_id, self.config, self.kernel_pool)
         if self.tasks_dir is None:
-            raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}.task: this server serves no tasks (it was "
-                               "started without --tasks-dir); only kernel sessions ({\"kind\": \"kernel\"})")
+            raise protocol.FrameError(
+                protocol.ErrorCode.VALIDATION_ERROR,
+                f"{where}.task: this server serves no tasks (it was "
+                'started without --tasks-dir); only kernel sessions ({"kind": "kernel"})',
+            )
         folder = resolve_task(self.tasks_dir, request.task, f"{where}.task")
         try:
             task = load_task(folder)
         except SequesterError as exc:  # a malformed task: the operator's, not the client's
-            raise protocol.FrameError(protocol.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}") from None
+            raise protocol.FrameError(
+                protocol.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}"
+            ) from None
         return EpisodeSession(session_id, task, self.config, self.hide, self.settings.max_message_bytes)
 
     async def close_all(self) -> None:

@@ -13,9 +13,9 @@ to concrete host files of the build context. Every malformed input is a
 """
 
 from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile, resolve_copies
-from sequester.tasks.task_toml import TaskConfig, parse_task_config
 from sequester.tasks.finder import find_tasks
 from sequester.tasks.task import Task, load_task
+from sequester.tasks.task_toml import TaskConfig, parse_task_config
 
 __all__ = [
     "Task",

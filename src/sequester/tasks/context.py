@@ -63,8 +63,9 @@ def resolve_copies(plan: DockerfilePlan, context: Path) -> list[tuple[Path, str]
                 pairs += walk_context(real, step.dest, real_root, where, src)
             elif real.is_file():
                 if step.instruction == "ADD" and is_archive(real):
-                    raise TaskError(f"{where}: ADD {src}: {path.name} is an archive Docker would extract; "
-                                    "not supported")
+                    raise TaskError(
+                        f"{where}: ADD {src}: {path.name} is an archive Docker would extract; not supported"
+                    )
                 pairs.append((real, posixpath.join(step.dest, path.name) if into else step.dest))
             elif not real.exists():
                 raise TaskError(f"{where}: {step.instruction} source {src!r}: {path} is a dangling symlink")

@@ -25,11 +25,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sequester.errors import TaskError
-from sequester.tasks.dockerfile_syntax import UnknownVariable, Variables, WordError, expand, expand_words, logical_lines, split_instruction, split_raw
 from sequester.tasks.context import resolve_copies
+from sequester.tasks.dockerfile_syntax import (
+    UnknownVariable,
+    Variables,
+    WordError,
+    expand,
+    expand_words,
+    logical_lines,
+    split_instruction,
+    split_raw,
+)
 
-__all__ = ["CopyStep", "UnsupportedInstruction", "DockerfilePlan", "parse_dockerfile", "resolve_copies",
-           "absolute_path"]
+__all__ = [
+    "CopyStep",
+    "UnsupportedInstruction",
+    "DockerfilePlan",
+    "parse_dockerfile",
+    "resolve_copies",
+    "absolute_path",
+]
 
 _ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -37,11 +52,37 @@ _REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tbz", ".tar.xz", ".txz", ".tar.zst", ".tzst")
 # Folders every ordinary Linux base image has: a COPY to one of them without a trailing
 # slash (``COPY run.sh /usr/local/bin``) lands inside it, as it does in Docker.
-_BASE_DIRS = frozenset({
-    "/", "/bin", "/etc", "/home", "/lib", "/media", "/mnt", "/opt", "/root", "/run", "/sbin", "/srv", "/tmp",
-    "/usr", "/usr/bin", "/usr/lib", "/usr/local", "/usr/local/bin", "/usr/local/lib", "/usr/local/sbin",
-    "/usr/local/share", "/usr/sbin", "/usr/share", "/var", "/var/lib", "/var/log", "/var/tmp",
-})
+_BASE_DIRS = frozenset(
+    {
+        "/",
+        "/bin",
+        "/etc",
+        "/home",
+        "/lib",
+        "/media",
+        "/mnt",
+        "/opt",
+        "/root",
+        "/run",
+        "/sbin",
+        "/srv",
+        "/tmp",
+        "/usr",
+        "/usr/bin",
+        "/usr/lib",
+        "/usr/local",
+        "/usr/local/bin",
+        "/usr/local/lib",
+        "/usr/local/sbin",
+        "/usr/local/share",
+        "/usr/sbin",
+        "/usr/share",
+        "/var",
+        "/var/lib",
+        "/var/log",
+        "/var/tmp",
+    }
+)
 _REASONS = {
     "RUN": "runs a command at build time; its effect on the image cannot be known without a build",
     "USER": "changes the user the container runs as",
@@ -125,8 +166,14 @@ def parse_dockerfile(text: str, source: str, *, base_env: Mapping[str, str] | No
         parser.dispatch(number, keyword, rest, full)
     if parser.base_image is None:
         raise TaskError(f"{source}: no FROM instruction")
-    return DockerfilePlan(parser.base_image, parser.workdir, tuple(parser.copies), tuple(parser.env_steps),
-                          tuple(parser.unsupported), source)
+    return DockerfilePlan(
+        parser.base_image,
+        parser.workdir,
+        tuple(parser.copies),
+        tuple(parser.env_steps),
+        tuple(parser.unsupported),
+        source,
+    )
 
 
 def _parents(path: str) -> set[str]:
@@ -168,8 +215,14 @@ class _Parser:
             raise self.fail(line, f"{keyword} before the first FROM")
         if self.stage > 1:
             return report("belongs to a later build stage; multi-stage builds are not supported")
-        handler = {"FROM": self.from_, "ARG": self.arg, "ENV": self.env_, "WORKDIR": self.workdir_,
-                   "COPY": self.copy, "ADD": self.copy}.get(keyword)
+        handler = {
+            "FROM": self.from_,
+            "ARG": self.arg,
+            "ENV": self.env_,
+            "WORKDIR": self.workdir_,
+            "COPY": self.copy,
+            "ADD": self.copy,
+        }.get(keyword)
         if handler is None:
             return report(_REASONS.get(keyword, "is not a Dockerfile instruction"))
         try:
@@ -222,7 +275,7 @@ class _Parser:
             raise self.fail(line, "ENV: needs NAME=value")
         variables = self.variables()  # every value sees the environment from before this line
         if "=" not in words[0]:  # legacy form: ENV NAME the rest of the line
-            rest = args[len(words[0]):].strip()
+            rest = args[len(words[0]) :].strip()
             if not rest:
                 raise self.fail(line, f"ENV: {words[0]!r} has no value")
             pairs = [(words[0], expand(rest, variables, self.escape))]
@@ -288,8 +341,9 @@ class _Parser:
         if not dest:
             raise self.fail(line, f"{keyword}: the destination is empty")
         absolute = absolute_path(self.workdir or "/", dest)
-        into = (dest.endswith("/") or len(sources) > 1 or posixpath.basename(dest) in (".", "..")
-                or absolute in self.dirs)
+        into = (
+            dest.endswith("/") or len(sources) > 1 or posixpath.basename(dest) in (".", "..") or absolute in self.dirs
+        )
         self.copies.append(CopyStep(tuple(sources), absolute, into, chown, chmod, line, keyword))
         self.dirs |= _parents(absolute if into else posixpath.dirname(absolute))
         return None

@@ -19,13 +19,33 @@ import json
 import re
 from dataclasses import dataclass
 
-from sequester.tasks.dockerfile_syntax import HEREDOC, WordError, logical_lines, split_instruction
 from sequester.errors import BuildError
+from sequester.tasks.dockerfile_syntax import HEREDOC, WordError, logical_lines, split_instruction
 
 __all__ = ["Instruction", "Stage", "Dockerfile", "parse_dockerfile", "exec_form", "KEYWORDS"]
 
-KEYWORDS = frozenset({"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
-                      "MAINTAINER", "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"})
+KEYWORDS = frozenset(
+    {
+        "ADD",
+        "ARG",
+        "CMD",
+        "COPY",
+        "ENTRYPOINT",
+        "ENV",
+        "EXPOSE",
+        "FROM",
+        "HEALTHCHECK",
+        "LABEL",
+        "MAINTAINER",
+        "ONBUILD",
+        "RUN",
+        "SHELL",
+        "STOPSIGNAL",
+        "USER",
+        "VOLUME",
+        "WORKDIR",
+    }
+)
 _STAGE_NAME = re.compile(r"^[a-z][a-z0-9\-_.]*$")  # Docker's validStageName, applied after lower-casing
 _DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$")  # a Go time.Duration, as HEALTHCHECK takes
 
@@ -36,14 +56,19 @@ _FLAGS: dict[str, dict[str, bool]] = {
     "RUN": {"network": False},
     "COPY": {"from": False, "chown": False, "chmod": False, "link": True},
     "ADD": {"chown": False, "chmod": False, "link": True, "checksum": False},
-    "HEALTHCHECK": {"interval": False, "timeout": False, "start-period": False, "start-interval": False,
-                    "retries": False},
+    "HEALTHCHECK": {
+        "interval": False,
+        "timeout": False,
+        "start-period": False,
+        "start-interval": False,
+        "retries": False,
+    },
 }
 # Flags Docker (BuildKit) knows but sequester does not do: refused by name, so the message
 # says "not supported" rather than the misleading "unknown flag".
 _REFUSED_FLAGS = {
     ("RUN", "mount"): "RUN --mount (cache, bind, secret and ssh mounts) is a BuildKit feature sequester does not "
-                      "support; copy what the step needs with COPY instead",
+    "support; copy what the step needs with COPY instead",
     ("RUN", "security"): "RUN --security is a BuildKit feature sequester does not support",
     ("RUN", "device"): "RUN --device is a BuildKit feature sequester does not support",
     ("COPY", "parents"): "COPY --parents is a BuildKit feature sequester does not support",
@@ -59,10 +84,10 @@ class Instruction:
     """One instruction: its first line, keyword, leading flags and the arguments after them."""
 
     line: int
-    keyword: str                                # upper-case
-    flags: tuple[tuple[str, str | None], ...]   # ("from", "builder"); None for a bare --flag
-    rest: str                                   # the arguments after the flags, as written
-    text: str                                   # the whole instruction, continuations joined
+    keyword: str  # upper-case
+    flags: tuple[tuple[str, str | None], ...]  # ("from", "builder"); None for a bare --flag
+    rest: str  # the arguments after the flags, as written
+    text: str  # the whole instruction, continuations joined
 
     def flag(self, name: str) -> str | None:
         """The value of ``--name`` (None when absent or bare)."""
@@ -74,17 +99,17 @@ class Stage:
     """The instructions from one ``FROM`` to the next."""
 
     index: int
-    name: str | None        # the AS name, lower-cased (Docker matches stage names case-insensitively)
-    base: str               # FROM's image word, not expanded (global ARGs apply: see plan.stage_graph)
-    platform: str | None    # FROM --platform, not expanded
+    name: str | None  # the AS name, lower-cased (Docker matches stage names case-insensitively)
+    base: str  # FROM's image word, not expanded (global ARGs apply: see plan.stage_graph)
+    platform: str | None  # FROM --platform, not expanded
     line: int
     instructions: tuple[Instruction, ...]
 
 
 @dataclass(frozen=True)
 class Dockerfile:
-    source: str                           # the path or name every message starts with
-    escape: str                           # "\\" or "`" (the escape directive)
+    source: str  # the path or name every message starts with
+    escape: str  # "\\" or "`" (the escape directive)
     global_args: tuple[Instruction, ...]  # the ARGs before the first FROM
     stages: tuple[Stage, ...]
 
@@ -113,21 +138,25 @@ def parse_dockerfile(text: str, source: str) -> Dockerfile:
             base, name, platform = _from(source, ins)
             if name is not None:
                 if name in names:
-                    raise BuildError(f"{source}:{ins.line}: FROM: the stage name {name!r} is already used by "
-                                     f"stage {names[name]}")
+                    raise BuildError(
+                        f"{source}:{ins.line}: FROM: the stage name {name!r} is already used by stage {names[name]}"
+                    )
                 names[name] = len(stages)
             current, body = (len(stages), name, base, platform, ins.line), []
         elif current is None:
             if ins.keyword != "ARG":
-                raise BuildError(f"{source}:{ins.line}: {ins.keyword} before the first FROM (only ARG may come "
-                                 f"before it)")
+                raise BuildError(
+                    f"{source}:{ins.line}: {ins.keyword} before the first FROM (only ARG may come before it)"
+                )
             global_args.append(ins)
         else:
             body.append(ins)
     close()
     if not stages:
-        raise BuildError(f"{source}:{lines[-1][0] if lines else 1}: no FROM instruction (a Dockerfile must "
-                         f"start from an image, or FROM scratch)")
+        raise BuildError(
+            f"{source}:{lines[-1][0] if lines else 1}: no FROM instruction (a Dockerfile must "
+            f"start from an image, or FROM scratch)"
+        )
     return Dockerfile(source, escape, tuple(global_args), tuple(stages))
 
 
@@ -170,8 +199,10 @@ def _instruction(source: str, line: int, joined: str) -> Instruction:
         # same test on the same words tells which instructions it did that for.
         heredoc = next((w for w in joined.split()[1:] if HEREDOC.match(w)), None)
         if heredoc is not None:
-            raise BuildError(fail + f"{keyword} with a heredoc ({heredoc}) is not supported; put the text in a file "
-                             f"of the build context and COPY it")
+            raise BuildError(
+                fail + f"{keyword} with a heredoc ({heredoc}) is not supported; put the text in a file "
+                f"of the build context and COPY it"
+            )
     if not rest:
         raise BuildError(fail + f"{keyword} needs arguments")
     if keyword == "SHELL":
@@ -180,8 +211,9 @@ def _instruction(source: str, line: int, joined: str) -> Instruction:
         except WordError:
             shell = None
         if not shell:
-            raise BuildError(fail + f"SHELL needs a non-empty JSON array of strings, e.g. [\"/bin/bash\", \"-c\"] "
-                             f"(got {rest!r})")
+            raise BuildError(
+                fail + f'SHELL needs a non-empty JSON array of strings, e.g. ["/bin/bash", "-c"] (got {rest!r})'
+            )
     return Instruction(line, keyword, tuple(flags), rest, joined)
 
 
@@ -219,8 +251,10 @@ def _from(source: str, ins: Instruction) -> tuple[str, str | None, str | None]:
         raise BuildError(f"{source}:{ins.line}: FROM: expected 'FROM image [AS name]', got {ins.rest!r}")
     name = words[2].lower() if len(words) == 3 else None
     if name is not None and not _STAGE_NAME.match(name):
-        raise BuildError(f"{source}:{ins.line}: FROM: {words[2]!r} is not a valid stage name (a letter, then "
-                         f"letters, digits, '-', '_' or '.')")
+        raise BuildError(
+            f"{source}:{ins.line}: FROM: {words[2]!r} is not a valid stage name (a letter, then "
+            f"letters, digits, '-', '_' or '.')"
+        )
     return words[0], name, ins.flag("platform")
 
 

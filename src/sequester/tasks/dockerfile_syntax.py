@@ -16,7 +16,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["HEREDOC", "split_instruction", "UnknownVariable", "WordError", "Variables", "logical_lines", "split_raw", "expand", "expand_words"]
+__all__ = [
+    "HEREDOC",
+    "split_instruction",
+    "UnknownVariable",
+    "WordError",
+    "Variables",
+    "logical_lines",
+    "split_raw",
+    "expand",
+    "expand_words",
+]
 
 Variables = Mapping[str, "str | None"]
 
@@ -198,7 +208,7 @@ def _variable(text: str, i: int, variables: Variables, escape: str) -> tuple[str
             j += 1
         if end < 0:
             raise WordError(f"missing '}}' in {text[i:]!r}")
-        return _substitute(text[i + 2:end], variables, escape), end + 1
+        return _substitute(text[i + 2 : end], variables, escape), end + 1
     match = _NAME.match(text, i + 1)
     if not match:
         return "$", i + 1
@@ -215,14 +225,14 @@ def _substitute(inner: str, variables: Variables, escape: str) -> str:
     match = _NAME.match(inner)
     if not match:
         raise WordError(f"bad substitution '${{{inner}}}'")
-    name, rest = match[0], inner[match.end():]
+    name, rest = match[0], inner[match.end() :]
     value = _lookup(name, variables)
     if not rest:
         return value or ""
     op = next((o for o in _OPERATORS if rest.startswith(o)), None)
     if op is None:
         raise WordError(f"unsupported substitution '${{{inner}}}' (only :- :+ :? - + ? are known)")
-    word = rest[len(op):]
+    word = rest[len(op) :]
     missing = value is None or (op.startswith(":") and value == "")
     if op in (":-", "-"):
         return expand(word, variables, escape) if missing else value or ""

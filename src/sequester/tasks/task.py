@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sequester.errors import TaskError
-from sequester.tasks.task_toml import TaskConfig, parse_task_config
 from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile
+from sequester.tasks.task_toml import TaskConfig, parse_task_config
 
 __all__ = ["Task", "load_task"]
 

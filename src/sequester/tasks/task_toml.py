@@ -161,8 +161,9 @@ class EnvironmentConfig:
     build_timeout_sec: float = 600.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "build_timeout_sec", _positive(self.build_timeout_sec,
-                                                                "[environment] build_timeout_sec"))
+        object.__setattr__(
+            self, "build_timeout_sec", _positive(self.build_timeout_sec, "[environment] build_timeout_sec")
+        )
         if self.docker_image is not None and (not isinstance(self.docker_image, str) or not self.docker_image.strip()):
             raise TaskError(f"[environment] docker_image: {self.docker_image!r} is not an image name")
         object.__setattr__(self, "cpus", _positive(self.cpus, "[environment] cpus"))
@@ -174,8 +175,10 @@ class EnvironmentConfig:
         if not isinstance(self.allow_internet, bool):
             raise TaskError(f"[environment] allow_internet: {self.allow_internet!r} is not true or false")
         if self.network_mode is not None and self.network_mode not in NETWORK_MODES:
-            raise TaskError(f"[environment] network_mode: {self.network_mode!r} is not one of "
-                            + ", ".join(repr(m) for m in NETWORK_MODES))
+            raise TaskError(
+                f"[environment] network_mode: {self.network_mode!r} is not one of "
+                + ", ".join(repr(m) for m in NETWORK_MODES)
+            )
         if not isinstance(self.allowed_hosts, (list, tuple)):
             raise TaskError(f"[environment] allowed_hosts: {self.allowed_hosts!r} is not a list of host names")
         for i, host in enumerate(self.allowed_hosts):
@@ -185,8 +188,10 @@ class EnvironmentConfig:
         if self.network_mode == "public" and not self.allow_internet:
             raise TaskError("[environment] network_mode: 'public' contradicts allow_internet = false")
         if self.allowed_hosts and self.effective_network_mode != "allowlist":
-            raise TaskError(f"[environment] allowed_hosts: only allowed with network_mode = 'allowlist' "
-                            f"(the network mode is {self.effective_network_mode!r})")
+            raise TaskError(
+                f"[environment] allowed_hosts: only allowed with network_mode = 'allowlist' "
+                f"(the network mode is {self.effective_network_mode!r})"
+            )
 
     @property
     def effective_network_mode(self) -> str:
@@ -266,9 +271,12 @@ def config_from_mapping(data: Mapping[str, Any]) -> TaskConfig:
         build_timeout_sec=env.get("build_timeout_sec", 600.0),
     )
     return TaskConfig(
-        verifier=VerifierConfig(timeout_sec=verifier.get("timeout_sec", 600.0), env=verifier.get("env", {}),
-                                freeze_agent=verifier.get("freeze_agent"),
-                                environment_mode=verifier.get("environment_mode")),
+        verifier=VerifierConfig(
+            timeout_sec=verifier.get("timeout_sec", 600.0),
+            env=verifier.get("env", {}),
+            freeze_agent=verifier.get("freeze_agent"),
+            environment_mode=verifier.get("environment_mode"),
+        ),
         agent=AgentConfig(timeout_sec=agent.get("timeout_sec")),
         environment=environment,
         metadata=dict(metadata),

@@ -23,7 +23,7 @@ _LINE = re.compile(r"^\s*(?P<name>\S+)(?:\s+=>\s+(?P<path>\S+))?\s+\(0x[0-9a-f]+
 
 @dataclass(frozen=True)
 class Library:
-    name: str   # the name programs ask for (DT_NEEDED), e.g. libtinfo.so.6
+    name: str  # the name programs ask for (DT_NEEDED), e.g. libtinfo.so.6
     path: Path  # where the host resolved it
 
 
@@ -53,8 +53,9 @@ def library_closure(files: Iterable[Path]) -> tuple[dict[str, Path], Path]:
     found: dict[str, Path] = {}
     loader: Path | None = None
     for path in files:
-        proc = subprocess.run(["ldd", str(path)], capture_output=True, text=True, timeout=60,
-                              env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+        proc = subprocess.run(
+            ["ldd", str(path)], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+        )
         if proc.returncode != 0:
             if "not a dynamic executable" in proc.stdout + proc.stderr:
                 continue  # static: loads nothing

@@ -34,16 +34,27 @@ ELF_MAGIC = b"\x7fELF"
 # Read by glibc's dynamic loader (rtld) at every program start, and its built-in search
 # folders (the fallback after the search path).
 LOADER_PATHS = (
-    b"/etc/ld.so.preload", b"/etc/ld.so.cache",
-    b"/lib/x86_64-linux-gnu/", b"/usr/lib/x86_64-linux-gnu/", b"/lib64/", b"/usr/lib64/",
-    b"/lib/aarch64-linux-gnu/", b"/usr/lib/aarch64-linux-gnu/", b"/lib/", b"/usr/lib/",
+    b"/etc/ld.so.preload",
+    b"/etc/ld.so.cache",
+    b"/lib/x86_64-linux-gnu/",
+    b"/usr/lib/x86_64-linux-gnu/",
+    b"/lib64/",
+    b"/usr/lib64/",
+    b"/lib/aarch64-linux-gnu/",
+    b"/usr/lib/aarch64-linux-gnu/",
+    b"/lib/",
+    b"/usr/lib/",
 )
 # Code and parsed data glibc's C library loads by absolute path.
 LIBC_PATHS = (
-    b"/usr/lib/x86_64-linux-gnu/gconv/gconv-modules.cache", b"/usr/lib/x86_64-linux-gnu/gconv",
-    b"/usr/lib/aarch64-linux-gnu/gconv/gconv-modules.cache", b"/usr/lib/aarch64-linux-gnu/gconv",
-    b"/usr/lib64/gconv/gconv-modules.cache", b"/usr/lib64/gconv",
-    b"/usr/lib/locale/locale-archive", b"/usr/lib/locale",
+    b"/usr/lib/x86_64-linux-gnu/gconv/gconv-modules.cache",
+    b"/usr/lib/x86_64-linux-gnu/gconv",
+    b"/usr/lib/aarch64-linux-gnu/gconv/gconv-modules.cache",
+    b"/usr/lib/aarch64-linux-gnu/gconv",
+    b"/usr/lib64/gconv/gconv-modules.cache",
+    b"/usr/lib64/gconv",
+    b"/usr/lib/locale/locale-archive",
+    b"/usr/lib/locale",
     # Which modules the user, group and host lookups load (``passwd: evil`` makes it open
     # libnss_evil.so.2, by a relative path if the name has a slash). Without the file glibc
     # uses its built-in defaults, whose modules (files, dns) are part of the C library.
@@ -90,7 +101,7 @@ def redirect_paths(data: bytes, paths: tuple[bytes, ...]) -> tuple[bytes, list[b
         start = 0
         while (i := out.find(needle, start)) >= 0:
             if i == 0 or out[i - 1] == 0:
-                out[i:i + len(path)] = new
+                out[i : i + len(path)] = new
                 if path not in found:
                     found.append(path)
             start = i + 1

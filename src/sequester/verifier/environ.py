@@ -25,16 +25,46 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # bundle the agent added its CA to, for an "astral.sh" it serves itself). The runner never
 # takes them from the image; the task's own [verifier] env may still set them.
 _RUNNER_INPUTS = (
-    "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "GLIBC_TUNABLES", "GCONV_PATH", "LOCPATH", "NLSPATH",
-    "BASH_ENV", "ENV", "INPUTRC", "TERMINFO", "TERMINFO_DIRS",
-    "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX", "PYTEST_ADDOPTS", "PYTEST_PLUGINS",
-    "OPENSSL_CONF", "OPENSSL_MODULES", "OPENSSL_ENGINES", "SSL_CERT_FILE", "SSL_CERT_DIR", "SSLKEYLOGFILE",
-    "CURL_CA_BUNDLE", "CURL_HOME", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS", "REQUESTS_CA_BUNDLE",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "LD_AUDIT",
+    "GLIBC_TUNABLES",
+    "GCONV_PATH",
+    "LOCPATH",
+    "NLSPATH",
+    "BASH_ENV",
+    "ENV",
+    "INPUTRC",
+    "TERMINFO",
+    "TERMINFO_DIRS",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "PYTHONPYCACHEPREFIX",
+    "PYTEST_ADDOPTS",
+    "PYTEST_PLUGINS",
+    "OPENSSL_CONF",
+    "OPENSSL_MODULES",
+    "OPENSSL_ENGINES",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "SSLKEYLOGFILE",
+    "CURL_CA_BUNDLE",
+    "CURL_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_CONFIG_DIRS",
+    "REQUESTS_CA_BUNDLE",
 )
 
 
-def runner_env(image_env: Mapping[str, str], task_env: Mapping[str, str], *, agent_home: str = "/root",
-               runner_fd: int | None = None, find_links: Sequence[str] = ()) -> dict[str, str]:
+def runner_env(
+    image_env: Mapping[str, str],
+    task_env: Mapping[str, str],
+    *,
+    agent_home: str = "/root",
+    runner_fd: int | None = None,
+    find_links: Sequence[str] = (),
+) -> dict[str, str]:
     """``find_links``: more wheel folders of the runner's for uv (a task's pinned wheels)."""
     env = {"HOME": agent_home, "LANG": "C.UTF-8", "TERM": "dumb"}
     env.update({k: v for k, v in image_env.items() if k not in _RUNNER_INPUTS})
@@ -46,18 +76,20 @@ def runner_env(image_env: Mapping[str, str], task_env: Mapping[str, str], *, age
     env["HOME"] = str(layout.RUN_HOME)
     if "PYTHONPATH" in env:  # see pysite: the tree's Pythons put it back after start-up
         env[PYTHONPATH_VAR] = env.pop("PYTHONPATH")
-    env.update({
-        "UV_OFFLINE": "1",
-        "UV_NO_INDEX": "1",
-        "UV_NO_CONFIG": "1",
-        "UV_FIND_LINKS": ",".join([str(layout.WHEELS), *find_links]),  # uv's list is comma-separated
-        "UV_CACHE_DIR": str(layout.RUN_CACHE),
-        "UV_TOOL_DIR": str(layout.RUN_TOOLS),
-        "UV_PYTHON_INSTALL_DIR": str(layout.PYTHONS),
-        "UV_PYTHON_PREFERENCE": "only-managed",
-        "UV_PYTHON_DOWNLOADS": "never",
-        "UV_NO_PROGRESS": "1",
-    })
+    env.update(
+        {
+            "UV_OFFLINE": "1",
+            "UV_NO_INDEX": "1",
+            "UV_NO_CONFIG": "1",
+            "UV_FIND_LINKS": ",".join([str(layout.WHEELS), *find_links]),  # uv's list is comma-separated
+            "UV_CACHE_DIR": str(layout.RUN_CACHE),
+            "UV_TOOL_DIR": str(layout.RUN_TOOLS),
+            "UV_PYTHON_INSTALL_DIR": str(layout.PYTHONS),
+            "UV_PYTHON_PREFERENCE": "only-managed",
+            "UV_PYTHON_DOWNLOADS": "never",
+            "UV_NO_PROGRESS": "1",
+        }
+    )
     if runner_fd is not None:
         env[RUNNER_FD_VAR] = str(runner_fd)
     return env

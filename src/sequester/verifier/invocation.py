@@ -56,7 +56,7 @@ def tests_mention(task: Task, word: bytes) -> bool:
     except OSError:
         return True
     seen = read = 0
-    for current, dirs, files in os.walk(root):
+    for current, _dirs, files in os.walk(root):
         for name in files:
             path = Path(current, name)
             seen += 1
@@ -97,7 +97,7 @@ def verifier_argv(task: Task) -> list[str]:
         "rc=$?\n"
         # 0: passed, 1: some failed. Anything else (no tests, usage or internal error,
         # a failed bootstrap) is not a verdict.
-        'case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;'
+        "case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;"
         ' *) echo "sequester: pytest could not run the tests (exit $rc)" >&2;; esac\n'
     )
     return [bash, "-c", script]
@@ -109,5 +109,9 @@ def verifier_env(task: Task, *, task_wheels: bool = False) -> dict[str, str]:
     runner's; nothing of the agent shell's. ``task_wheels``: uv also finds the task's
     pinned wheels (:data:`~sequester.verifier.layout.TASK_WHEELS`)."""
     image = task.dockerfile.env_map if task.dockerfile is not None else {}
-    return runner_env(image, task.config.verifier.env, runner_fd=RUNNER_FD,
-                      find_links=(str(layout.TASK_WHEELS),) if task_wheels else ())
+    return runner_env(
+        image,
+        task.config.verifier.env,
+        runner_fd=RUNNER_FD,
+        find_links=(str(layout.TASK_WHEELS),) if task_wheels else (),
+    )

@@ -11,19 +11,31 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-__all__ = ["RUNNER_MOUNT", "BIN", "LIB", "LIBEXEC", "PYTHONS", "WHEELS", "ETC", "RUN", "RUN_HOME", "RUN_CACHE",
-           "RUN_TOOLS", "TASK_WHEELS"]
+__all__ = [
+    "RUNNER_MOUNT",
+    "BIN",
+    "LIB",
+    "LIBEXEC",
+    "PYTHONS",
+    "WHEELS",
+    "ETC",
+    "RUN",
+    "RUN_HOME",
+    "RUN_CACHE",
+    "RUN_TOOLS",
+    "TASK_WHEELS",
+]
 
 RUNNER_MOUNT = PurePosixPath("/opt/sequester-verifier")
-BIN = RUNNER_MOUNT / "bin"          # first on the runner's PATH: shell, core tools, uv, python
-LIB = RUNNER_MOUNT / "lib"          # the loader and every library the tree's programs load
+BIN = RUNNER_MOUNT / "bin"  # first on the runner's PATH: shell, core tools, uv, python
+LIB = RUNNER_MOUNT / "lib"  # the loader and every library the tree's programs load
 LIBEXEC = RUNNER_MOUNT / "libexec"  # the real binaries behind the wrappers in bin/
-PYTHONS = RUNNER_MOUNT / "python"   # uv's managed installations: cpython-X.Y.Z-linux-ARCH-gnu/
-WHEELS = RUNNER_MOUNT / "wheels"    # the pinned wheels uv installs from, offline
-ETC = RUNNER_MOUNT / "etc"          # the runner's own configuration files
-RUN = RUNNER_MOUNT / "run"          # an empty folder: a private tmpfs at verify time
-RUN_HOME = RUN / "home"             # HOME of the test script's own shell
-RUN_CACHE = RUN / "cache"           # uv's cache (its tool environments)
+PYTHONS = RUNNER_MOUNT / "python"  # uv's managed installations: cpython-X.Y.Z-linux-ARCH-gnu/
+WHEELS = RUNNER_MOUNT / "wheels"  # the pinned wheels uv installs from, offline
+ETC = RUNNER_MOUNT / "etc"  # the runner's own configuration files
+RUN = RUNNER_MOUNT / "run"  # an empty folder: a private tmpfs at verify time
+RUN_HOME = RUN / "home"  # HOME of the test script's own shell
+RUN_CACHE = RUN / "cache"  # uv's cache (its tool environments)
 RUN_TOOLS = RUN / "tools"
 # A task's own pinned wheels (sequester.verifier.wheels), copied from the host at verify time
 # into a read-only tmpfs of the verifier's namespace; only when the task needs them.

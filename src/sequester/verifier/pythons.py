@@ -24,16 +24,25 @@ __all__ = ["HostPython", "find_pythons", "copy_python", "WANTED_VERSIONS"]
 WANTED_VERSIONS = ("3.13",)  # besides the running one: TB2's test scripts ask for 3.13
 # Not needed to run tests, and large; never site-packages: the runner's Pythons hold
 # nothing but their standard library (test dependencies come from pinned wheels).
-_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",
-         "__phello__"}
+_SKIP = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "__phello__",
+}
 
 
 @dataclass(frozen=True)
 class HostPython:
-    version: str      # "3.13.0"
+    version: str  # "3.13.0"
     executable: Path  # the real binary (symlinks resolved)
-    stdlib: Path      # the folder holding os.py
-    libdir: Path      # where libpythonX.Y.so lives (may not hold one: static builds)
+    stdlib: Path  # the folder holding os.py
+    libdir: Path  # where libpythonX.Y.so lives (may not hold one: static builds)
 
     @property
     def short(self) -> str:
@@ -46,8 +55,10 @@ class HostPython:
         return f"cpython-{self.version}-linux-{arch}-gnu"
 
 
-_QUERY = ("import json, sys, sysconfig; print(json.dumps([sys.version.split()[0], sys.executable, "
-          "sysconfig.get_path('stdlib'), sysconfig.get_config_var('LIBDIR') or '']))")
+_QUERY = (
+    "import json, sys, sysconfig; print(json.dumps([sys.version.split()[0], sys.executable, "
+    "sysconfig.get_path('stdlib'), sysconfig.get_config_var('LIBDIR') or '']))"
+)
 
 
 def _describe(executable: str) -> HostPython | None:
@@ -120,8 +131,13 @@ def copy_python(py: HostPython, dest: Path) -> list[Path]:
     stdlib = dest / "lib" / f"python{py.short}"
     # Links are copied as what they point to: a link of the host's standard library (Debian's
     # sitecustomize.py -> /etc/python3.11/...) would point into the agent's view.
-    shutil.copytree(py.stdlib, stdlib, symlinks=False, ignore_dangling_symlinks=True,
-                    ignore=lambda d, names: [n for n in names if n in _SKIP])
+    shutil.copytree(
+        py.stdlib,
+        stdlib,
+        symlinks=False,
+        ignore_dangling_symlinks=True,
+        ignore=lambda d, names: [n for n in names if n in _SKIP],
+    )
     (stdlib / "site-packages").mkdir()
     for so in _libpythons(py):
         shutil.copy2(so, dest / "lib" / so.name, follow_symlinks=True)

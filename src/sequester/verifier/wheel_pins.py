@@ -26,10 +26,10 @@ __all__ = ["VerifierPins", "verifier_pins"]
 class VerifierPins:
     """What a test script's uv invocations ask for."""
 
-    requirements: tuple[str, ...] = ()       # exact pins, "name==version" (canonical names), sorted
-    unpinned: tuple[str, ...] = ()           # as written: no exact version, a URL or a path: never fetched
-    pythons: tuple[str, ...] = ()            # "3.13": the versions asked for (-p/--python), in order
-    default_python: bool = False             # an invocation with requirements named none: uv's default
+    requirements: tuple[str, ...] = ()  # exact pins, "name==version" (canonical names), sorted
+    unpinned: tuple[str, ...] = ()  # as written: no exact version, a URL or a path: never fetched
+    pythons: tuple[str, ...] = ()  # "3.13": the versions asked for (-p/--python), in order
+    default_python: bool = False  # an invocation with requirements named none: uv's default
     requirement_files: tuple[str, ...] = ()  # --with-requirements / -r files named
 
     @property
@@ -44,21 +44,41 @@ class VerifierPins:
 
 
 _SEPARATOR = set("();<>|&")
-_SKIPPED = {"if", "then", "else", "elif", "do", "while", "until", "!", "{", "time", "exec", "command", "nohup",
-            "builtin", "sudo", "xargs"}
+_SKIPPED = {
+    "if",
+    "then",
+    "else",
+    "elif",
+    "do",
+    "while",
+    "until",
+    "!",
+    "{",
+    "time",
+    "exec",
+    "command",
+    "nohup",
+    "builtin",
+    "sudo",
+    "xargs",
+}
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # uv's options that take a value (the others are flags), long and short.
-_LONG_VALUE = set("""
+_LONG_VALUE = set(
+    """
     with with-editable with-requirements from python index default-index index-url extra-index-url find-links
     index-strategy keyring-provider config-setting resolution prerelease fork-strategy exclude-newer
     exclude-newer-package link-mode cache-dir directory project color config-file upgrade-package reinstall-package
     no-binary-package no-build-package refresh-package env-file build-constraints build-constraint constraints
     constraint overrides override python-platform python-version torch-backend allow-insecure-host requirements
     requirement target prefix extra group only-group no-group package script editable optional tag branch rev
-    bounds marker no-binary only-binary""".split())
+    bounds marker no-binary only-binary""".split()
+)
 _SHORT_VALUE = set("wpifCPcbre")
-_PIN = re.compile(r"^([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[([A-Za-z0-9._,\s-]*)\])?\s*===?\s*"
-                  r"([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
+_PIN = re.compile(
+    r"^([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[([A-Za-z0-9._,\s-]*)\])?\s*===?\s*"
+    r"([A-Za-z0-9][A-Za-z0-9.+!_-]*)$"
+)
 _AT_VERSION = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)@([0-9][A-Za-z0-9.+!_-]*)$")  # uvx pytest@8.4.1
 _PYTHON_VERSION = re.compile(r"(?<![\d.])3\.(\d{1,2})(?!\d)")
 _PYTHON_COMMAND = re.compile(r"^c?python(?:3(?:\.\d+)?)?$")  # "uvx python" runs an interpreter, no package
@@ -89,8 +109,13 @@ def verifier_pins(script: str) -> VerifierPins:
             pythons.append(f"3.{version[1]}")
         elif reqs:
             default = True
-    return VerifierPins(tuple(sorted(set(pins))), tuple(dict.fromkeys(unpinned)), tuple(dict.fromkeys(pythons)),
-                        default, tuple(dict.fromkeys(files)))
+    return VerifierPins(
+        tuple(sorted(set(pins))),
+        tuple(dict.fromkeys(unpinned)),
+        tuple(dict.fromkeys(pythons)),
+        default,
+        tuple(dict.fromkeys(files)),
+    )
 
 
 def _commands(script: str) -> Iterator[list[str]]:
@@ -139,7 +164,7 @@ def _invocation(words: list[str]) -> Found | None:
             i = 1
             while i < len(words) and (words[i].startswith("-") or _ASSIGNMENT.match(words[i])):
                 i += 2 if words[i] in ("-u", "-s", "-k", "--signal", "--kill-after", "--unset", "-C") else 1
-            words = words[i + (head == "timeout"):]
+            words = words[i + (head == "timeout") :]
         else:
             break
     if not words:
@@ -150,7 +175,7 @@ def _invocation(words: list[str]) -> Found | None:
     scanned = list(_scan(args, stop=True))  # uv's global options, then the subcommand
     if program != "uv" or not scanned or scanned[-1][0] is not None:
         return None
-    sub, rest = scanned[-1][1], args[scanned[-1][2]:]
+    sub, rest = scanned[-1][1], args[scanned[-1][2] :]
     if sub == "tool" and rest[:1] == ["run"]:
         return _tool_run(rest[1:], python)
     if sub in ("run", "add") or (sub == "pip" and rest[:1] == ["install"]):

@@ -50,8 +50,17 @@ from sequester.verifier.wheel_pins import VerifierPins, verifier_pins
 if TYPE_CHECKING:
     from sequester.tasks import Task
 
-__all__ = ["VerifierPins", "FetchResult", "VerifierWheelsError", "verifier_pins", "fetch_verifier_wheels",
-           "ensure_task_wheels", "host_platform_tags", "cache_key", "TASK_WHEELS_DIR"]
+__all__ = [
+    "VerifierPins",
+    "FetchResult",
+    "VerifierWheelsError",
+    "verifier_pins",
+    "fetch_verifier_wheels",
+    "ensure_task_wheels",
+    "host_platform_tags",
+    "cache_key",
+    "TASK_WHEELS_DIR",
+]
 
 log = logging.getLogger("sequester.imagebuild")
 
@@ -105,9 +114,15 @@ def cache_key(requirements: Sequence[str], pythons: Sequence[str], tags: Sequenc
     return hashlib.sha256(data.encode()).hexdigest()[:20]
 
 
-def fetch_verifier_wheels(pins: VerifierPins | Sequence[str], dest: Path, *, python: str | Sequence[str],
-                          platform_tags: Sequence[str] | None = None, pip: Sequence[str] | None = None,
-                          timeout: float = 1800.0) -> FetchResult:
+def fetch_verifier_wheels(
+    pins: VerifierPins | Sequence[str],
+    dest: Path,
+    *,
+    python: str | Sequence[str],
+    platform_tags: Sequence[str] | None = None,
+    pip: Sequence[str] | None = None,
+    timeout: float = 1800.0,
+) -> FetchResult:
     """The wheels of ``pins`` (a :class:`VerifierPins`' requirements, or pins) and their
     dependencies for ``python`` (``X.Y``, or several) and ``platform_tags`` (default: this
     host's), in ``dest/<key>``, downloaded with ``pip`` (default: this Python's) unless
@@ -135,8 +150,14 @@ def fetch_verifier_wheels(pins: VerifierPins | Sequence[str], dest: Path, *, pyt
     return FetchResult(folder, key, wheels, requirements, pythons, tags, cached=not fetched)
 
 
-def _fetch(folder: Path, requirements: tuple[str, ...], pythons: tuple[str, ...], tags: tuple[str, ...],
-           pip: list[str], timeout: float) -> None:
+def _fetch(
+    folder: Path,
+    requirements: tuple[str, ...],
+    pythons: tuple[str, ...],
+    tags: tuple[str, ...],
+    pip: list[str],
+    timeout: float,
+) -> None:
     for stale in folder.parent.glob(f".fetch-{folder.name}-*"):  # a dead process's (we hold the lock)
         shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".fetch-{folder.name}-", dir=folder.parent))
@@ -145,27 +166,52 @@ def _fetch(folder: Path, requirements: tuple[str, ...], pythons: tuple[str, ...]
             _pip_download(pip, staging, requirements, version, tags, timeout)
         others = sorted(p.name for p in staging.iterdir() if not p.name.endswith(".whl") or not p.is_file())
         if others:  # --only-binary allows none: never hand uv anything it would build
-            raise VerifierWheelsError(f"pip left files that are not wheels for {', '.join(requirements)}: "
-                                      f"{', '.join(others[:5])}")
-        (staging / MANIFEST).write_text(json.dumps({"format": FORMAT, "requirements": requirements,
-                                                    "pythons": pythons, "platform_tags": tags}, indent=1) + "\n")
+            raise VerifierWheelsError(
+                f"pip left files that are not wheels for {', '.join(requirements)}: {', '.join(others[:5])}"
+            )
+        (staging / MANIFEST).write_text(
+            json.dumps(
+                {"format": FORMAT, "requirements": requirements, "pythons": pythons, "platform_tags": tags}, indent=1
+            )
+            + "\n"
+        )
         for path in staging.iterdir():
             path.chmod(0o644)
         staging.chmod(0o755)
         os.rename(staging, folder)
-        log.info("fetched the verifier's wheels for %s (Python %s) into %s", ", ".join(requirements),
-                 ", ".join(pythons), folder)
+        log.info(
+            "fetched the verifier's wheels for %s (Python %s) into %s",
+            ", ".join(requirements),
+            ", ".join(pythons),
+            folder,
+        )
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _pip_download(pip: list[str], dest: Path, requirements: tuple[str, ...], python: str, tags: tuple[str, ...],
-                  timeout: float) -> None:
-    argv = [*pip, "download", "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-            "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
-            "--abi", "cp" + python.replace(".", ""), *(a for tag in tags for a in ("--platform", tag)),
-            "--dest", str(dest), *requirements]
+def _pip_download(
+    pip: list[str], dest: Path, requirements: tuple[str, ...], python: str, tags: tuple[str, ...], timeout: float
+) -> None:
+    argv = [
+        *pip,
+        "download",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--progress-bar",
+        "off",
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        "--abi",
+        "cp" + python.replace(".", ""),
+        *(a for tag in tags for a in ("--platform", tag)),
+        "--dest",
+        str(dest),
+        *requirements,
+    ]
     what = f"could not fetch the verifier's wheels for Python {python}"
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -208,8 +254,12 @@ def ensure_task_wheels(task: Task, toolchain_dir: Path) -> Path | None:
     requirements, unpinned = pins.requirements, [*pins.unpinned, *(f"-r {f}" for f in pins.requirement_files)]
     if unpinned and (str(task.path), tuple(unpinned)) not in _warned:
         _warned.add((str(task.path), tuple(unpinned)))
-        log.warning("%s: test.sh asks for %s without an exact version: not fetched (uv resolves them offline from "
-                    "the wheels the verifier has, or the evaluation cannot run)", task.name, ", ".join(unpinned))
+        log.warning(
+            "%s: test.sh asks for %s without an exact version: not fetched (uv resolves them offline from "
+            "the wheels the verifier has, or the evaluation cannot run)",
+            task.name,
+            ", ".join(unpinned),
+        )
     if all(r in PINNED for r in requirements):
         return None
     pythons = [*pins.pythons, *(_runner_pythons() if pins.default_python or not pins.pythons else ())]

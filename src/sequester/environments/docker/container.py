@@ -16,13 +16,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sequester.environments.settings import EpisodeSettings
-from sequester.tasks import Task
 from sequester.environments.base import UnsupportedByBackend
 from sequester.environments.docker.engine import MANAGED, EngineError, labels
+from sequester.environments.settings import EpisodeSettings
+from sequester.tasks import Task
 
-__all__ = ["KEEP_ALIVE", "ImageChoice", "resolve_image", "network_for", "create_container", "container_workdir",
-           "remove_container"]
+__all__ = [
+    "KEEP_ALIVE",
+    "ImageChoice",
+    "resolve_image",
+    "network_for",
+    "create_container",
+    "container_workdir",
+    "remove_container",
+]
 
 # The container's init: only /bin/sh needed (no `sleep infinity`, no tini); TERM ends it
 # at once (`docker stop` does not wait out its grace period).
@@ -56,15 +63,24 @@ def resolve_image(client: Any, task: Task, image: str | None = None, build: bool
         if not (task.environment_dir / "Dockerfile").is_file():
             raise UnsupportedByBackend(f"{task.name}: build=True, but the task has no environment/Dockerfile")
         tag = f"localhost/sequester-build/{task.name.lower()}:latest"
-        built, _ = _engine(f"build {task.environment_dir}", client.images.build, path=str(task.environment_dir),
-                           tag=tag, rm=True, forcerm=True, labels={MANAGED: "1"},
-                           timeout=task.config.environment.build_timeout_sec)
+        built, _ = _engine(
+            f"build {task.environment_dir}",
+            client.images.build,
+            path=str(task.environment_dir),
+            tag=tag,
+            rm=True,
+            forcerm=True,
+            labels={MANAGED: "1"},
+            timeout=task.config.environment.build_timeout_sec,
+        )
         return ImageChoice(tag, built.id, (built.attrs.get("Config") or {}).get("WorkingDir") or None, True)
     reference = image or task.config.environment.docker_image
     if reference is None:
-        raise UnsupportedByBackend(f"{task.name}: task.toml names no [environment] docker_image: build its "
-                                   "environment/Dockerfile with --docker-build (docker_build = true; build=True "
-                                   "in the API), or name an image (image=)")
+        raise UnsupportedByBackend(
+            f"{task.name}: task.toml names no [environment] docker_image: build its "
+            "environment/Dockerfile with --docker-build (docker_build = true; build=True "
+            "in the API), or name an image (image=)"
+        )
     try:
         found = client.images.get(reference)
     except docker.errors.ImageNotFound:
@@ -88,21 +104,30 @@ def network_for(task: Task) -> str | None:
         return "none"
     if mode == "public":
         return None
-    raise UnsupportedByBackend(f"{task.name}: network_mode = {mode!r} is not supported by the docker backend "
-                               "(only 'no-network' and 'public')")
+    raise UnsupportedByBackend(
+        f"{task.name}: network_mode = {mode!r} is not supported by the docker backend (only 'no-network' and 'public')"
+    )
 
 
-def create_container(client: Any, image_id: str, task: Task, settings: EpisodeSettings, *, role: str,
-                     workdir: str, network: str | None) -> Any:
+def create_container(
+    client: Any, image_id: str, task: Task, settings: EpisodeSettings, *, role: str, workdir: str, network: str | None
+) -> Any:
     """Create and start a container of ``image_id`` for ``role`` (see the module). Its
     limits: task.toml's ``cpus`` and ``memory_mb``; processes: the settings'
     ``max_processes`` (task.toml has no such key). On a failed start nothing is left."""
     env = task.config.environment
     name = f"sequester-{role}-{os.getpid()}-{next(_serial)}-{secrets.token_hex(3)}"
     options: dict[str, Any] = {
-        "entrypoint": KEEP_ALIVE, "command": [], "working_dir": workdir, "labels": labels(role), "name": name,
-        "detach": True, "nano_cpus": int(env.cpus * 1e9), "pids_limit": settings.max_processes,
-        "stdin_open": False, "tty": False,
+        "entrypoint": KEEP_ALIVE,
+        "command": [],
+        "working_dir": workdir,
+        "labels": labels(role),
+        "name": name,
+        "detach": True,
+        "nano_cpus": int(env.cpus * 1e9),
+        "pids_limit": settings.max_processes,
+        "stdin_open": False,
+        "tty": False,
     }
     if env.memory_mb is not None:
         options["mem_limit"] = env.memory_mb << 20
@@ -148,5 +173,4 @@ def remove_container(container: Any) -> None:
             return
         except Exception as exc:  # noqa: BLE001 - the SDK's and requests' errors alike
             last = exc
-    raise EngineError(f"the engine did not remove container {container.name} "
-                      f"({len(_REMOVE_TRIES)} tries): {last}")
+    raise EngineError(f"the engine did not remove container {container.name} ({len(_REMOVE_TRIES)} tries): {last}")

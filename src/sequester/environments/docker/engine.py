@@ -21,14 +21,24 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from sequester.errors import SequesterError
 from sequester.environments.base import UnsupportedByBackend
+from sequester.errors import SequesterError
 
 if TYPE_CHECKING:
     import docker
 
-__all__ = ["EngineError", "connect", "owner_label", "labels", "reap_orphans", "reap_once", "process_start_time",
-           "MANAGED", "OWNER", "ROLE"]
+__all__ = [
+    "EngineError",
+    "connect",
+    "owner_label",
+    "labels",
+    "reap_orphans",
+    "reap_once",
+    "process_start_time",
+    "MANAGED",
+    "OWNER",
+    "ROLE",
+]
 
 log = logging.getLogger("sequester.environments.docker")
 
@@ -44,8 +54,9 @@ def _sdk() -> Any:
     try:
         import docker
     except ImportError:
-        raise UnsupportedByBackend("the docker backend needs the Docker SDK for Python: "
-                                   "pip install 'sequester[docker]' (docker>=7)") from None
+        raise UnsupportedByBackend(
+            "the docker backend needs the Docker SDK for Python: pip install 'sequester[docker]' (docker>=7)"
+        ) from None
     return docker
 
 
@@ -63,8 +74,10 @@ def connect(base_url: str | None = None, timeout: float = 120) -> docker.DockerC
         client.ping()
         _versions.setdefault(url, client.api.api_version)
     except Exception as exc:  # noqa: BLE001 - the SDK raises many kinds; all mean "no engine"
-        raise UnsupportedByBackend(f"no Docker-API engine answers at {url} ({type(exc).__name__}: {exc}); "
-                                   "start one (dockerd, or `podman system service`) or set DOCKER_HOST") from None
+        raise UnsupportedByBackend(
+            f"no Docker-API engine answers at {url} ({type(exc).__name__}: {exc}); "
+            "start one (dockerd, or `podman system service`) or set DOCKER_HOST"
+        ) from None
     return client
 
 

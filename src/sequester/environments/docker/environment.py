@@ -24,29 +24,46 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sequester.errors import EpisodeError, SandboxError
 from sequester.environments import verdict
-from sequester.environments.verdict import Evaluation, zero_result
-from sequester.environments.settings import EpisodeSettings
-from sequester.environments.verdict import frozen_evaluation_note
-from sequester.environments.base import ExecResult
-from sequester.tasks import Task, load_task
-from sequester.environments.base import Capabilities, UnsupportedByBackend, wanted_verifier_env, wants_freeze
+from sequester.environments.base import (
+    Capabilities,
+    ExecResult,
+    UnsupportedByBackend,
+    wanted_verifier_env,
+    wants_freeze,
+)
 from sequester.environments.docker import files
-from sequester.environments.docker.container import ImageChoice, container_workdir, create_container, network_for, remove_container, resolve_image
+from sequester.environments.docker.container import (
+    ImageChoice,
+    container_workdir,
+    create_container,
+    network_for,
+    remove_container,
+    resolve_image,
+)
 from sequester.environments.docker.engine import EngineError, connect, reap_once
 from sequester.environments.docker.exec import run_exec
 from sequester.environments.docker.ops import ContainerHandle, kill_from_host
-from sequester.sandbox.freeze import SignalFreezer
 from sequester.environments.docker.verify import NOT_WIPED, evaluate_separate, evaluate_shared, wipe_staged
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import Evaluation, frozen_evaluation_note, zero_result
+from sequester.errors import EpisodeError, SandboxError
+from sequester.sandbox.freeze import SignalFreezer
+from sequester.tasks import Task, load_task
 
 __all__ = ["DockerEnvironment", "CAPABILITIES"]
 
-CAPABILITIES = Capabilities(backend="docker", separate_verifier=True, shared_verifier=True, freeze=True,
-                            trusted_runner=False, network_policies=frozenset({"none", "public"}),
-                            # Nothing the agent touched runs the verdict, unless the task or the
-                            # settings ask for the agent's own container (live services).
-                            default_verifier_env="separate")
+CAPABILITIES = Capabilities(
+    backend="docker",
+    separate_verifier=True,
+    shared_verifier=True,
+    freeze=True,
+    trusted_runner=False,
+    network_policies=frozenset({"none", "public"}),
+    # Nothing the agent touched runs the verdict, unless the task or the
+    # settings ask for the agent's own container (live services).
+    default_verifier_env="separate",
+)
 _READ_LIMIT = 64 << 20
 
 
@@ -66,8 +83,15 @@ class DockerEnvironment:
     """One agent's episode on one task in a Docker-API engine's container (see the
     module). Not thread-safe; :meth:`abort` may be called from any thread."""
 
-    def __init__(self, settings: EpisodeSettings | None = None, *, base_url: str | None = None,
-                 image: str | None = None, build: bool = False, hide: Iterable[str | os.PathLike[str]] = ()):
+    def __init__(
+        self,
+        settings: EpisodeSettings | None = None,
+        *,
+        base_url: str | None = None,
+        image: str | None = None,
+        build: bool = False,
+        hide: Iterable[str | os.PathLike[str]] = (),
+    ):
         """``base_url``: the engine (else ``$DOCKER_HOST``, else the default socket);
         ``image``: run on this image instead of task.toml's ``docker_image``; ``build``:
         build the task's ``environment/Dockerfile`` on the engine. ``hide`` is accepted
@@ -101,8 +125,9 @@ class DockerEnvironment:
         if self._aborted.is_set():
             raise EpisodeError("the episode was aborted")
         if self._run is None:
-            raise EpisodeError("the episode is closed" if self._closed else
-                               "the episode is not running: call start(task) first")
+            raise EpisodeError(
+                "the episode is closed" if self._closed else "the episode is not running: call start(task) first"
+            )
         return self._run
 
     @property
@@ -145,8 +170,9 @@ class DockerEnvironment:
             reap_once(self._client, self._client.api.base_url)
         choice = resolve_image(self._client, task, self._image, self._build)
         workdir = container_workdir(task, choice)
-        container = create_container(self._client, choice.id, task, self.settings, role="agent", workdir=workdir,
-                                     network=network)
+        container = create_container(
+            self._client, choice.id, task, self.settings, role="agent", workdir=workdir, network=network
+        )
         ops = ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=False)
         limit = task.config.agent.timeout_sec
         run = _Run(task, choice, container, ops, workdir, time.monotonic() + limit if limit else None)
@@ -154,8 +180,10 @@ class DockerEnvironment:
         if task.config.environment.storage_mb is not None:
             run.notes.append("[environment] storage_mb is not enforced by the docker backend")
         if ops.namespace is None:
-            run.notes.append("the engine's processes are not visible from this host: a timed-out command is "
-                             "killed from inside its container")
+            run.notes.append(
+                "the engine's processes are not visible from this host: a timed-out command is "
+                "killed from inside its container"
+            )
         self._run = run
         return self
 
@@ -172,23 +200,38 @@ class DockerEnvironment:
                 return ExecResult("", "", None, True, 0.0, "the episode's agent time ([agent] timeout_sec) is over")
             limit = min(limit, left)
         try:
-            raw = run_exec(self._client, run.container.id, ["/bin/sh", "-c", command], timeout=limit,
-                           output_bytes=self.settings.output_bytes, workdir=run.workdir, namespace=run.ops.namespace)
+            raw = run_exec(
+                self._client,
+                run.container.id,
+                ["/bin/sh", "-c", command],
+                timeout=limit,
+                output_bytes=self.settings.output_bytes,
+                workdir=run.workdir,
+                namespace=run.ops.namespace,
+            )
         except EngineError as exc:
             if self._aborted.is_set():
                 raise EpisodeError("the episode was aborted") from None
             if not self._engine_answers():  # the engine's failure: the trial's error
                 raise EpisodeError(f"the command could not be run: {exc}") from exc
             if not self._is_running(run):  # the agent ended its container's init: its doing
-                return ExecResult("", "", None, False, 0.0, "the agent's container is no longer running, so the "
-                                  "command did not run")
+                return ExecResult(
+                    "", "", None, False, 0.0, "the agent's container is no longer running, so the command did not run"
+                )
             # The engine answers and the container runs, yet this exec failed (seen: every
             # process slot taken by a fork bomb, the exec session lost): the container's
             # state did it, which is the agent's, never a trial error.
-            return ExecResult("", "", None, False, 0.0, f"the engine could not run the command in the agent's "
-                              f"container ({exc})")
-        return ExecResult(raw.stdout.decode(errors="replace"), raw.stderr.decode(errors="replace"), raw.exit_code,
-                          raw.timed_out, raw.duration, "; ".join(raw.notes))
+            return ExecResult(
+                "", "", None, False, 0.0, f"the engine could not run the command in the agent's container ({exc})"
+            )
+        return ExecResult(
+            raw.stdout.decode(errors="replace"),
+            raw.stderr.decode(errors="replace"),
+            raw.exit_code,
+            raw.timed_out,
+            raw.duration,
+            "; ".join(raw.notes),
+        )
 
     def _engine_answers(self) -> bool:
         try:
@@ -223,8 +266,15 @@ class DockerEnvironment:
 
     def _start_verifier(self) -> ContainerHandle:
         run = self._running()
-        container = create_container(self._client, run.image.id, run.task, self.settings, role="verifier",
-                                     workdir=run.workdir, network=network_for(run.task))
+        container = create_container(
+            self._client,
+            run.image.id,
+            run.task,
+            self.settings,
+            role="verifier",
+            workdir=run.workdir,
+            network=network_for(run.task),
+        )
         return ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=True)
 
     def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> verdict.VerifierResult:
@@ -238,14 +288,24 @@ class DockerEnvironment:
         task = run.task
         mode = wanted_verifier_env(task, self.settings, verifier_env, default=CAPABILITIES.default_verifier_env)
         wanted = wants_freeze(task, self.settings, freeze)
-        common: dict[str, Any] = {"workdir": run.workdir, "output_limit": self.settings.output_bytes,
-                                  "reward_range": self.settings.reward_range}
+        common: dict[str, Any] = {
+            "workdir": run.workdir,
+            "output_limit": self.settings.output_bytes,
+            "reward_range": self.settings.reward_range,
+        }
         if mode == "shared" and not self._is_running(run):
-            return zero_result(Evaluation({}, b"", (), 0.0), "the agent's container is no longer running (its init "
-                               "was ended), so the tests could not run in it", tampering=(), frozen=None, notes=())
+            return zero_result(
+                Evaluation({}, b"", (), 0.0),
+                "the agent's container is no longer running (its init was ended), so the tests could not run in it",
+                tampering=(),
+                frozen=None,
+                notes=(),
+            )
         if wanted and mode == "shared" and run.ops.namespace is None:
-            raise UnsupportedByBackend("freezing the agent for a shared verifier needs the engine's processes "
-                                       "visible from this host (the engine runs elsewhere)")
+            raise UnsupportedByBackend(
+                "freezing the agent for a shared verifier needs the engine's processes "
+                "visible from this host (the engine runs elsewhere)"
+            )
         frozen, stopped, paused = None, None, False
         if wanted:  # first: nothing of the evaluation happens while an agent process runs
             if mode == "separate":
@@ -268,8 +328,14 @@ class DockerEnvironment:
                 # all along; wiping them before its next call (or never, when the trial
                 # closes the container next) shows them nothing more, and saves an exec.
                 # Frozen, they never saw them: wiped before they resume.
-                scored = evaluate_shared(run.ops, task, frozen=frozen, start_verifier=self._start_verifier,
-                                          wipe_after=stopped is not None, **common)
+                scored = evaluate_shared(
+                    run.ops,
+                    task,
+                    frozen=frozen,
+                    start_verifier=self._start_verifier,
+                    wipe_after=stopped is not None,
+                    **common,
+                )
                 run.staged = scored.staged
         finally:
             if paused:
@@ -282,8 +348,9 @@ class DockerEnvironment:
         if not scored.clean:
             run.notes.append("the agent's container was killed after scoring (the tests could not be removed)")
         result = scored.result
-        said = frozen_evaluation_note(frozen, timed_out=bool(result.zero_reason and "ran over" in result.zero_reason),
-                                      reward=result.reward)
+        said = frozen_evaluation_note(
+            frozen, timed_out=bool(result.zero_reason and "ran over" in result.zero_reason), reward=result.reward
+        )
         return dataclasses.replace(result, notes=(*result.notes, said)) if said else result
 
     # -- teardown ------------------------------------------------------------------------

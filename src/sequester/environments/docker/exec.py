@@ -31,8 +31,8 @@ from sequester.sandbox.procs import kill_tree, open_pidfd
 __all__ = ["RawExec", "run_exec", "Demux"]
 
 _DRAIN_IDLE, _DRAIN_MAX = 0.1, 2.0  # after the process ended: read what is still in flight
-_EXIT_WAIT = 5.0                     # the engine records the exit code shortly after the exit
-_ASK_EVERY = 0.1                     # seconds between "does it still run?" while the stream stays open
+_EXIT_WAIT = 5.0  # the engine records the exit code shortly after the exit
+_ASK_EVERY = 0.1  # seconds between "does it still run?" while the stream stays open
 _MARK = b"\x1esequester-pid:"
 # Reports the shell's pid on stderr (its first line, removed by the reader), then becomes the command.
 _WRAPPER = ["/bin/sh", "-c", 'printf "\\036sequester-pid:%s\\n" "$$" >&2; exec "$@"', "sh"]
@@ -44,7 +44,8 @@ _CD = ["/bin/sh", "-c", 'cd -- "$0" 2>/dev/null || cd /; exec "$@"']
 _KILL_SCRIPT = (
     'k() { kill -STOP "$1" 2>/dev/null; for f in /proc/"$1"/task/*/children; do '
     '[ -r "$f" ] || continue; read -r l < "$f" || l=$l; for c in $l; do k "$c"; done; done; '
-    'kill -KILL "$1" 2>/dev/null; }; k "$0"')
+    'kill -KILL "$1" 2>/dev/null; }; k "$0"'
+)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Demux:
     def __init__(self, limit: int):
         self.out, self.err = Capture(limit), Capture(limit)
         self._buf = bytearray()
-        self._left = 0           # payload bytes of the current frame still to come
+        self._left = 0  # payload bytes of the current frame still to come
         self._target: Capture | None = None
 
     def feed(self, chunk: bytes) -> None:
@@ -84,8 +85,8 @@ class Demux:
                 self._left = int.from_bytes(head[4:8], "big")
                 self._target = self.err if head[0] == 2 else self.out
                 continue
-            take = bytes(self._buf[:self._left])
-            del self._buf[:len(take)]
+            take = bytes(self._buf[: self._left])
+            del self._buf[: len(take)]
             self._left -= len(take)
             assert self._target is not None
             self._target.add(take)
@@ -112,9 +113,18 @@ def _inspect(api: Any, exec_id: str) -> dict[str, Any]:
     return _api_call("inspect an exec", api.exec_inspect, exec_id)
 
 
-def run_exec(client: Any, container_id: str, argv: list[str], *, timeout: float, output_bytes: int,
-             env: dict[str, str] | None = None, workdir: str | None = None,
-             namespace: str | None = None, wrap: bool | None = None) -> RawExec:
+def run_exec(
+    client: Any,
+    container_id: str,
+    argv: list[str],
+    *,
+    timeout: float,
+    output_bytes: int,
+    env: dict[str, str] | None = None,
+    workdir: str | None = None,
+    namespace: str | None = None,
+    wrap: bool | None = None,
+) -> RawExec:
     """Run ``argv`` in the container (see the module). ``namespace``: the container's PID
     namespace as seen from here (``pid:[N]``), None when its processes are not visible
     (a remote engine); ``wrap`` (default: without a namespace) starts it through the
@@ -126,8 +136,7 @@ def run_exec(client: Any, container_id: str, argv: list[str], *, timeout: float,
     wrapped = [*_CD, workdir, *argv] if workdir else list(argv)
     wrapped = [*_WRAPPER, *wrapped] if wrap else wrapped
     # workdir "/": the engine's default is the container's WorkingDir, which the agent can remove.
-    exec_id = _api_call("create an exec", api.exec_create, container_id, wrapped, environment=env,
-                        workdir="/")["Id"]
+    exec_id = _api_call("create an exec", api.exec_create, container_id, wrapped, environment=env, workdir="/")["Id"]
     sock = _api_call("start an exec", api.exec_start, exec_id, socket=True)
     raw = getattr(sock, "_sock", sock)  # SocketIO wraps the connected socket; recv on it directly
     demux, notes = Demux(output_bytes), []
@@ -138,8 +147,10 @@ def run_exec(client: Any, container_id: str, argv: list[str], *, timeout: float,
         # deadline: asking at once cost ~40 ms of every exec on podman.
         timed_out = _wait(api, exec_id, raw, demux, deadline)
         if timed_out:
-            notes.append(f"the command ran over its {timeout:g} s and was killed, with every process still below it "
-                         "(one it detached, e.g. by setsid and a double fork, keeps running until the episode closes)")
+            notes.append(
+                f"the command ran over its {timeout:g} s and was killed, with every process still below it "
+                "(one it detached, e.g. by setsid and a double fork, keeps running until the episode closes)"
+            )
             if namespace:
                 pid, pidfd = _running_pid(api, exec_id, namespace)
             if pid:
@@ -239,7 +250,13 @@ def _kill_in_container(client: Any, container_id: str, demux: Demux, notes: list
         notes.append("the command's pid was never reported, so it could not be killed")
         return
     try:
-        run_exec(client, container_id, ["/bin/sh", "-c", _KILL_SCRIPT, match[1].decode()], timeout=10,
-                 output_bytes=4096, wrap=False)
+        run_exec(
+            client,
+            container_id,
+            ["/bin/sh", "-c", _KILL_SCRIPT, match[1].decode()],
+            timeout=10,
+            output_bytes=4096,
+            wrap=False,
+        )
     except EngineError as exc:
         notes.append(f"the command could not be killed: {exc}")

@@ -17,11 +17,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sequester.errors import SequesterError
 from sequester.environments.docker.engine import EngineError
+from sequester.errors import SequesterError
 
-__all__ = ["ContainerFileError", "TooLarge", "file_tar", "dir_tar", "put_tar", "get_tar", "read_file", "write_file",
-           "upload_dir"]
+__all__ = [
+    "ContainerFileError",
+    "TooLarge",
+    "file_tar",
+    "dir_tar",
+    "put_tar",
+    "get_tar",
+    "read_file",
+    "write_file",
+    "upload_dir",
+]
 
 _TAR_SLACK = 1 << 20  # headers and padding around a file's bytes in a tar
 _MAX_LINKS = 8
@@ -37,6 +46,7 @@ class TooLarge(ContainerFileError):
 
 def _errors() -> Any:
     import docker.errors
+
     return docker.errors
 
 

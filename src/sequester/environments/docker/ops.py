@@ -13,8 +13,8 @@ from sequester.environments.docker import files
 from sequester.environments.docker.container import KEEP_ALIVE, remove_container
 from sequester.environments.docker.engine import EngineError
 from sequester.environments.docker.exec import run_exec
-from sequester.sandbox.procs import kill_init, pid_namespace
 from sequester.environments.docker.verify import WIPE
+from sequester.sandbox.procs import kill_init, pid_namespace
 
 __all__ = ["ContainerHandle", "host_namespace", "kill_from_host"]
 
@@ -63,13 +63,24 @@ class ContainerHandle:
         self.client, self.container, self.output_limit = client, container, output_limit
         self.namespace = host_namespace(container)
         # The container's init as this host sees it (None: the engine's processes are not visible here).
-        self.init_pid: int | None = ((container.attrs.get("State") or {}).get("Pid") or None) if self.namespace else None
+        self.init_pid: int | None = (
+            ((container.attrs.get("State") or {}).get("Pid") or None) if self.namespace else None
+        )
         self._remove = remove_on_discard
 
-    def exec(self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None,
-             workdir: str | None = None) -> tuple[int | None, bytes, bool]:
-        raw = run_exec(self.client, self.container.id, argv, timeout=timeout, output_bytes=self.output_limit,
-                       env=dict(env) if env else None, workdir=workdir, namespace=self.namespace)
+    def exec(
+        self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None, workdir: str | None = None
+    ) -> tuple[int | None, bytes, bool]:
+        raw = run_exec(
+            self.client,
+            self.container.id,
+            argv,
+            timeout=timeout,
+            output_bytes=self.output_limit,
+            env=dict(env) if env else None,
+            workdir=workdir,
+            namespace=self.namespace,
+        )
         return raw.exit_code, raw.stdout + raw.stderr, raw.timed_out
 
     def put_tar(self, path: str, data: bytes) -> None:
@@ -88,8 +99,14 @@ class ContainerHandle:
             return None
 
     def remove(self, paths: Sequence[str]) -> bool:
-        raw = run_exec(self.client, self.container.id, ["/bin/sh", "-c", WIPE, "sh", *paths], timeout=_RM_TIMEOUT,
-                       output_bytes=4096, namespace=self.namespace)
+        raw = run_exec(
+            self.client,
+            self.container.id,
+            ["/bin/sh", "-c", WIPE, "sh", *paths],
+            timeout=_RM_TIMEOUT,
+            output_bytes=4096,
+            namespace=self.namespace,
+        )
         return raw.exit_code == 0 and not raw.timed_out
 
     def discard(self) -> None:
@@ -100,5 +117,6 @@ class ContainerHandle:
             else:
                 self.container.kill()
         except Exception as exc:  # noqa: BLE001
-            raise EngineError(f"the engine could not {'remove' if self._remove else 'kill'} "
-                              f"{self.container.name}: {exc}") from exc
+            raise EngineError(
+                f"the engine could not {'remove' if self._remove else 'kill'} {self.container.name}: {exc}"
+            ) from exc

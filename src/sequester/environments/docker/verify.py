@@ -46,16 +46,26 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sequester.environments import verdict
-from sequester.verifier.invocation import tests_archive
-from sequester.environments.verdict import Evaluation, judge, zero_result
-from sequester.tasks import Task
-from sequester.tasks.task_toml import Artifact
 from sequester.environments.base import separate_artifacts
 from sequester.environments.docker.engine import EngineError
 from sequester.environments.docker.files import ContainerFileError, dir_tar
+from sequester.environments.verdict import Evaluation, judge, zero_result
+from sequester.tasks import Task
+from sequester.tasks.task_toml import Artifact
+from sequester.verifier.invocation import tests_archive
 
-__all__ = ["ContainerOps", "Verdict", "ARTIFACT_LIMIT", "docker_verifier_argv", "docker_verifier_env",
-           "evaluate_shared", "evaluate_separate", "pack_artifacts", "wipe_staged", "NOT_WIPED"]
+__all__ = [
+    "ContainerOps",
+    "Verdict",
+    "ARTIFACT_LIMIT",
+    "docker_verifier_argv",
+    "docker_verifier_env",
+    "evaluate_shared",
+    "evaluate_separate",
+    "pack_artifacts",
+    "wipe_staged",
+    "NOT_WIPED",
+]
 
 log = logging.getLogger("sequester.environments.docker")
 
@@ -75,8 +85,9 @@ class ContainerOps(Protocol):
     """The calls scoring makes on one container; each raises :class:`EngineError` when
     the engine fails (never for what the container's programs do)."""
 
-    def exec(self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None,
-             workdir: str | None = None) -> tuple[int | None, bytes, bool]:
+    def exec(
+        self, argv: list[str], timeout: float, *, env: Mapping[str, str] | None = None, workdir: str | None = None
+    ) -> tuple[int | None, bytes, bool]:
         """Run ``argv`` under a host-enforced ``timeout``: (exit code, stdout + stderr, timed out)."""
 
     def put_tar(self, path: str, data: bytes) -> None:
@@ -111,9 +122,11 @@ def docker_verifier_argv(task: Task) -> list[str]:
         return ["bash", "/tests/test.sh"]
     # -I: not the working directory (the agent's copied work: an /app/pytest.py would
     # be imported as pytest) nor PYTHON* variables on the path.
-    script = ("python3 -I -m pytest /tests -rA\nrc=$?\n"
-              'case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;'
-              ' *) echo "sequester: pytest could not run the tests (exit $rc)" >&2;; esac\n')
+    script = (
+        "python3 -I -m pytest /tests -rA\nrc=$?\n"
+        "case $rc in 0) echo 1 > /logs/verifier/reward.txt;; 1) echo 0 > /logs/verifier/reward.txt;;"
+        ' *) echo "sequester: pytest could not run the tests (exit $rc)" >&2;; esac\n'
+    )
     return ["/bin/sh", "-c", script]
 
 
@@ -129,14 +142,23 @@ def _wipe(ops: ContainerOps, paths: Sequence[str]) -> bool:
     return ops.remove(paths)
 
 
-def _score(ops: ContainerOps, task: Task, *, workdir: str, output_limit: int,
-           reward_range: tuple[float, float] | None, frozen: str | None, notes: tuple[str, ...]) -> verdict.VerifierResult:
+def _score(
+    ops: ContainerOps,
+    task: Task,
+    *,
+    workdir: str,
+    output_limit: int,
+    reward_range: tuple[float, float] | None,
+    frozen: str | None,
+    notes: tuple[str, ...],
+) -> verdict.VerifierResult:
     """Stage the pristine tests, run them, judge what they left (see :func:`judge`)."""
     ops.put_tar("/", dir_tar(list(VERIFIER_PATHS)))
     ops.put_tar("/tests", tests_archive(task))
     started = time.monotonic()
-    code, output, timed_out = ops.exec(docker_verifier_argv(task), task.config.verifier.timeout_sec,
-                                       env=docker_verifier_env(task), workdir=workdir)
+    code, output, timed_out = ops.exec(
+        docker_verifier_argv(task), task.config.verifier.timeout_sec, env=docker_verifier_env(task), workdir=workdir
+    )
     duration = time.monotonic() - started
     report: dict | None = None
     if not timed_out:
@@ -158,10 +180,18 @@ def _could_not_run(exc: EngineError) -> verdict.VerifierCouldNotRun:
     return verdict.VerifierCouldNotRun(f"the verifier could not run: {exc}")
 
 
-def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit: int,
-                    reward_range: tuple[float, float] | None = verdict.DEFAULT_REWARD_RANGE,
-                    frozen: str | None = None, notes: tuple[str, ...] = (),
-                    start_verifier: Callable[[], ContainerOps] | None = None, wipe_after: bool = True) -> Verdict:
+def evaluate_shared(
+    ops: ContainerOps,
+    task: Task,
+    *,
+    workdir: str,
+    output_limit: int,
+    reward_range: tuple[float, float] | None = verdict.DEFAULT_REWARD_RANGE,
+    frozen: str | None = None,
+    notes: tuple[str, ...] = (),
+    start_verifier: Callable[[], ContainerOps] | None = None,
+    wipe_after: bool = True,
+) -> Verdict:
     """The tests in the agent's own container (see the module for what this trusts).
 
     ``start_verifier`` (a fresh container of the pristine image) decides whom to blame
@@ -180,16 +210,23 @@ def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit
     failure: EngineError | None = None
     try:
         if not _wipe(ops, VERIFIER_PATHS):
-            return Verdict(zero_result(
-                empty, "/tests or /logs/verifier could not be removed from the agent's container before the tests "
-                "went in (the agent's doing: the pristine tests are not mixed with what it left)",
-                tampering=(), frozen=frozen, notes=notes))
+            return Verdict(
+                zero_result(
+                    empty,
+                    "/tests or /logs/verifier could not be removed from the agent's container before the tests "
+                    "went in (the agent's doing: the pristine tests are not mixed with what it left)",
+                    tampering=(),
+                    frozen=frozen,
+                    notes=notes,
+                )
+            )
     except EngineError as exc:
         return Verdict(_blame(exc, task, start_verifier, workdir=workdir, frozen=frozen, notes=notes))
     clean, result = False, None
     try:
-        result = _score(ops, task, workdir=workdir, output_limit=output_limit, reward_range=reward_range,
-                        frozen=frozen, notes=notes)
+        result = _score(
+            ops, task, workdir=workdir, output_limit=output_limit, reward_range=reward_range, frozen=frozen, notes=notes
+        )
     except EngineError as exc:
         failure = exc
     finally:
@@ -202,8 +239,10 @@ def evaluate_shared(ops: ContainerOps, task: Task, *, workdir: str, output_limit
     return Verdict(result, clean, staged=not wipe_after and failure is None)
 
 
-NOT_WIPED = ("/tests or /logs/verifier could not be removed from the agent's container after scoring: the "
-             "container was killed so that nothing of the agent's can read them")
+NOT_WIPED = (
+    "/tests or /logs/verifier could not be removed from the agent's container after scoring: the "
+    "container was killed so that nothing of the agent's can read them"
+)
 
 
 def wipe_staged(ops: ContainerOps) -> bool:
@@ -223,8 +262,15 @@ def wipe_staged(ops: ContainerOps) -> bool:
     return clean
 
 
-def _blame(failure: EngineError, task: Task, start_verifier: Callable[[], ContainerOps] | None, *, workdir: str,
-           frozen: str | None, notes: tuple[str, ...]) -> verdict.VerifierResult:
+def _blame(
+    failure: EngineError,
+    task: Task,
+    start_verifier: Callable[[], ContainerOps] | None,
+    *,
+    workdir: str,
+    frozen: str | None,
+    notes: tuple[str, ...],
+) -> verdict.VerifierResult:
     """The agent's 0 for an engine failure in its container, if the pristine container
     runs the same tests without one; else :class:`VerifierCouldNotRun` (see above)."""
     if start_verifier is None:
@@ -233,13 +279,19 @@ def _blame(failure: EngineError, task: Task, start_verifier: Callable[[], Contai
         evaluate_separate(None, start_verifier, task, workdir=workdir, output_limit=4096, with_artifacts=False)
     except verdict.VerifierCouldNotRun:
         raise _could_not_run(failure) from None
-    return zero_result(Evaluation({}, b"", (), 0.0),
-                       f"the engine failed a request in the agent's container ({failure}), but not in the task's "
-                       "pristine container: the agent's container did this", tampering=(), frozen=frozen, notes=notes)
+    return zero_result(
+        Evaluation({}, b"", (), 0.0),
+        f"the engine failed a request in the agent's container ({failure}), but not in the task's "
+        "pristine container: the agent's container did this",
+        tampering=(),
+        frozen=frozen,
+        notes=notes,
+    )
 
 
-def pack_artifacts(ops: ContainerOps, artifacts: Sequence[Artifact],
-                   limit: int = ARTIFACT_LIMIT) -> tuple[list[tuple[str, bytes]], list[str]]:
+def pack_artifacts(
+    ops: ContainerOps, artifacts: Sequence[Artifact], limit: int = ARTIFACT_LIMIT
+) -> tuple[list[tuple[str, bytes]], list[str]]:
     """Each artifact of the agent's container as (the folder to extract it at, a tar of
     only folders, files and links, minus its ``exclude`` patterns); notes on those left
     out. All together at most ``limit`` bytes."""
@@ -272,8 +324,10 @@ def _filtered(data: bytes, exclude: Sequence[str]) -> bytes:
     and nothing matching ``exclude`` (relative to the artifact, or its full name)."""
     out = io.BytesIO()
     links: set[str] = set()
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src, \
-            tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
+    with (
+        tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src,
+        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
         for member in src:
             name = member.name.strip("/")
             parts = name.split("/")
@@ -296,11 +350,19 @@ def _filtered(data: bytes, exclude: Sequence[str]) -> bytes:
 _PARENT = 'mkdir -p -- "$1" && [ "$(cd -- "$1" && pwd -P)" = "$1" ]'
 
 
-def evaluate_separate(agent: ContainerOps | None, start_verifier: Callable[[], ContainerOps], task: Task, *,
-                      workdir: str, output_limit: int,
-                      reward_range: tuple[float, float] | None = verdict.DEFAULT_REWARD_RANGE,
-                      frozen: str | None = None, notes: tuple[str, ...] = (),
-                      artifact_limit: int = ARTIFACT_LIMIT, with_artifacts: bool = True) -> Verdict:
+def evaluate_separate(
+    agent: ContainerOps | None,
+    start_verifier: Callable[[], ContainerOps],
+    task: Task,
+    *,
+    workdir: str,
+    output_limit: int,
+    reward_range: tuple[float, float] | None = verdict.DEFAULT_REWARD_RANGE,
+    frozen: str | None = None,
+    notes: tuple[str, ...] = (),
+    artifact_limit: int = ARTIFACT_LIMIT,
+    with_artifacts: bool = True,
+) -> Verdict:
     """The tests in a fresh container from the pristine image plus the artifacts copied
     from ``agent`` (``with_artifacts=False``: none, nothing of the agent's at all)."""
     notes = (*notes, "the verifier ran in a separate container (the task's pristine image plus its artifacts)")
@@ -331,8 +393,17 @@ def evaluate_separate(agent: ContainerOps | None, start_verifier: Callable[[], C
                 verifier.put_tar(parent, tar)
             except EngineError as exc:  # the agent's content the engine would not take: its loss
                 more.append(f"an artifact below {parent} was not copied: {exc}")
-        return Verdict(_score(verifier, task, workdir=workdir, output_limit=output_limit,
-                              reward_range=reward_range, frozen=frozen, notes=(*notes, *more)))
+        return Verdict(
+            _score(
+                verifier,
+                task,
+                workdir=workdir,
+                output_limit=output_limit,
+                reward_range=reward_range,
+                frozen=frozen,
+                notes=(*notes, *more),
+            )
+        )
     except EngineError as exc:
         raise _could_not_run(exc) from exc
     finally:

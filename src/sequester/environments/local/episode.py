@@ -29,29 +29,27 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from sequester.environments.base import Capabilities, wanted_verifier_env, wants_freeze
+from sequester.environments import verdict
+from sequester.environments.base import Capabilities, ExecResult, wanted_verifier_env, wants_freeze
+from sequester.environments.local.evaluation import run_tests
+from sequester.environments.local.layers import report_episode
+from sequester.environments.local.separate import evaluate_separately
+from sequester.environments.local.shell import SHELL_SETUP, Shell
+from sequester.environments.local.start import RunningEpisode
+from sequester.environments.local.system import start_system
+from sequester.environments.settings import EpisodeSettings
+from sequester.environments.verdict import frozen_evaluation_note, judge, runner_works, zero_result
 from sequester.errors import EpisodeError, SandboxError
 from sequester.guard import seccomp
-from sequester.images import ImageRecord, ImageStore
 from sequester.imagebuild.task_build import ensure_built
+from sequester.images import ImageRecord, ImageStore
 from sequester.images.choose import Choice, choose_image
 from sequester.images.stack import image_path_kind
 from sequester.sandbox.bwrap import close_fd
-from sequester.sandbox.probe import namespace_support
-from sequester.tasks import Task, load_task
-from sequester.environments import verdict
-from sequester.environments.local.evaluation import run_tests
-from sequester.environments.verdict import judge, runner_works, zero_result
-from sequester.environments.local.layers import report_episode
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
-from sequester.environments.local.separate import evaluate_separately
-from sequester.environments.settings import EpisodeSettings
-from sequester.environments.verdict import frozen_evaluation_note
-from sequester.environments.local.shell import SHELL_SETUP, Shell
+from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
-from sequester.environments.base import ExecResult
-from sequester.environments.local.start import RunningEpisode
-from sequester.environments.local.system import start_system
+from sequester.tasks import Task, load_task
 
 __all__ = ["Episode", "EpisodeError", "ExecResult"]
 
@@ -69,16 +67,22 @@ class _State(enum.Enum):
 
 # The tests run by the runner tree the agent cannot write, in the agent's view or a fresh
 # one; the agent can be frozen (cgroup freezer, else signals); no network, or public.
-LOCAL_CAPABILITIES = Capabilities(backend="local", separate_verifier=True, shared_verifier=True, freeze=True,
-                                  trusted_runner=True)
+LOCAL_CAPABILITIES = Capabilities(
+    backend="local", separate_verifier=True, shared_verifier=True, freeze=True, trusted_runner=True
+)
 
 
 class Episode:
     """One agent's episode on one task (local mode: namespaces on this host). Not thread-safe;
     run many episodes in many threads."""
 
-    def __init__(self, settings: EpisodeSettings | None = None, *, hide: Iterable[str | os.PathLike[str]] = (),
-                 nsexec: NsExec | None = None):
+    def __init__(
+        self,
+        settings: EpisodeSettings | None = None,
+        *,
+        hide: Iterable[str | os.PathLike[str]] = (),
+        nsexec: NsExec | None = None,
+    ):
         """``hide``: more paths the agent must not see (other tasks, the jobs folder)."""
         self.settings = settings or EpisodeSettings()
         self.extra_hidden = tuple(Path(p).resolve() for p in hide)
@@ -125,15 +129,25 @@ class Episode:
         if self._aborted.is_set():
             raise EpisodeError("the episode was aborted")
         if self._run is None:
-            raise EpisodeError("the episode is not running: call reset(task) first" if self._state is not _State.CLOSED
-                               else "the episode is closed")
+            raise EpisodeError(
+                "the episode is not running: call reset(task) first"
+                if self._state is not _State.CLOSED
+                else "the episode is closed"
+            )
         return self._run
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def reset(self, task: Task | str | os.PathLike[str], *, workdir: str | None = None, shell: bool = True,
-              image_source: str | None = None, image: ImageRecord | None | object = _CHOOSE,
-              choice: Choice | None = None) -> Episode:
+    def reset(
+        self,
+        task: Task | str | os.PathLike[str],
+        *,
+        workdir: str | None = None,
+        shell: bool = True,
+        image_source: str | None = None,
+        image: ImageRecord | None | object = _CHOOSE,
+        choice: Choice | None = None,
+    ) -> Episode:
         """Start the episode on ``task`` (a loaded task or its folder), replacing any
         earlier one. ``workdir`` overrides the task's working directory; ``shell=False``
         starts no agent shell (a separate verifier's environment). ``image_source``
@@ -152,8 +166,12 @@ class Episode:
             pass
         elif image is _CHOOSE:
             store = ImageStore(self.settings.images)
-            choice = choose_image(task, image_source or self.settings.images.source, store,
-                                  build=lambda t: ensure_built(t, store, self.settings))
+            choice = choose_image(
+                task,
+                image_source or self.settings.images.source,
+                store,
+                build=lambda t: ensure_built(t, store, self.settings),
+            )
         else:
             choice = Choice(image, "image" if image is not None else "host")  # type: ignore[arg-type]
         self._nsexec = self._nsexec or shared_nsexec()
@@ -196,8 +214,13 @@ class Episode:
         record = self._running().image
         if record is None:
             return {"mode": "host"}
-        return {"mode": "image", "image": record.names[0] if record.names else None, "digest": record.digest,
-                "id": record.id, "source": record.source}
+        return {
+            "mode": "image",
+            "image": record.names[0] if record.names else None,
+            "digest": record.digest,
+            "id": record.id,
+            "source": record.source,
+        }
 
     def _start_shell(self, *, harden: bool = False) -> None:
         run = self._running()
@@ -212,10 +235,21 @@ class Episode:
         try:
             assert self._nsexec is not None
             pid = self._nsexec.spawn(
-                run.bwrap.pid, list(run.shell_argv), env=run.env, cwd=run.workdir,
-                stdin=slave, stdout=out_w, stderr=slave, extra=[control_r], ctty=True, caps=run.agent_caps,
-                seccomp_bpf=seccomp.compile_filter("agent"), seccomp_nr=seccomp.syscall_number("seccomp"),
-                cgroup=run.agent_cgroups, rlimits=run.rlimits, harden=harden,
+                run.bwrap.pid,
+                list(run.shell_argv),
+                env=run.env,
+                cwd=run.workdir,
+                stdin=slave,
+                stdout=out_w,
+                stderr=slave,
+                extra=[control_r],
+                ctty=True,
+                caps=run.agent_caps,
+                seccomp_bpf=seccomp.compile_filter("agent"),
+                seccomp_nr=seccomp.syscall_number("seccomp"),
+                cgroup=run.agent_cgroups,
+                rlimits=run.rlimits,
+                harden=harden,
             )
         except BaseException:
             for fd in (master, control_w, out_r):
@@ -252,8 +286,14 @@ class Episode:
             except SandboxError as exc:
                 # The agent's own doing (its processes fill its limit, say): the command
                 # does not run, and the trial goes on to its verdict.
-                return ExecResult("", "", None, False, 0.0, f"the agent's shell could not be restarted, so the "
-                                  f"command did not run: {exc}")
+                return ExecResult(
+                    "",
+                    "",
+                    None,
+                    False,
+                    0.0,
+                    f"the agent's shell could not be restarted, so the command did not run: {exc}",
+                )
             run.notes.append("the agent's shell exited and was restarted (cwd and variables were reset)")
         assert run.shell is not None
         result = run.shell.run(command, limit, self.settings.output_bytes)
@@ -353,8 +393,16 @@ class Episode:
                 ev, more = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid)
                 notes += more
             else:
-                ev = run_tests(self._nsexec, task, init_pid=run.bwrap.pid, workdir=run.workdir, runner=run.runner, wheels=run.wheels,
-                               output_limit=self.settings.output_bytes, max_processes=self.settings.max_processes)
+                ev = run_tests(
+                    self._nsexec,
+                    task,
+                    init_pid=run.bwrap.pid,
+                    workdir=run.workdir,
+                    runner=run.runner,
+                    wheels=run.wheels,
+                    output_limit=self.settings.output_bytes,
+                    max_processes=self.settings.max_processes,
+                )
         finally:
             if wanted:
                 run.freezer.thaw()
@@ -364,8 +412,9 @@ class Episode:
         # reward, and the agent learns of the evaluation from nothing done before it.
         findings = tuple(self.tampering())
         try:
-            result = judge(task, ev, tampering=findings, frozen=frozen, notes=notes,
-                           reward_range=self.settings.reward_range)
+            result = judge(
+                task, ev, tampering=findings, frozen=frozen, notes=notes, reward_range=self.settings.reward_range
+            )
             said = frozen_evaluation_note(frozen, timed_out=ev.report is None, reward=result.reward)
             return dataclasses.replace(result, notes=(*result.notes, said)) if said else result
         except verdict.VerifierCouldNotRun as exc:
@@ -373,12 +422,17 @@ class Episode:
             # bootstrap, a forged report)? The same tests in the task's pristine environment,
             # where nothing of the agent's is, decide: trainers drop errors, so only a
             # failure that happens there too may stay one.
-            pristine, _ = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid,
-                                              with_artifacts=False)
+            pristine, _ = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid, with_artifacts=False)
             if not runner_works(pristine):
                 raise
-            return zero_result(ev, f"{exc} -- but the task's pristine environment does not fail that way: the "
-                               "agent's view or programs did this", tampering=findings, frozen=frozen, notes=notes)
+            return zero_result(
+                ev,
+                f"{exc} -- but the task's pristine environment does not fail that way: the "
+                "agent's view or programs did this",
+                tampering=findings,
+                frozen=frozen,
+                notes=notes,
+            )
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -387,9 +441,15 @@ class Episode:
         if run is None:
             return
         errors = []
-        for step in (run.freezer.thaw, (run.shell.close if run.shell else None), run.bwrap.kill, run.freezer.remove,
-                     (run.limit_groups.remove if run.limit_groups else None), run.dirs.remove,
-                     (run.lease.release if run.lease else None)):
+        for step in (
+            run.freezer.thaw,
+            (run.shell.close if run.shell else None),
+            run.bwrap.kill,
+            run.freezer.remove,
+            (run.limit_groups.remove if run.limit_groups else None),
+            run.dirs.remove,
+            (run.lease.release if run.lease else None),
+        ):
             if step is None:
                 continue
             try:

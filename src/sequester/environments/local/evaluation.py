@@ -15,15 +15,14 @@ import threading
 import time
 from pathlib import Path
 
+from sequester.environments.verdict import Evaluation
 from sequester.guard import seccomp
 from sequester.sandbox.argv import CONTAINER_CAPS
 from sequester.sandbox.bwrap import close_fd
-from sequester.tasks import Task
-from sequester.verifier import layout
-from sequester.environments.verdict import Evaluation
-from sequester.verifier import invocation
 from sequester.sandbox.cgroups.limits import make_limit_groups
 from sequester.sandbox.nsexec.client import HeadTail, NsExec, write_and_close
+from sequester.tasks import Task
+from sequester.verifier import invocation, layout
 
 __all__ = ["run_tests"]
 
@@ -33,8 +32,17 @@ _RUNNER_SAID_LIMIT = 4096
 _serial = itertools.count()
 
 
-def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner: Path | None,
-              output_limit: int, max_processes: int = 4096, wheels: Path | None = None) -> Evaluation:
+def run_tests(
+    nsexec: NsExec,
+    task: Task,
+    *,
+    init_pid: int,
+    workdir: str,
+    runner: Path | None,
+    output_limit: int,
+    max_processes: int = 4096,
+    wheels: Path | None = None,
+) -> Evaluation:
     """Run the task's pristine tests in the verifier's own namespace (see the module).
 
     Attack: the tests run the agent's programs, as host root for a root caller, whom
@@ -45,19 +53,40 @@ def run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner
     started = time.monotonic()
     if runner is None:
         return Evaluation({"error": "the verifier's runner could not be built (see the log)"}, b"", (), 0.0)
-    group, _ = make_limit_groups(f"sequester-{os.getpid()}-v{next(_serial)}", memory_mb=None, cpus=None,
-                                 pids=max_processes)
+    group, _ = make_limit_groups(
+        f"sequester-{os.getpid()}-v{next(_serial)}", memory_mb=None, cpus=None, pids=max_processes
+    )
     try:
-        return _run_tests(nsexec, task, init_pid=init_pid, workdir=workdir, runner=runner, output_limit=output_limit,
-                          max_processes=max_processes, cgroups=group.procs if group else [], started=started,
-                          wheels=wheels)
+        return _run_tests(
+            nsexec,
+            task,
+            init_pid=init_pid,
+            workdir=workdir,
+            runner=runner,
+            output_limit=output_limit,
+            max_processes=max_processes,
+            cgroups=group.procs if group else [],
+            started=started,
+            wheels=wheels,
+        )
     finally:
         if group is not None:
             group.remove()
 
 
-def _run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runner: Path, output_limit: int,
-               max_processes: int, cgroups: list[str], started: float, wheels: Path | None) -> Evaluation:
+def _run_tests(
+    nsexec: NsExec,
+    task: Task,
+    *,
+    init_pid: int,
+    workdir: str,
+    runner: Path,
+    output_limit: int,
+    max_processes: int,
+    cgroups: list[str],
+    started: float,
+    wheels: Path | None,
+) -> Evaluation:
     st = os.stat(runner)
     tests = invocation.tests_archive(task)
     # The task's pinned wheels (sequester.verifier.wheels): the host's folder, by descriptor;
@@ -69,17 +98,32 @@ def _run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runne
     for fd in (out_r, said_r, tests_w):
         os.set_inheritable(fd, False)
     try:
-        worker = nsexec.request({
-            "op": "verify", "target": init_pid, "argv": invocation.verifier_argv(task),
-            "env": invocation.verifier_env(task, task_wheels=wheels_fd is not None),
-            "cwd": workdir, "caps": list(CONTAINER_CAPS),
-            "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
-            "seccomp_nr": seccomp.syscall_number("seccomp"), "proc_submounts": _proc_submounts(init_pid),
-            "runner": {"mount": str(layout.RUNNER_MOUNT), "run": str(layout.RUN), "bin": str(layout.BIN),
-                       "dev": st.st_dev, "ino": st.st_ino, "home_env": (runner / "etc" / "uv-env").read_text(),
-                       "wheels": str(layout.TASK_WHEELS) if wheels_fd is not None else None},
-            "runner_fd": invocation.RUNNER_FD, "cgroup": cgroups, "rlimits": {"RLIMIT_NPROC": 2 * max_processes},
-        }, [tests_r, out_w, said_w, *([wheels_fd] if wheels_fd is not None else [])])
+        worker = nsexec.request(
+            {
+                "op": "verify",
+                "target": init_pid,
+                "argv": invocation.verifier_argv(task),
+                "env": invocation.verifier_env(task, task_wheels=wheels_fd is not None),
+                "cwd": workdir,
+                "caps": list(CONTAINER_CAPS),
+                "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
+                "seccomp_nr": seccomp.syscall_number("seccomp"),
+                "proc_submounts": _proc_submounts(init_pid),
+                "runner": {
+                    "mount": str(layout.RUNNER_MOUNT),
+                    "run": str(layout.RUN),
+                    "bin": str(layout.BIN),
+                    "dev": st.st_dev,
+                    "ino": st.st_ino,
+                    "home_env": (runner / "etc" / "uv-env").read_text(),
+                    "wheels": str(layout.TASK_WHEELS) if wheels_fd is not None else None,
+                },
+                "runner_fd": invocation.RUNNER_FD,
+                "cgroup": cgroups,
+                "rlimits": {"RLIMIT_NPROC": 2 * max_processes},
+            },
+            [tests_r, out_w, said_w, *([wheels_fd] if wheels_fd is not None else [])],
+        )
     except BaseException:
         for fd in (tests_w, out_r, said_r):
             close_fd(fd)
@@ -94,8 +138,9 @@ def _run_tests(nsexec: NsExec, task: Task, *, init_pid: int, workdir: str, runne
     # without end to the verifier's output; the host keeps the head and the tail.
     output, said = HeadTail(output_limit), HeadTail(_RUNNER_SAID_LIMIT)
     try:
-        report = worker.report(time.monotonic() + task.config.verifier.timeout_sec,
-                               also=[(out_r, output), (said_r, said)])
+        report = worker.report(
+            time.monotonic() + task.config.verifier.timeout_sec, also=[(out_r, output), (said_r, said)]
+        )
         if report is None:
             worker.kill()
     finally:

@@ -11,22 +11,22 @@ import os
 import time
 from pathlib import Path
 
+from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
+from sequester.environments.local.layers import view_points
+from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
+from sequester.environments.local.state import EpisodeDirs
+from sequester.environments.settings import EpisodeSettings
 from sequester.errors import ImageError, SandboxError
+from sequester.guard import seccomp
 from sequester.images import ImageLease
 from sequester.images.stack import TopEntry, image_path_kind, merge_tops, resolve_user
 from sequester.images.synth import DEFAULT_PATH
-from sequester.guard import seccomp
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
+from sequester.sandbox.cgroups.limits import LimitGroups
 from sequester.sandbox.mounts import MountKind
 from sequester.tasks import Task
 from sequester.verifier.layout import RUNNER_MOUNT
-from sequester.sandbox.cgroups.limits import LimitGroups
-from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
-from sequester.environments.local.layers import view_points
-from sequester.environments.settings import EpisodeSettings
-from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
 from sequester.verifier.tree import runner_tree
-from sequester.environments.local.state import EpisodeDirs
 
 __all__ = ["start_on_image", "image_workdir", "image_shell"]
 
@@ -36,15 +36,16 @@ _SYS_CPU = Path("/sys/devices/system/cpu")
 def image_workdir(task: Task, lease: ImageLease, override: str | None) -> str:
     """The agent's working directory: the caller's, else task.toml's, else the image's
     ``WorkingDir``, else the Dockerfile's ``WORKDIR``, else ``/`` (as Docker)."""
-    return (override or task.config.environment.workdir or lease.record.config.workdir or task.default_workdir
-            or "/")
+    return override or task.config.environment.workdir or lease.record.config.workdir or task.default_workdir or "/"
 
 
 def image_shell(runner_bin: str) -> tuple[str, ...]:
     """The agent's shell: the image's own bash when it has one, else the runner's (which
     runs anywhere: its own loader and libraries)."""
-    script = ('for b in /bin/bash /usr/bin/bash /usr/local/bin/bash; do [ -x "$b" ] && exec "$b" --noprofile '
-              f'--norc /dev/fd/3; done; exec {runner_bin}/bash --noprofile --norc /dev/fd/3')
+    script = (
+        'for b in /bin/bash /usr/bin/bash /usr/local/bin/bash; do [ -x "$b" ] && exec "$b" --noprofile '
+        f"--norc /dev/fd/3; done; exec {runner_bin}/bash --noprofile --norc /dev/fd/3"
+    )
     return (f"{runner_bin}/bash", "--noprofile", "--norc", "-c", script)
 
 
@@ -57,40 +58,58 @@ def _tops_for_mounts(tops: list[TopEntry]) -> tuple[list[TopEntry], set[str]]:
     return kept, fresh
 
 
-def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: EpisodeSettings,
-                   lease: ImageLease, limits: LimitGroups | None = None) -> RunningEpisode:
+def start_on_image(
+    task: Task,
+    workdir: str,
+    dirs: EpisodeDirs,
+    settings: EpisodeSettings,
+    lease: ImageLease,
+    limits: LimitGroups | None = None,
+) -> RunningEpisode:
     record = lease.record
     runner = runner_tree(settings.toolchain_dir)
     if runner is None:
-        raise SandboxError("an episode on an image needs the verifier's runner (its init and last-resort shell "
-                           "come from it), and it could not be built: see the log")
+        raise SandboxError(
+            "an episode on an image needs the verifier's runner (its init and last-resort shell "
+            "come from it), and it could not be built: see the log"
+        )
     tops, fresh = _tops_for_mounts(merge_tops(lease.layers))
     if RUNNER_MOUNT.parts[1] not in fresh and image_path_kind(lease.layers, str(RUNNER_MOUNT)) != "none":
         raise ImageError(f"image {record.short_id} has {RUNNER_MOUNT}, where the verifier's runner is mounted")
     if workdir != "/":
         fresh.add(workdir.strip("/").split("/")[0])
     uid, gid, home = resolve_user(lease.layers, record.config.user)
-    mounts = plan_image_view(tops, dirs, toolchain=runner, new_tops=fresh,
-                             sys_cpu=_SYS_CPU if _SYS_CPU.is_dir() else None)
+    mounts = plan_image_view(
+        tops, dirs, toolchain=runner, new_tops=fresh, sys_cpu=_SYS_CPU if _SYS_CPU.is_dir() else None
+    )
     for op in mounts:
         if op.kind is MountKind.OVERLAY and overlay_option_bytes(op) > OVERLAY_OPTIONS_LIMIT:
-            raise ImageError(f"image {record.short_id}: {op.dest} is made of {len(op.lowers)} layers, more than "
-                             f"one overlay mount can name ({overlay_option_bytes(op)} bytes of options, at most "
-                             f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)")
+            raise ImageError(
+                f"image {record.short_id}: {op.dest} is made of {len(op.lowers)} layers, more than "
+                f"one overlay mount can name ({overlay_option_bytes(op)} bytes of options, at most "
+                f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)"
+            )
         for folder in (op.upper, op.work, op.source if op.kind is MountKind.BIND else None):
             if folder is not None and not os.path.lexists(folder):
                 folder.mkdir(parents=True, exist_ok=True)
     image_env = record.config.env_map()
-    env = {"PATH": DEFAULT_PATH.split("=", 1)[1], "HOME": home or "/root", "TERM": "xterm", **image_env,
-           "PWD": workdir}
+    env = {"PATH": DEFAULT_PATH.split("=", 1)[1], "HOME": home or "/root", "TERM": "xterm", **image_env, "PWD": workdir}
     if "HOSTNAME" not in image_env:
         env["HOSTNAME"] = task.name[:63] or "sequester"
     runner_bin = f"{RUNNER_MOUNT}/bin"
     caps = CONTAINER_CAPS if uid == 0 else ()
     spec = SandboxSpec(
-        mounts=mounts, command=(f"{runner_bin}/bash", "--noprofile", "--norc", "-c", INIT_SCRIPT),
-        env={"PATH": runner_bin}, cwd=Path("/"), identity=Identity.ROOT, caps=caps, uid=uid, gid=gid,
-        hostname=task.name[:63] or "sequester", as_pid_1=True, readonly_root=False,
+        mounts=mounts,
+        command=(f"{runner_bin}/bash", "--noprofile", "--norc", "-c", INIT_SCRIPT),
+        env={"PATH": runner_bin},
+        cwd=Path("/"),
+        identity=Identity.ROOT,
+        caps=caps,
+        uid=uid,
+        gid=gid,
+        hostname=task.name[:63] or "sequester",
+        as_pid_1=True,
+        readonly_root=False,
         seccomp=seccomp.compile_filter("agent"),  # the init too: ptrace of PID 1 gains nothing
     )
     started, freezer = launch_init(spec, limits=limits)
@@ -99,8 +118,20 @@ def start_on_image(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episod
     if record.config.user:
         notes.append(f"the agent runs as the image's User {record.config.user!r} (uid {uid}, gid {gid})")
     timeout = task.config.agent.timeout_sec
-    return RunningEpisode(task, workdir, dirs, started, freezer, env,
-                          time.monotonic() + timeout if timeout else None, notes=notes,
-                          symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner,
-                          view_points=view_points(op.dest for op in mounts), image=record, lease=lease,
-                          shell_argv=image_shell(runner_bin), agent_caps=caps)
+    return RunningEpisode(
+        task,
+        workdir,
+        dirs,
+        started,
+        freezer,
+        env,
+        time.monotonic() + timeout if timeout else None,
+        notes=notes,
+        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
+        runner=runner,
+        view_points=view_points(op.dest for op in mounts),
+        image=record,
+        lease=lease,
+        shell_argv=image_shell(runner_bin),
+        agent_caps=caps,
+    )

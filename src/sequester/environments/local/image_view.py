@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from sequester.images.stack import TopEntry
-from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.view import TOOLCHAIN_MOUNT, VERIFIER_POINTS, sandbox_mounts
+from sequester.images.stack import TopEntry
+from sequester.sandbox.mounts import MountKind, MountOp
 
 __all__ = ["plan_image_view", "overlay_option_bytes", "OVERLAY_OPTIONS_LIMIT"]
 
@@ -43,8 +43,14 @@ def overlay_option_bytes(op: MountOp) -> int:
     return sum(len(f"/oldroot{p}") + 12 for p in paths if p is not None)
 
 
-def plan_image_view(tops: Iterable[TopEntry], dirs: EpisodeDirs, *, toolchain: Path,
-                    new_tops: Iterable[str] = (), sys_cpu: Path | None = None) -> tuple[MountOp, ...]:
+def plan_image_view(
+    tops: Iterable[TopEntry],
+    dirs: EpisodeDirs,
+    *,
+    toolchain: Path,
+    new_tops: Iterable[str] = (),
+    sys_cpu: Path | None = None,
+) -> tuple[MountOp, ...]:
     """``tops``: the merged image's top level (:func:`~sequester.images.stack.merge_tops`);
     ``new_tops``: top-level folders the task needs (its working directory's)."""
     ops: list[tuple[int, int, MountOp]] = []
@@ -59,8 +65,12 @@ def plan_image_view(tops: Iterable[TopEntry], dirs: EpisodeDirs, *, toolchain: P
         have.add(top.name)
         dest = Path("/") / top.name
         if top.kind == "dir":
-            add(MountOp(MountKind.OVERLAY, dest, lowers=top.lowers, upper=dirs.upper(top.name),
-                        work=dirs.work(top.name)), 0)
+            add(
+                MountOp(
+                    MountKind.OVERLAY, dest, lowers=top.lowers, upper=dirs.upper(top.name), work=dirs.work(top.name)
+                ),
+                0,
+            )
         elif top.kind == "symlink":
             add(MountOp(MountKind.SYMLINK, dest, target=top.target), 0)
         else:

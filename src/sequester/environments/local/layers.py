@@ -33,12 +33,21 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sequester.sandbox.mounts import SYSTEM_DIRS
-from sequester.sandbox.fdwalk import Cursor, OtherFilesystem, open_root, show_path
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.tamper import ELIDED_MARK, LIMIT, Change, ChangeSummary, printable
+from sequester.sandbox.fdwalk import Cursor, OtherFilesystem, open_root, show_path
+from sequester.sandbox.mounts import SYSTEM_DIRS
 
-__all__ = ["Budget", "Layer", "Scan", "episode_layers", "report_episode", "view_points", "OPAQUE_XATTRS", "REDIRECT_XATTRS"]
+__all__ = [
+    "Budget",
+    "Layer",
+    "Scan",
+    "episode_layers",
+    "report_episode",
+    "view_points",
+    "OPAQUE_XATTRS",
+    "REDIRECT_XATTRS",
+]
 
 # overlayfs marks a folder the agent deleted and made again "opaque" (the host's content
 # is hidden); trusted.* as host root, user.* for an unprivileged mount (``userxattr``).
@@ -232,8 +241,9 @@ class Scan:
         homes, report = ("root", False) if here.homes == "parent" else ("", not known)
         return self._enter(cursor, name, rel if full else None, rel, host, homes=homes, report=report)
 
-    def _enter(self, cursor: Cursor, name: str, keep: str | None, rel: str, host: str, *, homes: str,
-               report: bool) -> Change | None:
+    def _enter(
+        self, cursor: Cursor, name: str, keep: str | None, rel: str, host: str, *, homes: str, report: bool
+    ) -> Change | None:
         """Enter the folder ``name`` and list it; the change it is itself, if any."""
         try:
             cursor.enter(name)
@@ -285,8 +295,13 @@ def _detail(mode: int) -> str:
     """The kind of a non-folder entry, for the reader (a regular file says nothing)."""
     if stat.S_ISREG(mode) and not mode & 0o6000:
         return ""
-    kinds = ((stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
-             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+    kinds = (
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    )
     text = next((label for test, label in kinds if test(mode)), "")
     flags = [label for bit, label in ((stat.S_ISUID, "setuid"), (stat.S_ISGID, "setgid")) if mode & bit]
     return ", ".join(filter(None, [text, *flags]))
@@ -304,7 +319,7 @@ def _elided(top: str, cursor: Cursor, name: str) -> str:
     """The path of ``name`` in the cursor's folder with its middle elided, in O(1) of the depth."""
     frames = cursor.frames
     head = [f.name for f in frames[1:9]]
-    tail = [f.name for f in frames[max(9, len(frames) - 8):]]
+    tail = [f.name for f in frames[max(9, len(frames) - 8) :]]
     skipped = len(frames) - 1 - len(head) - len(tail)
     return "/".join([top, *head, f"...[{skipped}{ELIDED_MARK}", *tail, name])
 
@@ -324,8 +339,9 @@ def view_points(paths: Iterable[str | os.PurePath]) -> frozenset[str]:
     return frozenset(out)
 
 
-def report_episode(dirs: EpisodeDirs, budget: Budget | None = None, limit: int = LIMIT,
-                   known: frozenset[str] = frozenset()) -> list[str]:
+def report_episode(
+    dirs: EpisodeDirs, budget: Budget | None = None, limit: int = LIMIT, known: frozenset[str] = frozenset()
+) -> list[str]:
     """The tampering report of an episode's layers (:func:`~.tamper.tampering_report`
     lines), from one bounded scan; never raises for anything the agent left. ``known``:
     :func:`view_points` of the episode's mounts."""

@@ -27,8 +27,8 @@ import os
 import resource
 from typing import TYPE_CHECKING
 
-from sequester.tasks import Task
 from sequester.sandbox.cgroups.limits import LimitGroups, make_limit_groups
+from sequester.tasks import Task
 
 if TYPE_CHECKING:
     from sequester.environments.local.start import RunningEpisode
@@ -45,12 +45,14 @@ def make_episode_limits(task: Task, *, max_processes: int) -> tuple[LimitGroups 
     that the one slow step, the first attach, overlaps bwrap's own set-up); ``(None, why
     not)`` where none can be made."""
     env = task.config.environment
-    return make_limit_groups(f"sequester-{os.getpid()}-{next(_serial)}", memory_mb=env.memory_mb, cpus=env.cpus,
-                             pids=max_processes)
+    return make_limit_groups(
+        f"sequester-{os.getpid()}-{next(_serial)}", memory_mb=env.memory_mb, cpus=env.cpus, pids=max_processes
+    )
 
 
-def finish_limits(task: Task, run: RunningEpisode, group: LimitGroups | None, why: str | None, *,
-                  max_processes: int) -> list[str]:
+def finish_limits(
+    task: Task, run: RunningEpisode, group: LimitGroups | None, why: str | None, *, max_processes: int
+) -> list[str]:
     """Set ``run.rlimits`` and ``run.limit_groups`` (every agent process's start uses
     both); return the notes for what could not be applied."""
     env = task.config.environment
@@ -63,13 +65,17 @@ def finish_limits(task: Task, run: RunningEpisode, group: LimitGroups | None, wh
     applied = group.applied if group is not None else []
     notes = []
     if "pids" not in applied and os.geteuid() == 0:
-        notes.append(f"process limit of {max_processes} not applied: {why} (RLIMIT_NPROC does not bind processes "
-                     "of the host's root)")
+        notes.append(
+            f"process limit of {max_processes} not applied: {why} (RLIMIT_NPROC does not bind processes "
+            "of the host's root)"
+        )
     if env.memory_mb and "memory" not in applied:
         notes.append(f"memory limit of {env.memory_mb} MB ([environment] memory) not applied: {why}")
     if env.cpus and "cpus" not in applied:
         notes.append(f"CPU limit of {env.cpus} ([environment] cpus) not applied: {why}")
     if env.storage_mb:
-        notes.append(f"storage limit of {env.storage_mb} MB ([environment] storage) not applied: the writable layer "
-                     "is a folder on the host's disk, which local mode cannot cap")
+        notes.append(
+            f"storage limit of {env.storage_mb} MB ([environment] storage) not applied: the writable layer "
+            "is a folder on the host's disk, which local mode cannot cap"
+        )
     return notes

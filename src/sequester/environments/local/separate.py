@@ -16,9 +16,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from sequester.environments.base import separate_artifacts
-from sequester.errors import SequesterError
 from sequester.environments.local.evaluation import run_tests
 from sequester.environments.verdict import Evaluation
+from sequester.errors import SequesterError
 
 if TYPE_CHECKING:
     from sequester.environments.local.episode import Episode
@@ -31,8 +31,9 @@ log = logging.getLogger("sequester.environments.local")
 ARTIFACT_LIMIT = 256 << 20  # the tar is held in the host's memory while it is copied
 
 
-def evaluate_separately(episode: Episode, fresh: Episode, nsexec: NsExec, agent_init: int, *,
-                        with_artifacts: bool = True) -> tuple[Evaluation, tuple[str, ...]]:
+def evaluate_separately(
+    episode: Episode, fresh: Episode, nsexec: NsExec, agent_init: int, *, with_artifacts: bool = True
+) -> tuple[Evaluation, tuple[str, ...]]:
     """The tests in ``fresh`` (a new, unstarted episode of the same settings) started as a
     pristine view of ``episode``'s task; ``with_artifacts``: with the task's artifacts
     copied from the agent's view (else nothing of the agent's)."""
@@ -44,14 +45,26 @@ def evaluate_separately(episode: Episode, fresh: Episode, nsexec: NsExec, agent_
         fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
         if artifacts:
             try:
-                tar, missing = nsexec.pack(agent_init, [a.source for a in artifacts],
-                                           {a.source: list(a.exclude) for a in artifacts}, limit=ARTIFACT_LIMIT)
+                tar, missing = nsexec.pack(
+                    agent_init,
+                    [a.source for a in artifacts],
+                    {a.source: list(a.exclude) for a in artifacts},
+                    limit=ARTIFACT_LIMIT,
+                )
                 nsexec.extract_artifacts(fresh.init_pid, tar)
                 notes += [f"artifact {path} does not exist in the agent's environment" for path in missing]
             except SequesterError as exc:  # the agent's content could not be copied: its loss
                 notes.append(f"the artifacts were not copied: {exc}")
-        ev = run_tests(nsexec, task, init_pid=fresh.init_pid, workdir=workdir, runner=fresh.runner, wheels=fresh.wheels,
-                       output_limit=episode.settings.output_bytes, max_processes=episode.settings.max_processes)
+        ev = run_tests(
+            nsexec,
+            task,
+            init_pid=fresh.init_pid,
+            workdir=workdir,
+            runner=fresh.runner,
+            wheels=fresh.wheels,
+            output_limit=episode.settings.output_bytes,
+            max_processes=episode.settings.max_processes,
+        )
     finally:
         # Its processes die now; removing its layers (slow on overlayfs: ~1 ms a folder)
         # need not hold up the verdict. A process that exits first leaves them to the

@@ -135,16 +135,25 @@ class Shell:
         signal_group_in(self._pid_ns, self.pid, signal.SIGKILL, session=True)
 
     @staticmethod
-    def _result(out: _Capture, err: _Capture, code: int | None, timed_out: bool, started: float, note: str,
-                marks: tuple[bytes | None, bytes | None] = (None, None)) -> ExecResult:
+    def _result(
+        out: _Capture,
+        err: _Capture,
+        code: int | None,
+        timed_out: bool,
+        started: float,
+        note: str,
+        marks: tuple[bytes | None, bytes | None] = (None, None),
+    ) -> ExecResult:
         notes = [note] if note else []
         texts = []
         for name, capture, mark in (("stdout", out, marks[0]), ("stderr", err, marks[1])):
             kept, size = capture.content(mark)
             texts.append(kept.decode(errors="replace"))
             if len(kept) < size:
-                notes.append(f"{name} was {size} bytes, over the cap of {capture.limit} per stream (output_bytes): "
-                             f"{capture.describe_cut()}")
+                notes.append(
+                    f"{name} was {size} bytes, over the cap of {capture.limit} per stream (output_bytes): "
+                    f"{capture.describe_cut()}"
+                )
         return ExecResult(texts[0], texts[1], code, timed_out, time.monotonic() - started, "; ".join(notes))
 
 
@@ -174,7 +183,7 @@ class _Capture:
         self.head_size = (room + 1) // 2 if room >= 2 else self.limit
         self.tail_size = self.limit - len(DROPPED) - self.head_size if room >= 2 else 0
         self.window = bytearray()  # the whole stream, until it outgrows limit + _SLACK; then its end
-        self.head = b""            # the first head_size bytes, once the stream has outgrown that
+        self.head = b""  # the first head_size bytes, once the stream has outgrown that
         self.total = 0
         self.truncated = False
 
@@ -193,9 +202,9 @@ class _Capture:
 
     def after(self, mark: bytes) -> bytes | None:
         """What follows the last ``mark`` in the stream's recent output (None: no mark yet)."""
-        recent = bytes(self.window[-self._SLACK:])
+        recent = bytes(self.window[-self._SLACK :])
         i = recent.rfind(mark)
-        return None if i < 0 else recent[i + len(mark):]
+        return None if i < 0 else recent[i + len(mark) :]
 
     def content(self, mark: bytes | None = None) -> tuple[bytes, int]:
         """(what is kept of the output before ``mark``, the output's full size in bytes);
@@ -207,19 +216,21 @@ class _Capture:
         size = len(self.head) + (self.total - len(self.head) - len(self.window)) + len(window)
         if not self.truncated and len(window) <= self.limit:
             return window, size
-        head, rest = (self.head, window) if self.truncated else (window[: self.head_size], window[self.head_size:])
+        head, rest = (self.head, window) if self.truncated else (window[: self.head_size], window[self.head_size :])
         if self.tail_size == 0:
             return head[: self.limit], size
-        return head + DROPPED + rest[len(rest) - self.tail_size:], size
+        return head + DROPPED + rest[len(rest) - self.tail_size :], size
 
     def describe_cut(self) -> str:
         if self.tail_size == 0:
             return f"kept its first {self.limit} bytes"
-        return (f"kept its first {self.head_size} and last {self.tail_size} bytes around the marker "
-                f"{DROPPED.strip().decode()!r} ({self.limit} bytes in all)")
+        return (
+            f"kept its first {self.head_size} and last {self.tail_size} bytes around the marker "
+            f"{DROPPED.strip().decode()!r} ({self.limit} bytes in all)"
+        )
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]

@@ -13,9 +13,9 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
+from sequester.environments.local.state import EpisodeDirs
 from sequester.errors import SandboxError
 from sequester.tasks import Task, resolve_copies
-from sequester.environments.local.state import EpisodeDirs
 
 __all__ = ["top_of", "tops_needed", "stage_environment"]
 

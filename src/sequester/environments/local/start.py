@@ -15,32 +15,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sequester.errors import SandboxError
-from sequester.policy import Policy
-from sequester.guard import seccomp
-from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
-from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
-from sequester.sandbox.host import HostFacts, gather_host_facts
-from sequester.sandbox.mounts import ROOT_SECRETS
-from sequester.sandbox.mounts import SYSTEM_DIRS, MountKind, MountOp, hidden_paths
-from sequester.tasks import Task
-from sequester.environments.settings import cluster_cache_dir
-from sequester.verifier.tree import runner_tree
-from sequester.sandbox.freeze import Freezer, make_freezer
 from sequester.environments.local.layers import view_points
-from sequester.environments.settings import EpisodeSettings
 from sequester.environments.local.shell import Shell
 from sequester.environments.local.staging import stage_environment, tops_needed
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.submounts import describe_mounts_below, gather_submounts, make_skeleton, staged_names
 from sequester.environments.local.view import plan_episode_layout
+from sequester.environments.settings import EpisodeSettings, cluster_cache_dir
+from sequester.errors import SandboxError
+from sequester.guard import seccomp
+from sequester.policy import Policy
+from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
+from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
+from sequester.sandbox.freeze import Freezer, make_freezer
+from sequester.sandbox.host import HostFacts, gather_host_facts
+from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
+from sequester.tasks import Task
+from sequester.verifier.tree import runner_tree
 
 if TYPE_CHECKING:
     from sequester.images import ImageLease, ImageRecord
     from sequester.sandbox.cgroups.limits import LimitGroups
 
-__all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "AGENT_PATH", "INIT_SCRIPT",
-           "HOST_SHELL"]
+__all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "AGENT_PATH", "INIT_SCRIPT", "HOST_SHELL"]
 
 log = logging.getLogger("sequester.environments.local")
 
@@ -82,12 +79,20 @@ class RunningEpisode:
     @property
     def agent_cgroups(self) -> list[str]:
         """The ``cgroup.procs`` files every agent process joins on its way in."""
-        return [*([self.freezer.procs_path] if self.freezer.procs_path else []),
-                *(self.limit_groups.procs if self.limit_groups else [])]
+        return [
+            *([self.freezer.procs_path] if self.freezer.procs_path else []),
+            *(self.limit_groups.procs if self.limit_groups else []),
+        ]
 
 
-def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: EpisodeSettings,
-                  extra_hidden: tuple[Path, ...], limits: LimitGroups | None = None) -> RunningEpisode:
+def start_episode(
+    task: Task,
+    workdir: str,
+    dirs: EpisodeDirs,
+    settings: EpisodeSettings,
+    extra_hidden: tuple[Path, ...],
+    limits: LimitGroups | None = None,
+) -> RunningEpisode:
     """Plan the view, stage the environment's files, start the init under bwrap."""
     facts = gather_host_facts()
     hidden_top, hidden_deep = hidden_for(task, facts, settings, extra_hidden)
@@ -95,8 +100,10 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
     for top in tops_needed(task, workdir):
         if not (Path("/") / top).is_dir() or (Path("/") / top).is_symlink():
             fresh.add(top)
-    notes = [f"{u.instruction} at {task.dockerfile.source}:{u.line} not applied: {u.reason}"
-             for u in (task.dockerfile.unsupported if task.dockerfile else ())]
+    notes = [
+        f"{u.instruction} at {task.dockerfile.source}:{u.line} not applied: {u.reason}"
+        for u in (task.dockerfile.unsupported if task.dockerfile else ())
+    ]
     if task.config.environment.effective_network_mode != "no-network":
         notes.append("the task asks for network access; local episodes have none")
     runner = runner_tree(settings.toolchain_dir)
@@ -107,14 +114,29 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
     # Issue #7: top-level folders with other mounts below them (container storage) are
     # composed of parts (see .submounts). Staging now comes before planning: a composed
     # folder binds in what staging put at its spine's level.
-    overlaid = [e.path for e in facts.entries if e.path.parent == Path("/") and e.is_dir and not e.is_symlink
-                and e.path.name not in fresh and e.path.name not in _REPLACED_TOPS]
+    overlaid = [
+        e.path
+        for e in facts.entries
+        if e.path.parent == Path("/")
+        and e.is_dir
+        and not e.is_symlink
+        and e.path.name not in fresh
+        and e.path.name not in _REPLACED_TOPS
+    ]
     submounts = gather_submounts(overlaid)
     notes += stage_environment(task, dirs, fresh, workdir)
     staged = {top: staged_names(sub, dirs) for top, sub in submounts.items()}
     mounts, composites = plan_episode_layout(
-        facts, dirs, hidden_top=hidden_top, hidden=hidden_deep, new_tops=fresh, toolchain=runner, scratch=scratch,
-        submounts=submounts, staged=staged)
+        facts,
+        dirs,
+        hidden_top=hidden_top,
+        hidden=hidden_deep,
+        new_tops=fresh,
+        toolchain=runner,
+        scratch=scratch,
+        submounts=submounts,
+        staged=staged,
+    )
     for op in mounts:
         for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
             if folder is not None and not os.path.lexists(folder):  # (a staged bind's source may be a file)
@@ -122,28 +144,52 @@ def start_episode(task: Task, workdir: str, dirs: EpisodeDirs, settings: Episode
     for c in composites:
         make_skeleton(c)
         if c.hidden:
-            shown = ", ".join(str(p) for p in c.hidden[:8]) + (f" and {len(c.hidden) - 8} more" if len(c.hidden) > 8 else "")
+            shown = ", ".join(str(p) for p in c.hidden[:8]) + (
+                f" and {len(c.hidden) - 8} more" if len(c.hidden) > 8 else ""
+            )
             notes.append(f"mounted below {c.top}, hidden (empty) in the view: {shown}")
     if workdir == str(task.path):
         notes.append("no WORKDIR: the agent works in an empty folder at the task's path")
-    env = {"PATH": AGENT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm", "PWD": workdir,
-           **(task.dockerfile.env_map if task.dockerfile else {})}
+    env = {
+        "PATH": AGENT_PATH,
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "TERM": "xterm",
+        "PWD": workdir,
+        **(task.dockerfile.env_map if task.dockerfile else {}),
+    }
     spec = SandboxSpec(
-        mounts=mounts, command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT), env={"PATH": AGENT_PATH},
-        cwd=Path("/"), identity=Identity.ROOT, caps=CONTAINER_CAPS, hostname=task.name[:63] or "sequester",
-        as_pid_1=True, readonly_root=False,
+        mounts=mounts,
+        command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT),
+        env={"PATH": AGENT_PATH},
+        cwd=Path("/"),
+        identity=Identity.ROOT,
+        caps=CONTAINER_CAPS,
+        hostname=task.name[:63] or "sequester",
+        as_pid_1=True,
+        readonly_root=False,
         seccomp=seccomp.compile_filter("agent"),  # the init too: ptrace of PID 1 gains nothing
     )
     started, freezer = launch_init(spec, overlaid, limits)
     timeout = task.config.agent.timeout_sec
-    return RunningEpisode(task, workdir, dirs, started, freezer, env,
-                    time.monotonic() + timeout if timeout else None, notes=notes,
-                    symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK), runner=runner,
-                    view_points=view_points(op.dest for op in mounts))
+    return RunningEpisode(
+        task,
+        workdir,
+        dirs,
+        started,
+        freezer,
+        env,
+        time.monotonic() + timeout if timeout else None,
+        notes=notes,
+        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
+        runner=runner,
+        view_points=view_points(op.dest for op in mounts),
+    )
 
 
-def launch_init(spec: SandboxSpec, overlaid: list[Path] = (),
-                limits: LimitGroups | None = None) -> tuple[StartedBwrap, Freezer]:
+def launch_init(
+    spec: SandboxSpec, overlaid: list[Path] = (), limits: LimitGroups | None = None
+) -> tuple[StartedBwrap, Freezer]:
     """Start the episode's init under bwrap and wait until the view is up; its freezer.
     ``overlaid``: the host folders the view overlays (named when bwrap fails on a mount
     below one of them); ``limits``: the cgroups the init joins (while bwrap builds the view)."""
@@ -156,8 +202,9 @@ def launch_init(spec: SandboxSpec, overlaid: list[Path] = (),
     os.set_inheritable(err_r, False)
     try:
         spec = dataclasses.replace(spec, command=(*spec.command, str(ready_w)))
-        started = start_bwrap(spec, data_files={}, keep_fds=[ready_w], stdout=subprocess.DEVNULL, stderr=err_w,
-                              stderr_reader=err_r)
+        started = start_bwrap(
+            spec, data_files={}, keep_fds=[ready_w], stdout=subprocess.DEVNULL, stderr=err_w, stderr_reader=err_r
+        )
     except BaseException:
         close_fd(err_r)
         raise
@@ -173,8 +220,10 @@ def launch_init(spec: SandboxSpec, overlaid: list[Path] = (),
         if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
             said = read_pending(err_r, limit=4096).decode(errors="replace").strip()
             below = describe_mounts_below(overlaid)  # name what may have been in the way
-            raise SandboxError(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
-                               + (f" (mounted below the host folders of the view now: {below})" if below else ""))
+            raise SandboxError(
+                f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
+                + (f" (mounted below the host folders of the view now: {below})" if below else "")
+            )
         freezer = make_freezer(started.pid)
     except BaseException:
         started.kill()
@@ -185,8 +234,9 @@ def launch_init(spec: SandboxSpec, overlaid: list[Path] = (),
     return started, freezer
 
 
-def hidden_for(task: Task, facts: HostFacts, settings: EpisodeSettings,
-               extra_hidden: tuple[Path, ...]) -> tuple[set[Path], list[tuple[Path, bool]]]:
+def hidden_for(
+    task: Task, facts: HostFacts, settings: EpisodeSettings, extra_hidden: tuple[Path, ...]
+) -> tuple[set[Path], list[tuple[Path, bool]]]:
     """Top-level folders to give fresh, and deeper paths to cover.
 
     Whoever the caller, an agent's world is the operating system's folders (root's
@@ -197,8 +247,11 @@ def hidden_for(task: Task, facts: HostFacts, settings: EpisodeSettings,
     from sequester.verifier.wheels import TASK_WHEELS_DIR  # (here: the build package imports the episodes')
 
     dirs, files = hidden_paths(Policy(), facts)
-    top = {e.path for e in facts.entries
-           if e.path.parent == Path("/") and not e.is_symlink and e.path.name not in SYSTEM_DIRS}
+    top = {
+        e.path
+        for e in facts.entries
+        if e.path.parent == Path("/") and not e.is_symlink and e.path.name not in SYSTEM_DIRS
+    }
     # The tasks' pinned test wheels are the verifier's only (root's toolchain folder is in
     # /var, which the view shows): made now, so one fetched during the episode stays hidden.
     wheels = settings.toolchain_dir / TASK_WHEELS_DIR

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -53,11 +53,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.environments.local.state import EpisodeDirs
+from sequester.sandbox.mounts import MountKind, MountOp
 
-__all__ = ["Entry", "Submounts", "Composite", "SkeletonItem", "MAX_PARTS", "parse_mountinfo", "mounts_below",
-           "gather_submounts", "staged_names", "plan_composite", "make_skeleton", "describe_mounts_below"]
+__all__ = [
+    "Entry",
+    "Submounts",
+    "Composite",
+    "SkeletonItem",
+    "MAX_PARTS",
+    "parse_mountinfo",
+    "mounts_below",
+    "gather_submounts",
+    "staged_names",
+    "plan_composite",
+    "make_skeleton",
+    "describe_mounts_below",
+]
 
 MAX_PARTS = 64  # part overlays per composed folder (~0.25 ms of bwrap's time each, measured)
 COPY_LIMIT = 256 * 1024  # a spine's regular files up to this size are copied into the skeleton
@@ -118,13 +130,14 @@ class Composite:
 
 # -- facts ------------------------------------------------------------------------------------
 
+
 def _unescape(field_text: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as ``\\ooo``."""
     out, i = [], 0
     while i < len(field_text):
         c = field_text[i]
-        if c == "\\" and i + 3 < len(field_text) and field_text[i + 1:i + 4].isdigit():
-            out.append(chr(int(field_text[i + 1:i + 4], 8)))
+        if c == "\\" and i + 3 < len(field_text) and field_text[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field_text[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(c)
@@ -181,12 +194,15 @@ def _entry(folder: Path, name: str) -> Entry | None:
         return Entry(name, "dir", mode=perm, uid=st.st_uid, gid=st.st_gid)
     if stat.S_ISREG(st.st_mode):
         copyable = bool(perm & 0o004) and st.st_size <= COPY_LIMIT and not perm & 0o6000
-        return Entry(name, "file", mode=perm, uid=st.st_uid, gid=st.st_gid, copyable=copyable,
-                     stamp=(st.st_size, st.st_mtime_ns))
+        return Entry(
+            name, "file", mode=perm, uid=st.st_uid, gid=st.st_gid, copyable=copyable, stamp=(st.st_size, st.st_mtime_ns)
+        )
     return Entry(name, "other", mode=perm, uid=st.st_uid, gid=st.st_gid)
 
 
-def gather_submounts(tops: Iterable[Path], mountinfo: list[tuple[str, str, str]] | None = None) -> dict[Path, Submounts]:
+def gather_submounts(
+    tops: Iterable[Path], mountinfo: list[tuple[str, str, str]] | None = None
+) -> dict[Path, Submounts]:
     """For each of ``tops`` that has mounts below it: its facts (one read of
     ``/proc/self/mountinfo``; the spine folders are listed). Tops without any are left out."""
     mounts = _read_mountinfo() if mountinfo is None else mountinfo
@@ -196,8 +212,11 @@ def gather_submounts(tops: Iterable[Path], mountinfo: list[tuple[str, str, str]]
         if not below:
             continue
         points = _topmost(str(PurePosixPath(m[0]).relative_to(top)) for m in below)
-        spine = {""} | {str(PurePosixPath(*PurePosixPath(p).parts[:n])) for p in points
-                        for n in range(1, len(PurePosixPath(p).parts))}
+        spine = {""} | {
+            str(PurePosixPath(*PurePosixPath(p).parts[:n]))
+            for p in points
+            for n in range(1, len(PurePosixPath(p).parts))
+        }
         listings: dict[str, tuple[Entry, ...]] = {}
         attrs: dict[str, tuple[int, int, int]] = {}
         unlisted: set[str] = set()
@@ -243,6 +262,7 @@ def staged_names(sub: Submounts, dirs: EpisodeDirs) -> dict[str, frozenset[str]]
 
 # -- the plan (pure) --------------------------------------------------------------------------
 
+
 def _parts_needed(sub: Submounts, spine: set[str], hidden: set[str]) -> int:
     n = 0
     for rel in spine:
@@ -277,9 +297,15 @@ def _spine_and_hidden(sub: Submounts, max_parts: int) -> tuple[set[str], set[str
     return spine, hidden
 
 
-def plan_composite(sub: Submounts, dirs: EpisodeDirs, *, covered: Iterable[Path] = (),
-                   staged: Mapping[str, frozenset[str]] | None = None, max_parts: int = MAX_PARTS,
-                   is_root: bool = True) -> Composite:
+def plan_composite(
+    sub: Submounts,
+    dirs: EpisodeDirs,
+    *,
+    covered: Iterable[Path] = (),
+    staged: Mapping[str, frozenset[str]] | None = None,
+    max_parts: int = MAX_PARTS,
+    is_root: bool = True,
+) -> Composite:
     """The mounts and the skeleton that stand for ``sub.top`` (see the module's docstring).
     ``covered``: view paths the rest of the view mounts over anyway (``/var/tmp``, hidden
     folders): no part overlay for them; ``staged``: :func:`staged_names`."""
@@ -294,7 +320,8 @@ def plan_composite(sub: Submounts, dirs: EpisodeDirs, *, covered: Iterable[Path]
     skel = Path("/skeleton") / name  # placeholder root; relocated below once the content is known
     spine, hidden = _spine_and_hidden(sub, max_parts)
     ops: list[tuple[MountOp, int]] = [
-        (MountOp(MountKind.OVERLAY, top, source=skel, upper=dirs.new(name), work=dirs.work(name)), 0)]
+        (MountOp(MountKind.OVERLAY, top, source=skel, upper=dirs.new(name), work=dirs.work(name)), 0)
+    ]
     mode, uid, gid = sub.attrs.get("", (0o755, 0, 0))
     items: list[SkeletonItem] = [SkeletonItem("dir", skel, mode, uid, gid)]
     uppers: list[SkeletonItem] = [SkeletonItem("upper", dirs.new(name), mode, uid, gid)]
@@ -306,8 +333,11 @@ def plan_composite(sub: Submounts, dirs: EpisodeDirs, *, covered: Iterable[Path]
         for e in sub.listings.get(rel, ()):
             child = f"{rel}/{e.name}" if rel else e.name
             view, at = here_view / e.name, here_skel / e.name
-            if e.name in staged.get(rel, frozenset()) and child not in spine and not (
-                    e.kind == "dir" and child not in hidden):
+            if (
+                e.name in staged.get(rel, frozenset())
+                and child not in spine
+                and not (e.kind == "dir" and child not in hidden)
+            ):
                 # staging put something where the host has a file, link or hidden point: it wins
                 items.append(SkeletonItem("dir" if e.kind == "dir" else "file", at, e.mode, e.uid, e.gid))
                 if not under_cover(view):
@@ -347,11 +377,16 @@ def plan_composite(sub: Submounts, dirs: EpisodeDirs, *, covered: Iterable[Path]
         items, uppers = [_own(i) for i in items], [_own(i) for i in uppers]
     # The skeleton is the same for every episode while the host's folders are: shared, in
     # the state folder, named after its content (made once; see make_skeleton).
-    digest = hashlib.sha256(repr([(str(i.path), i.kind, i.mode, i.uid, i.gid, i.target, str(i.source))
-                                  for i in items]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        repr([(str(i.path), i.kind, i.mode, i.uid, i.gid, i.target, str(i.source)) for i in items]).encode()
+    ).hexdigest()[:16]
     root = dirs.root.parent / f"skeleton-{name}-{digest}"
-    items = [dataclasses.replace(i, path=root / i.path.relative_to(Path("/skeleton")),
-                                 target=None if i.kind == "copy" else i.target) for i in items]
+    items = [
+        dataclasses.replace(
+            i, path=root / i.path.relative_to(Path("/skeleton")), target=None if i.kind == "copy" else i.target
+        )
+        for i in items
+    ]
     ops = [(dataclasses.replace(op, source=root / name) if op.dest == top else op, rank) for op, rank in ops]
     return Composite(top, tuple(ops), tuple(items), tuple(hidden_paths), root, tuple(uppers))
 
@@ -362,6 +397,7 @@ def _own(item: SkeletonItem) -> SkeletonItem:
 
 
 # -- making it --------------------------------------------------------------------------------
+
 
 def make_skeleton(composite: Composite) -> None:
     """Make the composite's shared skeleton if it is not there yet (built aside, then renamed
@@ -423,8 +459,10 @@ def describe_mounts_below(tops: Iterable[Path], limit: int = 8) -> str:
     """``"/var/lib/x (tmpfs), ..."``: the mounts below ``tops`` right now, for error messages."""
     mounts = _read_mountinfo()
     found = [m for top in tops for m in mounts_below(PurePosixPath(top), mounts)]
-    shown = [f"{point} ({fstype}{', ' + source if source and source != fstype else ''})"
-             for point, fstype, source in found[:limit]]
+    shown = [
+        f"{point} ({fstype}{', ' + source if source and source != fstype else ''})"
+        for point, fstype, source in found[:limit]
+    ]
     if len(found) > limit:
         shown.append(f"and {len(found) - limit} more")
     return ", ".join(shown)

@@ -6,25 +6,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sequester.environments.local.image_start import image_workdir, start_on_image
+from sequester.environments.local.limits import finish_limits, make_episode_limits
+from sequester.environments.local.start import RunningEpisode, start_episode
+from sequester.environments.local.state import EpisodeDirs, remove_stale
+from sequester.environments.settings import EpisodeSettings
 from sequester.errors import EpisodeError
 from sequester.images import ImageStore
 from sequester.images.choose import Choice
+from sequester.sandbox.cgroups.limits import remove_stale_groups
 from sequester.tasks import Task
 from sequester.verifier.wheels import ensure_task_wheels
-from sequester.sandbox.cgroups.limits import remove_stale_groups
-from sequester.environments.local.image_start import image_workdir, start_on_image
-from sequester.environments.local.limits import finish_limits, make_episode_limits
-from sequester.environments.settings import EpisodeSettings
-from sequester.environments.local.start import RunningEpisode, start_episode
-from sequester.environments.local.state import EpisodeDirs, remove_stale
 
 __all__ = ["start_system"]
 
 _stale_cleaned: set[Path] = set()
 
 
-def start_system(task: Task, choice: Choice, settings: EpisodeSettings, extra_hidden: tuple[Path, ...],
-                 workdir: str | None) -> RunningEpisode:
+def start_system(
+    task: Task, choice: Choice, settings: EpisodeSettings, extra_hidden: tuple[Path, ...], workdir: str | None
+) -> RunningEpisode:
     """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
     ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute)."""
     # The wheels the test script pins beyond the runner's, fetched once on the host before

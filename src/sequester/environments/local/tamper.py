@@ -23,8 +23,17 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Change", "ChangeSummary", "tampering_report", "category", "printable", "CATEGORIES", "PATH_DIRS",
-           "LIMIT", "ELIDED_MARK"]
+__all__ = [
+    "Change",
+    "ChangeSummary",
+    "tampering_report",
+    "category",
+    "printable",
+    "CATEGORIES",
+    "PATH_DIRS",
+    "LIMIT",
+    "ELIDED_MARK",
+]
 
 # The verifier's PATH, without the toolchain (mounted read-only, out of reach).
 PATH_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
@@ -45,18 +54,47 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
 _KIND_RANK = {"replaced": 0, "deleted": 1, "changed": 2, "added": 3}
 
 _LOADER = {"etc/ld.so.preload", "etc/ld.so.conf", "etc/ld.so.cache", "etc/ld.so.conf.d"}
-_SHELL_ETC = {"etc/profile", "etc/profile.d", "etc/bash.bashrc", "etc/bashrc", "etc/environment", "etc/zshenv",
-              "etc/zprofile", "etc/zshrc", "etc/zsh", "etc/shells", "etc/inputrc"}
-_SHELL_DOTFILES = {".bashrc", ".profile", ".bash_profile", ".bash_login", ".bash_logout", ".zshrc", ".zshenv",
-                   ".zprofile", ".zlogin", ".shrc", ".kshrc", ".cshrc", ".tcshrc", ".login", ".inputrc", ".bash_env"}
+_SHELL_ETC = {
+    "etc/profile",
+    "etc/profile.d",
+    "etc/bash.bashrc",
+    "etc/bashrc",
+    "etc/environment",
+    "etc/zshenv",
+    "etc/zprofile",
+    "etc/zshrc",
+    "etc/zsh",
+    "etc/shells",
+    "etc/inputrc",
+}
+_SHELL_DOTFILES = {
+    ".bashrc",
+    ".profile",
+    ".bash_profile",
+    ".bash_login",
+    ".bash_logout",
+    ".zshrc",
+    ".zshenv",
+    ".zprofile",
+    ".zlogin",
+    ".shrc",
+    ".kshrc",
+    ".cshrc",
+    ".tcshrc",
+    ".login",
+    ".inputrc",
+    ".bash_env",
+}
 _PY_CONFIG = ("etc/pip.conf", "etc/uv", "etc/xdg/uv", "etc/xdg/pip", "etc/python")
 _PY_HOME_CONFIG = (".config/uv", ".config/pip", ".pip", ".pydistutils.cfg", ".pypirc", ".pythonrc", ".pythonrc.py")
 _PY_CONFIG_UNDER = tuple(c + "/" for c in _PY_CONFIG)
 _PY_HOME_CONFIG_UNDER = tuple(c + "/" for c in _PY_HOME_CONFIG)
 # Python start-up: site hooks anywhere, .pth files, entry points (pytest11 plugins) and
 # pytest/pluggy themselves in any site-/dist-packages.
-_PY_HOOK = re.compile(r"(?:^|/)(?:sitecustomize\.|usercustomize\.|conftest\.py$)"
-                      r"|-packages/(?:[^/]+/)*(?:[^/]*\.pth$|entry_points\.txt$|(?:_pytest|pytest|pluggy)(?:/|$))")
+_PY_HOOK = re.compile(
+    r"(?:^|/)(?:sitecustomize\.|usercustomize\.|conftest\.py$)"
+    r"|-packages/(?:[^/]+/)*(?:[^/]*\.pth$|entry_points\.txt$|(?:_pytest|pytest|pluggy)(?:/|$))"
+)
 _IN_PACKAGES = re.compile(r"-packages(?:/|$)")
 _STDLIB = re.compile(r"^(?:usr|lib|lib64|opt)/(?:[^/]+/)*python3[^/]*/")
 _SHARED_OBJECT = re.compile(r"\.so(?:\.[0-9][^/]*)?$")
@@ -110,11 +148,18 @@ def category(path: str) -> int:
     if path in _LOADER or directory == "etc/ld.so.conf.d":
         return 1
     home = _home_rest(path)
-    if (_PY_HOOK.search(path) or path in _PY_CONFIG or path.startswith(_PY_CONFIG_UNDER)
-            or (home is not None and (home in _PY_HOME_CONFIG or home.startswith(_PY_HOME_CONFIG_UNDER)))):
+    if (
+        _PY_HOOK.search(path)
+        or path in _PY_CONFIG
+        or path.startswith(_PY_CONFIG_UNDER)
+        or (home is not None and (home in _PY_HOME_CONFIG or home.startswith(_PY_HOME_CONFIG_UNDER)))
+    ):
         return 2
-    if (path in _SHELL_ETC or directory in ("etc/profile.d", "etc/zsh")
-            or (home is not None and home.partition("/")[0] in _SHELL_DOTFILES)):
+    if (
+        path in _SHELL_ETC
+        or directory in ("etc/profile.d", "etc/zsh")
+        or (home is not None and home.partition("/")[0] in _SHELL_DOTFILES)
+    ):
         return 3
     if home is not None:
         return 6
@@ -156,7 +201,7 @@ class ChangeSummary:
 
     def _trim(self) -> None:
         self._kept.sort(key=lambda item: item[0])
-        del self._kept[self.limit:]
+        del self._kept[self.limit :]
         if len(self._kept) >= self.limit:
             self._worst = self._kept[-1][0]
 
@@ -166,7 +211,7 @@ class ChangeSummary:
         directory, _, name = change.path.rpartition("/")
         if directory not in PATH_DIRS:
             return ""
-        for later in PATH_DIRS[PATH_DIRS.index(directory) + 1:]:
+        for later in PATH_DIRS[PATH_DIRS.index(directory) + 1 :]:
             try:
                 if self.host_has(f"{later}/{name}"):
                     return f"/{later}/{name}"
@@ -184,9 +229,13 @@ class ChangeSummary:
         tops = ", ".join(
             f"/{printable(top)} {sum(kinds.values()):,} ("
             + ", ".join(f"{n:,} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: _KIND_RANK.get(kv[0], 9)))
-            + ")" for top, kinds in sorted(self.counts.items()))
-        out = [f"{self.total:,} change{'' if self.total == 1 else 's'} in the agent's layers under paths the verifier trusts"
-               + (f": {tops}" if tops else "")]
+            + ")"
+            for top, kinds in sorted(self.counts.items())
+        )
+        out = [
+            f"{self.total:,} change{'' if self.total == 1 else 's'} in the agent's layers under paths the "
+            "verifier trusts" + (f": {tops}" if tops else "")
+        ]
         for (cat, *_), change, shadowed in self._kept:
             detail = f" ({change.detail})" if change.detail else ""
             if shadowed:
@@ -195,17 +244,27 @@ class ChangeSummary:
                 what = f": {CATEGORIES[cat][1]}" if CATEGORIES[cat][1] else ""
             out.append(f"{change.kind} /{printable(change.path)}{detail}{what}")
         if self.total > len(self._kept):
-            out.append(f"... and {self.total - len(self._kept):,} more changes not listed "
-                       f"(the first {len(self._kept)} shown, the most dangerous kinds first)")
+            out.append(
+                f"... and {self.total - len(self._kept):,} more changes not listed "
+                f"(the first {len(self._kept)} shown, the most dangerous kinds first)"
+            )
         if n_problems:
             more = f"; and {n_problems - len(problems)} more problems" if n_problems > len(problems) else ""
-            out.append("the scan is incomplete, so there may be more changes: "
-                       + "; ".join(printable(p) for p in problems) + more)
+            out.append(
+                "the scan is incomplete, so there may be more changes: "
+                + "; ".join(printable(p) for p in problems)
+                + more
+            )
         return out
 
 
-def tampering_report(changes: Iterable[Change], problems: Iterable[str] = (), *, limit: int = LIMIT,
-                     host_has: Callable[[str], bool] | None = None) -> list[str]:
+def tampering_report(
+    changes: Iterable[Change],
+    problems: Iterable[str] = (),
+    *,
+    limit: int = LIMIT,
+    host_has: Callable[[str], bool] | None = None,
+) -> list[str]:
     """The bounded report of ``changes`` (any number, consumed once); ``problems`` are why
     the scan that produced them is incomplete (none: it is complete)."""
     summary = ChangeSummary(limit, host_has)

@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from sequester.environments.local.state import EpisodeDirs
+from sequester.environments.local.submounts import Composite, Submounts, plan_composite
 from sequester.sandbox.host import HostFacts
 from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.verifier.layout import RUNNER_MOUNT
-from sequester.environments.local.state import EpisodeDirs
-from sequester.environments.local.submounts import Composite, Submounts, plan_composite
 
 __all__ = ["plan_episode_view", "plan_episode_layout", "sandbox_mounts", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
 
@@ -48,13 +48,20 @@ def sandbox_mounts(sys_cpu: Path | None) -> list[tuple[MountOp, int]]:
     empty read-only points, a fresh ``/proc``, ``/dev``, ``/dev/shm``, ``/tmp``, ``/run``,
     and of ``/sys`` only the CPU part (``sys_cpu``, read-only)."""
     ops = [(MountOp(MountKind.HIDE_DIR, point, mode=0o555), 0) for point in VERIFIER_POINTS]
-    ops += [(MountOp(MountKind.PROC, Path("/proc")), 0), (MountOp(MountKind.DEV, Path("/dev")), 0),
-            (MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1),
-            (MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0),
-            (MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0), (MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0)]
+    ops += [
+        (MountOp(MountKind.PROC, Path("/proc")), 0),
+        (MountOp(MountKind.DEV, Path("/dev")), 0),
+        (MountOp(MountKind.TMPFS, Path("/dev/shm"), mode=0o1777), 1),
+        (MountOp(MountKind.TMPFS, Path("/tmp"), mode=0o1777), 0),
+        (MountOp(MountKind.TMPFS, Path("/run"), mode=0o755), 0),
+        (MountOp(MountKind.DIR, Path("/sys"), mode=0o755), 0),
+    ]
     if sys_cpu is not None:
-        ops += [(MountOp(MountKind.DIR, parent, mode=0o755), 1)
-                for parent in reversed(sys_cpu.parents) if len(parent.parts) > 2]
+        ops += [
+            (MountOp(MountKind.DIR, parent, mode=0o755), 1)
+            for parent in reversed(sys_cpu.parents)
+            if len(parent.parts) > 2
+        ]
         ops.append((MountOp(MountKind.READONLY, sys_cpu, source=sys_cpu), 1))
     return ops
 
@@ -76,8 +83,17 @@ def plan_episode_view(
     the task needs; ``scratch``: deeper folders the agent gets empty and writable;
     ``submounts``: the top-level folders with mounts below them
     (:func:`~.submounts.gather_submounts`), ``staged``: :func:`~.submounts.staged_names` of each."""
-    return plan_episode_layout(facts, dirs, hidden_top=hidden_top, hidden=hidden, new_tops=new_tops,
-                               toolchain=toolchain, scratch=scratch, submounts=submounts, staged=staged)[0]
+    return plan_episode_layout(
+        facts,
+        dirs,
+        hidden_top=hidden_top,
+        hidden=hidden,
+        new_tops=new_tops,
+        toolchain=toolchain,
+        scratch=scratch,
+        submounts=submounts,
+        staged=staged,
+    )[0]
 
 
 def plan_episode_layout(
@@ -99,8 +115,13 @@ def plan_episode_layout(
     scratch = tuple(scratch)
     submounts = submounts or {}
     # What the rest of the view mounts over anyway: a composed folder makes no part there.
-    covered = {Path("/var/tmp"), *(p for p, _ in hidden), *scratch, *facts.python_roots,
-               *((TOOLCHAIN_MOUNT,) if toolchain is not None else ())}
+    covered = {
+        Path("/var/tmp"),
+        *(p for p, _ in hidden),
+        *scratch,
+        *facts.python_roots,
+        *((TOOLCHAIN_MOUNT,) if toolchain is not None else ()),
+    }
     composites: list[Composite] = []
     ops: dict[tuple[MountKind, Path], tuple[int, int, MountOp]] = {}
 
@@ -118,8 +139,9 @@ def plan_episode_layout(
             if e.is_dir or name in fresh:
                 fresh.add(name)
         elif e.is_dir and e.path in submounts:
-            composite = plan_composite(submounts[e.path], dirs, covered=covered, is_root=facts.is_root,
-                                       staged=(staged or {}).get(e.path))
+            composite = plan_composite(
+                submounts[e.path], dirs, covered=covered, is_root=facts.is_root, staged=(staged or {}).get(e.path)
+            )
             composites.append(composite)
             for op, rank in composite.ops:
                 add(op, rank)
@@ -148,4 +170,3 @@ def plan_episode_layout(
         add(MountOp(MountKind.READONLY, TOOLCHAIN_MOUNT, source=toolchain), 3)
     mounts = tuple(op for _, _, op in sorted(ops.values(), key=lambda t: (t[0], t[1], str(t[2].dest))))
     return mounts, tuple(composites)
-

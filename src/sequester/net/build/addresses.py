@@ -17,8 +17,23 @@ import socket
 import threading
 import time
 
-__all__ = ["HOST_NAME", "IPAddress", "IPNetwork", "LOOPBACK", "NEVER", "OWN", "PRIVATE", "RANGES", "LocalAddresses",
-           "classify_address", "embedded", "literal", "network_of", "normalize_host", "refusal_for_address"]
+__all__ = [
+    "HOST_NAME",
+    "IPAddress",
+    "IPNetwork",
+    "LOOPBACK",
+    "NEVER",
+    "OWN",
+    "PRIVATE",
+    "RANGES",
+    "LocalAddresses",
+    "classify_address",
+    "embedded",
+    "literal",
+    "network_of",
+    "normalize_host",
+    "refusal_for_address",
+]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -31,29 +46,32 @@ NEVER, LOOPBACK, PRIVATE, OWN = "never", "loopback", "private", "own"
 # 192.0.2/24, 198.51.100/24, 203.0.113/24, 2001:db8::/32) as private, and this machine's
 # package indexes live in 203.0.113/24. What is refused is what reaches the host or its
 # networks instead of the internet: an explicit table, first match wins.
-RANGES: tuple[tuple[IPNetwork, str, str], ...] = tuple((ipaddress.ip_network(n), c, w) for n, c, w in (
-    ("0.0.0.0/8", NEVER, "'this network' (0/8: 0.0.0.0 reaches the host itself)"),
-    ("127.0.0.0/8", LOOPBACK, "loopback (the host's own services)"),
-    ("10.0.0.0/8", PRIVATE, "private (RFC 1918)"),
-    ("172.16.0.0/12", PRIVATE, "private (RFC 1918)"),
-    ("192.168.0.0/16", PRIVATE, "private (RFC 1918)"),
-    ("100.64.0.0/10", PRIVATE, "carrier-grade NAT space (RFC 6598)"),
-    ("169.254.0.0/16", PRIVATE, "link-local (cloud metadata: 169.254.169.254)"),
-    ("192.0.0.0/24", PRIVATE, "IETF protocol assignments (not routable)"),
-    ("198.18.0.0/15", PRIVATE, "benchmarking space (RFC 2544; internal and fake-IP networks)"),
-    ("224.0.0.0/4", NEVER, "multicast"),
-    ("240.0.0.0/4", NEVER, "reserved (240/4, with the broadcast 255.255.255.255)"),
-    ("::1/128", LOOPBACK, "loopback (the host's own services)"),
-    ("::/128", NEVER, "unspecified (::)"),
-    ("::/96", NEVER, "IPv4-compatible (deprecated)"),
-    ("::ffff:0:0:0/96", NEVER, "IPv4-translated (SIIT)"),
-    ("100::/64", NEVER, "discard-only (RFC 6666)"),
-    ("64:ff9b:1::/48", PRIVATE, "local-use NAT64 (RFC 8215)"),
-    ("fc00::/7", PRIVATE, "unique local (cloud metadata: fd00:ec2::254)"),
-    ("fe80::/10", PRIVATE, "link-local"),
-    ("fec0::/10", PRIVATE, "site-local (deprecated)"),
-    ("ff00::/8", NEVER, "multicast"),
-))
+RANGES: tuple[tuple[IPNetwork, str, str], ...] = tuple(
+    (ipaddress.ip_network(n), c, w)
+    for n, c, w in (
+        ("0.0.0.0/8", NEVER, "'this network' (0/8: 0.0.0.0 reaches the host itself)"),
+        ("127.0.0.0/8", LOOPBACK, "loopback (the host's own services)"),
+        ("10.0.0.0/8", PRIVATE, "private (RFC 1918)"),
+        ("172.16.0.0/12", PRIVATE, "private (RFC 1918)"),
+        ("192.168.0.0/16", PRIVATE, "private (RFC 1918)"),
+        ("100.64.0.0/10", PRIVATE, "carrier-grade NAT space (RFC 6598)"),
+        ("169.254.0.0/16", PRIVATE, "link-local (cloud metadata: 169.254.169.254)"),
+        ("192.0.0.0/24", PRIVATE, "IETF protocol assignments (not routable)"),
+        ("198.18.0.0/15", PRIVATE, "benchmarking space (RFC 2544; internal and fake-IP networks)"),
+        ("224.0.0.0/4", NEVER, "multicast"),
+        ("240.0.0.0/4", NEVER, "reserved (240/4, with the broadcast 255.255.255.255)"),
+        ("::1/128", LOOPBACK, "loopback (the host's own services)"),
+        ("::/128", NEVER, "unspecified (::)"),
+        ("::/96", NEVER, "IPv4-compatible (deprecated)"),
+        ("::ffff:0:0:0/96", NEVER, "IPv4-translated (SIIT)"),
+        ("100::/64", NEVER, "discard-only (RFC 6666)"),
+        ("64:ff9b:1::/48", PRIVATE, "local-use NAT64 (RFC 8215)"),
+        ("fc00::/7", PRIVATE, "unique local (cloud metadata: fd00:ec2::254)"),
+        ("fe80::/10", PRIVATE, "link-local"),
+        ("fec0::/10", PRIVATE, "site-local (deprecated)"),
+        ("ff00::/8", NEVER, "multicast"),
+    )
+)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _CACHE_SECONDS = 5.0
 

@@ -16,8 +16,8 @@ import ssl
 from typing import TYPE_CHECKING
 
 from sequester.net.build.addresses import IPAddress
-from sequester.net.http import Refused, Request, origin_headers, refusal, shorten
 from sequester.net.build.upstream import UpstreamProxy
+from sequester.net.http import Refused, Request, origin_headers, refusal, shorten
 
 if TYPE_CHECKING:
     from sequester.net.build.proxy import BuildProxyStats
@@ -64,8 +64,9 @@ def body_length(head: bytes) -> int:
     return int(next(iter(lengths)))
 
 
-async def forward_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int,
-                       stats: BuildProxyStats) -> None:
+async def forward_body(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int, stats: BuildProxyStats
+) -> None:
     """Exactly ``length`` bytes of the sandbox's request body, then nothing more from it."""
     while length > 0:
         data = await reader.read(min(65536, length))
@@ -85,8 +86,9 @@ async def respond(writer: asyncio.StreamWriter, status: int, reason: str) -> Non
         pass
 
 
-async def connect_direct(addresses: list[IPAddress], port: int, target: str, *,
-                         timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect_direct(
+    addresses: list[IPAddress], port: int, target: str, *, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     errors = []
     for ip in addresses:  # exactly the addresses checked: no second lookup to rebind
         try:
@@ -96,8 +98,9 @@ async def connect_direct(addresses: list[IPAddress], port: int, target: str, *,
     raise Refused(502, f"cannot connect to {target}: {'; '.join(errors)}")
 
 
-async def connect_via(proxy: UpstreamProxy, host: str, request: Request, rest: bytes, *, timeout: float,
-                      stats: BuildProxyStats) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect_via(
+    proxy: UpstreamProxy, host: str, request: Request, rest: bytes, *, timeout: float, stats: BuildProxyStats
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Through the host's upstream proxy, by name."""
     name = f"[{host}]" if ":" in host else host
     auth = f"Proxy-Authorization: {proxy.authorization}\r\n".encode() if proxy.authorization else b""
@@ -105,8 +108,8 @@ async def connect_via(proxy: UpstreamProxy, host: str, request: Request, rest: b
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(
-                proxy.host, proxy.port, limit=HEAD_LIMIT,
-                ssl=ssl.create_default_context() if proxy.tls else None)
+                proxy.host, proxy.port, limit=HEAD_LIMIT, ssl=ssl.create_default_context() if proxy.tls else None
+            )
             if not request.tunnel:
                 method, path, version = request.line.split()
                 line = b"%s http://%s:%d%s %s\r\n" % (method, name.encode(), request.port, path, version)
@@ -114,8 +117,9 @@ async def connect_via(proxy: UpstreamProxy, host: str, request: Request, rest: b
                 stats.bytes_out += len(head)
                 writer.write(head)
                 return reader, writer
-            writer.write(f"CONNECT {name}:{request.port} HTTP/1.1\r\nHost: {name}:{request.port}\r\n".encode()
-                         + auth + b"\r\n")
+            writer.write(
+                f"CONNECT {name}:{request.port} HTTP/1.1\r\nHost: {name}:{request.port}\r\n".encode() + auth + b"\r\n"
+            )
             answer = await reader.readuntil(b"\r\n\r\n")
     except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
         if writer is not None:
@@ -128,15 +132,22 @@ async def connect_via(proxy: UpstreamProxy, host: str, request: Request, rest: b
     return reader, writer
 
 
-async def splice(a_reader: asyncio.StreamReader | None, a_writer: asyncio.StreamWriter,
-                 b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter, *, idle_timeout: float,
-                 stats: BuildProxyStats) -> None:
+async def splice(
+    a_reader: asyncio.StreamReader | None,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+    *,
+    idle_timeout: float,
+    stats: BuildProxyStats,
+) -> None:
     """Copy both ways (``a`` is the sandbox's side; ``a_reader`` None: only the answer
     comes back) until both end, one breaks, or ``idle_timeout`` passes without a byte
     either way."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(idle_timeout) as idle:
+
             async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool) -> None:
                 try:
                     while data := await src.read(65536):

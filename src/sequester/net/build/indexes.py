@@ -24,8 +24,16 @@ __all__ = ["apt_source_files", "index_hosts", "pip_config_files"]
 log = logging.getLogger("sequester.net")
 
 _PIP_KEYS = ("index-url", "extra-index-url", "find-links")
-_ENV_URLS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS",
-             "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL", "UV_INDEX", "UV_FIND_LINKS")
+_ENV_URLS = (
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_FIND_LINKS",
+    "UV_INDEX_URL",
+    "UV_DEFAULT_INDEX",
+    "UV_EXTRA_INDEX_URL",
+    "UV_INDEX",
+    "UV_FIND_LINKS",
+)
 
 
 def pip_config_files(env: Mapping[str, str]) -> list[Path]:
@@ -33,9 +41,13 @@ def pip_config_files(env: Mapping[str, str]) -> list[Path]:
     home = Path(env.get("HOME") or os.path.expanduser("~"))
     xdg_dirs = [Path(d) / "pip" / "pip.conf" for d in (env.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":") if d]
     named = env.get("PIP_CONFIG_FILE") or os.devnull
-    return [*xdg_dirs, Path("/etc/pip.conf"), home / ".pip" / "pip.conf",
-            Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "pip" / "pip.conf",
-            *([Path(named)] if named != os.devnull else [])]
+    return [
+        *xdg_dirs,
+        Path("/etc/pip.conf"),
+        home / ".pip" / "pip.conf",
+        Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "pip" / "pip.conf",
+        *([Path(named)] if named != os.devnull else []),
+    ]
 
 
 def apt_source_files(root: Path = Path("/etc/apt")) -> list[Path]:
@@ -43,8 +55,12 @@ def apt_source_files(root: Path = Path("/etc/apt")) -> list[Path]:
     return [root / "sources.list", *sorted(parts.glob("*.list")), *sorted(parts.glob("*.sources"))]
 
 
-def index_hosts(*, env: Mapping[str, str] | None = None, pip_files: Iterable[Path] | None = None,
-                apt_files: Iterable[Path] | None = None) -> frozenset[str]:
+def index_hosts(
+    *,
+    env: Mapping[str, str] | None = None,
+    pip_files: Iterable[Path] | None = None,
+    apt_files: Iterable[Path] | None = None,
+) -> frozenset[str]:
     """``host:port`` of every http(s) package index configured for pip, uv and apt here
     (file:// and other schemes ignored; unreadable or malformed files skipped)."""
     env = os.environ if env is None else env
@@ -73,20 +89,29 @@ def _pip_urls(path: Path) -> list[str]:
     except configparser.Error as exc:
         log.debug("index hosts: %s is not a valid pip configuration: %s", path, exc)
         return []
-    return [url for section in parser.sections() for key, value in parser.items(section)
-            if key.replace("_", "-") in _PIP_KEYS for url in value.split()]
+    return [
+        url
+        for section in parser.sections()
+        for key, value in parser.items(section)
+        if key.replace("_", "-") in _PIP_KEYS
+        for url in value.split()
+    ]
 
 
 def _apt_urls(path: Path) -> list[str]:
     text = _read(path)
     if path.suffix != ".sources":  # one-line style: deb [options] URI suite [components]
-        return [m.group(1) for line in text.splitlines()
-                if (m := re.match(r"\s*deb(?:-src)?\s+(?:\[[^\]]*\]\s*)?(\S+)", line))]
+        return [
+            m.group(1)
+            for line in text.splitlines()
+            if (m := re.match(r"\s*deb(?:-src)?\s+(?:\[[^\]]*\]\s*)?(\S+)", line))
+        ]
     urls: list[str] = []
     for stanza in re.split(r"\n\s*\n", text):  # deb822: the URIs: field (continued on indented lines)
         stanza = "\n".join(line for line in stanza.splitlines() if not line.startswith("#"))
         if not re.search(r"(?im)^enabled:\s*no\s*$", stanza) and (
-                found := re.search(r"(?im)^uris:(.*(?:\n[ \t].*)*)", stanza)):
+            found := re.search(r"(?im)^uris:(.*(?:\n[ \t].*)*)", stanza)
+        ):
             urls += found.group(1).split()
     return urls
 

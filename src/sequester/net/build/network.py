@@ -41,23 +41,57 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sequester.errors import PolicyError
-from sequester.net.build.addresses import HOST_NAME, LOOPBACK, NEVER, OWN, PRIVATE, IPAddress, IPNetwork, LocalAddresses, classify_address, literal, normalize_host, refusal_for_address
+from sequester.net.build.addresses import (
+    HOST_NAME,
+    LOOPBACK,
+    NEVER,
+    OWN,
+    PRIVATE,
+    IPAddress,
+    IPNetwork,
+    LocalAddresses,
+    classify_address,
+    literal,
+    normalize_host,
+    refusal_for_address,
+)
 from sequester.net.build.addresses import RANGES as _RANGES
 from sequester.net.build.addresses import embedded as _embedded
 from sequester.net.build.addresses import network_of as _network
 from sequester.net.build.indexes import apt_source_files, index_hosts, pip_config_files
 from sequester.net.build.upstream import Upstream, UpstreamProxy
 
-__all__ = ["BuildNetwork", "HostRule", "LocalAddresses", "MODES", "Upstream", "UpstreamProxy", "classify_address",
-           "index_hosts", "normalize_host", "parse_build_network", "parse_host_rule", "refusal_for_address",
-           # re-exported from the modules split off, still importable from here
-           "HOST_NAME", "IPAddress", "IPNetwork", "LOOPBACK", "NEVER", "OWN", "PRIVATE", "apt_source_files", "literal",
-           "pip_config_files"]
+__all__ = [
+    "BuildNetwork",
+    "HostRule",
+    "LocalAddresses",
+    "MODES",
+    "Upstream",
+    "UpstreamProxy",
+    "classify_address",
+    "index_hosts",
+    "normalize_host",
+    "parse_build_network",
+    "parse_host_rule",
+    "refusal_for_address",
+    # re-exported from the modules split off, still importable from here
+    "HOST_NAME",
+    "IPAddress",
+    "IPNetwork",
+    "LOOPBACK",
+    "NEVER",
+    "OWN",
+    "PRIVATE",
+    "apt_source_files",
+    "literal",
+    "pip_config_files",
+]
 
 MODES = ("none", "public", "allowlist")
 
 
 # -- host rules: allowed_hosts entries and index hosts ---------------------------------
+
 
 @dataclass(frozen=True)
 class HostRule:
@@ -97,6 +131,7 @@ class HostRule:
 
 def parse_host_rule(text: str, *, field: str = "allowed_hosts") -> HostRule:
     """``pypi.org``, ``pypi.org:443``, ``*.example.com``, ``203.0.113.7``, ``[2001:db8::1]:443``, ``203.0.113.0/24``."""
+
     def bad(why: str) -> PolicyError:
         return PolicyError(f"{field}: {text!r} {why} (expected HOST, HOST:PORT, *.DOMAIN, IP or CIDR)")
 

@@ -33,13 +33,31 @@ from dataclasses import dataclass
 
 from sequester.errors import SandboxError
 from sequester.net.broker import shared_loop
-from sequester.net.build.addresses import HOST_NAME, LOOPBACK, OWN, PRIVATE, IPAddress, LocalAddresses, classify_address, literal, normalize_host
+from sequester.net.build.addresses import (
+    HOST_NAME,
+    LOOPBACK,
+    OWN,
+    PRIVATE,
+    IPAddress,
+    LocalAddresses,
+    classify_address,
+    literal,
+    normalize_host,
+)
 from sequester.net.build.forward import HEAD_LIMIT as _HEAD_LIMIT
-from sequester.net.build.forward import body_length, connect_direct, connect_via, forward_body, read_headers, respond, splice
+from sequester.net.build.forward import (
+    body_length,
+    connect_direct,
+    connect_via,
+    forward_body,
+    read_headers,
+    respond,
+    splice,
+)
 from sequester.net.build.network import BuildNetwork, HostRule, parse_host_rule
+from sequester.net.build.upstream import Upstream, UpstreamProxy
 from sequester.net.http import Refused, origin_headers, parse_request_line, refusal, shorten
 from sequester.net.stats import BrokerStats
-from sequester.net.build.upstream import Upstream, UpstreamProxy
 
 __all__ = ["BuildProxy", "BuildProxyStats", "proxy_env", "MAX_CONNECTIONS", "MAX_REFUSALS"]
 
@@ -55,13 +73,19 @@ def proxy_env(port: int) -> dict[str, str]:
     for the sandbox's own loopback."""
     url = f"http://127.0.0.1:{port}"
     local = "localhost,127.0.0.1,::1"
-    return {"http_proxy": url, "https_proxy": url, "HTTP_PROXY": url, "HTTPS_PROXY": url,
-            "no_proxy": local, "NO_PROXY": local}
+    return {
+        "http_proxy": url,
+        "https_proxy": url,
+        "HTTP_PROXY": url,
+        "HTTPS_PROXY": url,
+        "no_proxy": local,
+        "NO_PROXY": local,
+    }
 
 
 @dataclass
 class BuildProxyStats(BrokerStats):
-    bytes_in: int = 0   # to the sandbox
+    bytes_in: int = 0  # to the sandbox
     bytes_out: int = 0  # from the sandbox
     n_connections: int = 0
 
@@ -69,11 +93,20 @@ class BuildProxyStats(BrokerStats):
 class BuildProxy:
     """Serves one build step's proxy connections. ``close()`` ends them all."""
 
-    def __init__(self, policy: BuildNetwork, *, index_hosts: frozenset[str] = frozenset(),
-                 upstream: Upstream | None = None, max_connections: int = MAX_CONNECTIONS,
-                 head_timeout: float = 10.0, idle_timeout: float = 120.0, connect_timeout: float = 15.0,
-                 resolve_timeout: float = 10.0, local: LocalAddresses | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        policy: BuildNetwork,
+        *,
+        index_hosts: frozenset[str] = frozenset(),
+        upstream: Upstream | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        head_timeout: float = 10.0,
+        idle_timeout: float = 120.0,
+        connect_timeout: float = 15.0,
+        resolve_timeout: float = 10.0,
+        local: LocalAddresses | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
         self.policy = policy
         self._rules = policy.rules
         self._index = tuple(parse_host_rule(h, field="index_hosts") for h in sorted(index_hosts))
@@ -140,7 +173,7 @@ class BuildProxy:
         for task in list(self._tasks):
             task.cancel()
         for transport in list(self._transports):  # no graceful flush: a peer that never reads
-            transport.abort()                    # must not keep a connection open
+            transport.abort()  # must not keep a connection open
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=3)
         for conn in list(self._accepted):  # of tasks cancelled before they ran
@@ -181,6 +214,7 @@ class BuildProxy:
         def resume() -> None:
             if self._listener is listener:
                 self._loop.add_reader(listener.fileno(), self._on_accept)
+
         self._loop.call_later(seconds, resume)
 
     def _over_limit(self, conn: socket.socket) -> None:
@@ -235,9 +269,11 @@ class BuildProxy:
             length = 0 if request.tunnel else body_length(rest)
             addresses, proxy = await self._decide(host, request.port, request.tunnel, target)
             timeout = self.connect_timeout
-            up_reader, up_writer = await (connect_via(proxy, host, request, rest, timeout=timeout, stats=self.stats)
-                                          if proxy is not None else
-                                          connect_direct(addresses, request.port, target, timeout=timeout))
+            up_reader, up_writer = await (
+                connect_via(proxy, host, request, rest, timeout=timeout, stats=self.stats)
+                if proxy is not None
+                else connect_direct(addresses, request.port, target, timeout=timeout)
+            )
         except Refused as refused:
             return await respond(writer, refused.status, refused.reason)
         self._transports.add(up_writer.transport)
@@ -250,8 +286,14 @@ class BuildProxy:
                     self.stats.bytes_out += len(head)
                     up_writer.write(head)
                 await forward_body(reader, up_writer, length, self.stats)
-            await splice(reader if request.tunnel else None, writer, up_reader, up_writer,
-                         idle_timeout=self.idle_timeout, stats=self.stats)
+            await splice(
+                reader if request.tunnel else None,
+                writer,
+                up_reader,
+                up_writer,
+                idle_timeout=self.idle_timeout,
+                stats=self.stats,
+            )
         finally:
             self._transports.discard(up_writer.transport)
             up_writer.transport.abort()
@@ -277,8 +319,9 @@ class BuildProxy:
             return None
         return reason
 
-    async def _decide(self, host: str, port: int, tunnel: bool,
-                      target: str) -> tuple[list[IPAddress], UpstreamProxy | None]:
+    async def _decide(
+        self, host: str, port: int, tunnel: bool, target: str
+    ) -> tuple[list[IPAddress], UpstreamProxy | None]:
         mode = self.policy.mode
         if mode == "none":
             raise self._refuse(target, "the build network is 'none'")
@@ -286,14 +329,23 @@ class BuildProxy:
         if address is None and (len(host) > 253 or not HOST_NAME.fullmatch(host)):
             # Only DNS names go on, to the resolver or into an upstream's request line.
             raise Refused(400, f"{target}: not a valid host name")
-        index = next((r for r in self._index if (r.matches_address(address, port) if address is not None
-                                                 else r.matches_name(host, port))), None)
+        index = next(
+            (
+                r
+                for r in self._index
+                if (r.matches_address(address, port) if address is not None else r.matches_name(host, port))
+            ),
+            None,
+        )
         listed = mode != "allowlist" or (address is None and any(r.matches_name(host, port) for r in self._rules))
         networks = [r for r in self._rules if r.network is not None]
 
         def unlisted(ip: IPAddress) -> str | None:
-            return None if listed or any(r.matches_address(ip, port) for r in networks) else \
-                f"{ip} is not in allowed_hosts"
+            return (
+                None
+                if listed or any(r.matches_address(ip, port) for r in networks)
+                else f"{ip} is not in allowed_hosts"
+            )
 
         if not listed and (address is None and not networks):  # an unlisted name is never even looked up
             raise self._refuse(target, "not in allowed_hosts")
@@ -326,9 +378,12 @@ class BuildProxy:
 
     async def _resolve(self, host: str, port: int) -> list[IPAddress]:
         try:
-            infos = await asyncio.wait_for(self._loop.run_in_executor(
-                self._resolver, lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)),
-                self.resolve_timeout)
+            infos = await asyncio.wait_for(
+                self._loop.run_in_executor(
+                    self._resolver, lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                ),
+                self.resolve_timeout,
+            )
         except (OSError, ValueError, TimeoutError, RuntimeError) as exc:
             raise Refused(502, f"cannot resolve {shorten(host)}: {exc or 'timed out'}") from None
         found: list[IPAddress] = []

@@ -45,8 +45,9 @@ def _proxy_url(text: str) -> UpstreamProxy | None:
     except ValueError:
         host = None
     if host is None or scheme not in ("http", "https"):
-        log.warning("build network: ignoring the upstream proxy %r (not an http:// or https:// URL)",
-                    text.rsplit("@", 1)[-1])
+        log.warning(
+            "build network: ignoring the upstream proxy %r (not an http:// or https:// URL)", text.rsplit("@", 1)[-1]
+        )
         return None
     auth = None
     if parts.username is not None:
@@ -72,9 +73,11 @@ class Upstream:
             return next((env[k] for k in keys if env.get(k, "").strip()), "")
 
         every = first("all_proxy", "ALL_PROXY")
-        return cls(_proxy_url(first("http_proxy", "HTTP_PROXY") or every),
-                   _proxy_url(first("https_proxy", "HTTPS_PROXY") or every),
-                   tuple(e.strip().lower() for e in re.split(r"[,\s]+", first("no_proxy", "NO_PROXY")) if e.strip()))
+        return cls(
+            _proxy_url(first("http_proxy", "HTTP_PROXY") or every),
+            _proxy_url(first("https_proxy", "HTTPS_PROXY") or every),
+            tuple(e.strip().lower() for e in re.split(r"[,\s]+", first("no_proxy", "NO_PROXY")) if e.strip()),
+        )
 
     def for_target(self, host: str, port: int, *, tunnel: bool) -> UpstreamProxy | None:
         """The proxy to go through for ``host:port``, or None for a direct connection."""

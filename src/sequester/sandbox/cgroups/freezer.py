@@ -53,7 +53,7 @@ def _own_cgroup(mount: Path, root: str) -> Path | None:
     root = root.rstrip("/")
     if root and not (path == root or path.startswith(root + "/")):
         return None
-    rel = path[len(root):].strip("/")
+    rel = path[len(root) :].strip("/")
     return mount / rel if rel else mount
 
 
@@ -63,8 +63,12 @@ def _delegated(path: Path) -> bool:
     core feature of every non-root v2 cgroup.)"""
     uid = os.geteuid()
     try:
-        return (path.stat().st_uid == uid and (path / "cgroup.procs").stat().st_uid == uid
-                and os.access(path, os.W_OK | os.X_OK) and os.access(path / "cgroup.procs", os.W_OK))
+        return (
+            path.stat().st_uid == uid
+            and (path / "cgroup.procs").stat().st_uid == uid
+            and os.access(path, os.W_OK | os.X_OK)
+            and os.access(path / "cgroup.procs", os.W_OK)
+        )
     except OSError:
         return False
 

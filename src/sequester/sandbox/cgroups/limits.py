@@ -75,8 +75,9 @@ def _base(controller: str) -> Path | None:
     return None if mount is None or own is None else mount.mount / own.lstrip("/")
 
 
-def limit_plan(*, memory_mb: int | None, cpus: float | None, pids: int | None, v2: bool,
-               memsw: bool = False) -> list[tuple[str, str, str, str | None]]:
+def limit_plan(
+    *, memory_mb: int | None, cpus: float | None, pids: int | None, v2: bool, memsw: bool = False
+) -> list[tuple[str, str, str, str | None]]:
     """What to write for these limits: ``(controller, file, value, label)`` in order (the
     label is what :attr:`LimitGroups.applied` reports; ``None`` for a helper file). v1
     writes one cgroup per controller; v2 one cgroup for all (``controller`` is then only
@@ -102,8 +103,9 @@ def limit_plan(*, memory_mb: int | None, cpus: float | None, pids: int | None, v
     return plan
 
 
-def make_limit_groups(name: str, *, memory_mb: int | None, cpus: float | None,
-                      pids: int | None) -> tuple[LimitGroups | None, str | None]:
+def make_limit_groups(
+    name: str, *, memory_mb: int | None, cpus: float | None, pids: int | None
+) -> tuple[LimitGroups | None, str | None]:
     """Cgroups named ``name`` with these limits, or ``(None, why not)``."""
     if os.geteuid() != 0:
         return None, "an ordinary user's episodes get no cgroups (cgroup v2 delegation is not used yet)"
@@ -116,12 +118,13 @@ def make_limit_groups(name: str, *, memory_mb: int | None, cpus: float | None,
                 return None, f"no cgroup v1 {controller} hierarchy (cgroup v2 is not used yet)"
             paths[controller] = base / name
         group = LimitGroups([])
-        for controller, path in paths.items():
+        for path in paths.values():
             path.mkdir()
             group.paths.append(path)
         memsw = bool(memory_mb) and (paths["memory"] / "memory.memsw.limit_in_bytes").exists()
-        for controller, file, value, label in limit_plan(memory_mb=memory_mb, cpus=cpus, pids=pids, v2=False,
-                                                         memsw=memsw):
+        for controller, file, value, label in limit_plan(
+            memory_mb=memory_mb, cpus=cpus, pids=pids, v2=False, memsw=memsw
+        ):
             (paths[controller] / file).write_text(value)
             if label:
                 group.applied.append(label)

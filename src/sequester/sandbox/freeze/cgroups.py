@@ -26,11 +26,11 @@ import signal
 import time
 from pathlib import Path
 
-from sequester.sandbox.freeze.base import Freezer, FreezeError, FreezeOutcome, kill_agent, kill_round, stop_init
 from sequester.sandbox.cgroups.freezer import Hierarchy, find_hierarchy
 from sequester.sandbox.cgroups.pool import give_back, take_cgroup
-from sequester.sandbox.procs import Identity, Namespace, Proc, parse_stat, reopen
+from sequester.sandbox.freeze.base import FreezeError, FreezeOutcome, Freezer, kill_agent, kill_round, stop_init
 from sequester.sandbox.freeze.signals import SignalFreezer
+from sequester.sandbox.procs import Identity, Namespace, Proc, parse_stat, reopen
 
 __all__ = ["CgroupFreezer", "make_freezer"]
 
@@ -43,8 +43,9 @@ class CgroupFreezer(Freezer):
     def __init__(self, init_pid: int, hierarchy: Hierarchy, *, attempts: int = ATTEMPTS, ns: Namespace | None = None):
         super().__init__(init_pid, ns)
         self.h, self.attempts = hierarchy, attempts
-        self.method = ("cgroup v2 (delegated)" if hierarchy.delegated else
-                       "cgroup v2" if hierarchy.v2 else "cgroup v1 freezer")
+        self.method = (
+            "cgroup v2 (delegated)" if hierarchy.delegated else "cgroup v2" if hierarchy.v2 else "cgroup v1 freezer"
+        )
         self.path: Path | None = None
         self.fallback: SignalFreezer | None = None
         self.stopped_init: Identity | None = None  # SIGSTOP'd by the kill path; resumed on thaw
@@ -161,9 +162,12 @@ class CgroupFreezer(Freezer):
                     self._write_state(True)
                     if self._settle(True) and self._verified():
                         self.outcome = FreezeOutcome(
-                            self.method, f"{self.method} freezer, verified (every process of the namespace in the "
-                            f"frozen cgroup) after {attempt} attempt{'s' if attempt > 1 else ''}", attempt,
-                            seconds=time.monotonic() - started)
+                            self.method,
+                            f"{self.method} freezer, verified (every process of the namespace in the "
+                            f"frozen cgroup) after {attempt} attempt{'s' if attempt > 1 else ''}",
+                            attempt,
+                            seconds=time.monotonic() - started,
+                        )
                         return self.outcome
                 return self._kill(started)
             except PermissionError as exc:  # not ours after all: signals are what is left
@@ -175,8 +179,13 @@ class CgroupFreezer(Freezer):
                 self.fallback = SignalFreezer(self.init_pid, ns=self.ns)
         self.outcome = self.fallback.freeze()
         if self.outcome.held:
-            self.outcome = FreezeOutcome(self.outcome.method, f"{self.outcome.note} (no usable cgroup)",
-                                         self.outcome.passes, self.outcome.killed, self.outcome.seconds)
+            self.outcome = FreezeOutcome(
+                self.outcome.method,
+                f"{self.outcome.note} (no usable cgroup)",
+                self.outcome.passes,
+                self.outcome.killed,
+                self.outcome.seconds,
+            )
         return self.outcome
 
     def _kill(self, started: float) -> FreezeOutcome:
@@ -192,9 +201,14 @@ class CgroupFreezer(Freezer):
         self._write_state(True)
         if not (self._settle(True) and self._verified()):
             raise FreezeError("could not freeze the agent: its processes were killed, yet the cgroup does not freeze")
-        self.outcome = FreezeOutcome("killed", f"could not freeze: {total} agent processes killed ({self.method} "
-                                     f"did not verify after {self.attempts} attempts)", self.attempts, total,
-                                     time.monotonic() - started)
+        self.outcome = FreezeOutcome(
+            "killed",
+            f"could not freeze: {total} agent processes killed ({self.method} "
+            f"did not verify after {self.attempts} attempts)",
+            self.attempts,
+            total,
+            time.monotonic() - started,
+        )
         return self.outcome
 
     def _thaw_cgroup(self) -> None:

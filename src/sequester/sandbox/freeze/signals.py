@@ -50,7 +50,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from sequester.sandbox.freeze.base import Freezer, FreezeError, FreezeOutcome, kill_agent, stop_init
+from sequester.sandbox.freeze.base import FreezeError, FreezeOutcome, Freezer, kill_agent, stop_init
 from sequester.sandbox.procs import Identity, Namespace, Proc, Thread, reopen
 
 __all__ = ["SignalFreezer", "stop_until_stable", "Stabilised"]
@@ -70,8 +70,9 @@ def _stopped(thread: Thread) -> bool:
     return thread.state in "tTZX" or (thread.state == "D" and thread.stop_pending)
 
 
-def stop_until_stable(ns: Namespace, signalled: set[Identity], *, max_passes: int = MAX_PASSES,
-                      budget: float = BUDGET_S) -> Stabilised:
+def stop_until_stable(
+    ns: Namespace, signalled: set[Identity], *, max_passes: int = MAX_PASSES, budget: float = BUDGET_S
+) -> Stabilised:
     """SIGSTOP every process of ``ns`` until two consecutive clean passes agree (see the
     module's docstring). Adds each process it signals to ``signalled`` (to resume on thaw)."""
     deadline = time.monotonic() + budget
@@ -127,8 +128,9 @@ class SignalFreezer(Freezer):
 
     method = "SIGSTOP"
 
-    def __init__(self, init_pid: int, *, max_passes: int = MAX_PASSES, budget: float = BUDGET_S,
-                 ns: Namespace | None = None):
+    def __init__(
+        self, init_pid: int, *, max_passes: int = MAX_PASSES, budget: float = BUDGET_S, ns: Namespace | None = None
+    ):
         super().__init__(init_pid, ns)
         self.max_passes, self.budget = max_passes, budget
         self.signalled: set[Identity] = set()
@@ -137,8 +139,12 @@ class SignalFreezer(Freezer):
         started = time.monotonic()
         result = stop_until_stable(self.ns, self.signalled, max_passes=self.max_passes, budget=self.budget)
         if result.stable:
-            self.outcome = FreezeOutcome("SIGSTOP", f"SIGSTOP, stable after {result.passes} passes", result.passes,
-                                         seconds=time.monotonic() - started)
+            self.outcome = FreezeOutcome(
+                "SIGSTOP",
+                f"SIGSTOP, stable after {result.passes} passes",
+                result.passes,
+                seconds=time.monotonic() - started,
+            )
             return self.outcome
         self.outcome = kill_and_confirm(self.ns, self.signalled, result, started)
         return self.outcome
@@ -166,5 +172,10 @@ def kill_and_confirm(ns: Namespace, signalled: set[Identity], why: Stabilised, s
     if not after.stable:
         raise FreezeError("could not freeze the agent: its processes were killed, yet the namespace keeps running")
     passes = why.passes + after.passes
-    return FreezeOutcome("killed", f"could not freeze: {killed} agent processes killed ({why.reason}; "
-                         f"not stable after {why.passes} passes)", passes, killed, time.monotonic() - started)
+    return FreezeOutcome(
+        "killed",
+        f"could not freeze: {killed} agent processes killed ({why.reason}; not stable after {why.passes} passes)",
+        passes,
+        killed,
+        time.monotonic() - started,
+    )

@@ -50,8 +50,8 @@ class HeadTail:
             return self
         if not self.dropped:  # the first overflow: split what was kept into head and tail
             data = bytes(self.head) + bytes(data)
-            self.head = bytearray(data[:self._head_size])
-            data = data[self._head_size:]
+            self.head = bytearray(data[: self._head_size])
+            data = data[self._head_size :]
         self.tail += data
         extra = len(self.tail) - self._tail_size
         if extra > 0:
@@ -80,8 +80,9 @@ class Worker:
         except ProcessLookupError:
             pass
 
-    def report(self, deadline: float | None = None,
-               also: Sequence[tuple[int, bytearray | HeadTail]] = ()) -> dict[str, Any] | None:
+    def report(
+        self, deadline: float | None = None, also: Sequence[tuple[int, bytearray | HeadTail]] = ()
+    ) -> dict[str, Any] | None:
         """Read the worker's report (one JSON line) until end of file; ``None`` on deadline.
 
         ``also`` are (fd, buffer) pairs drained meanwhile (e.g. the verifier's output).
@@ -130,8 +131,11 @@ class NsExec:
                 # No descriptor of the host's output: every process the helper starts (the
                 # verifier's init is PID 1 of a namespace the tests' programs can read
                 # /proc/1/fd of) would hold it. Workers report on their own pipes.
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True,
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
         finally:
             theirs.close()
@@ -163,23 +167,49 @@ class NsExec:
 
     # -- operations ------------------------------------------------------------------
 
-    def spawn(self, target: int, argv: Sequence[str], *, env: dict[str, str], cwd: str, stdin: int, stdout: int,
-              stderr: int, ctty: bool, caps: Sequence[str], seccomp_bpf: bytes, seccomp_nr: int,
-              extra: Sequence[int] = (), cgroup: str | Sequence[str] | None = None,
-              rlimits: dict[str, int] | None = None, harden: bool = False,
-              timeout: float = 30) -> int:
+    def spawn(
+        self,
+        target: int,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+        ctty: bool,
+        caps: Sequence[str],
+        seccomp_bpf: bytes,
+        seccomp_nr: int,
+        extra: Sequence[int] = (),
+        cgroup: str | Sequence[str] | None = None,
+        rlimits: dict[str, int] | None = None,
+        harden: bool = False,
+        timeout: float = 30,
+    ) -> int:
         """Start ``argv`` inside the episode of ``target``; returns its host pid.
 
         ``extra`` descriptors become 3, 4, ... in the new process; ``cgroup``: the
         ``cgroup.procs`` file(s) it joins first; ``rlimits``: resource
         limits by name (``{"RLIMIT_NPROC": 4096}``), soft and hard, set before the exec;
         ``harden``: first do what :meth:`harden` does (the episode's first process)."""
-        worker = self.request({
-            "op": "spawn", "target": target, "argv": list(argv), "env": env, "cwd": cwd, "ctty": ctty,
-            "caps": list(caps), "seccomp": base64.b64encode(seccomp_bpf).decode(), "seccomp_nr": seccomp_nr,
-            "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()), "rlimits": dict(rlimits or {}),
-            "harden": harden,
-        }, [stdin, stdout, stderr, *extra])
+        worker = self.request(
+            {
+                "op": "spawn",
+                "target": target,
+                "argv": list(argv),
+                "env": env,
+                "cwd": cwd,
+                "ctty": ctty,
+                "caps": list(caps),
+                "seccomp": base64.b64encode(seccomp_bpf).decode(),
+                "seccomp_nr": seccomp_nr,
+                "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()),
+                "rlimits": dict(rlimits or {}),
+                "harden": harden,
+            },
+            [stdin, stdout, stderr, *extra],
+        )
         report = self._finish(worker, timeout, "start a process in the episode")
         return int(report["pid"])
 
@@ -202,14 +232,24 @@ class NsExec:
         """Unpack artifacts at ``/`` of the view: links are kept, nothing is written through one."""
         self._with_input(target, {"action": "extract", "path": "/", "policy": "artifacts"}, tar, timeout)
 
-    def pack(self, target: int, paths: Sequence[str], exclude: dict[str, list[str]], *, limit: int,
-             timeout: float = 300) -> tuple[bytes, list[str]]:
+    def pack(
+        self, target: int, paths: Sequence[str], exclude: dict[str, list[str]], *, limit: int, timeout: float = 300
+    ) -> tuple[bytes, list[str]]:
         """A tar of ``paths`` in the view (at most ``limit`` bytes) and the paths missing."""
         data_r, data_w = os.pipe()
         os.set_inheritable(data_r, False)
         try:
-            worker = self.request({"op": "files", "target": target, "action": "pack", "path": "/",
-                                   "paths": list(paths), "exclude": exclude}, [data_w])
+            worker = self.request(
+                {
+                    "op": "files",
+                    "target": target,
+                    "action": "pack",
+                    "path": "/",
+                    "paths": list(paths),
+                    "exclude": exclude,
+                },
+                [data_w],
+            )
         finally:
             os.close(data_w)
         data = bytearray()
@@ -261,7 +301,7 @@ def write_and_close(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except OSError:
         pass
     finally:

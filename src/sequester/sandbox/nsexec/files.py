@@ -13,6 +13,7 @@ from typing import Any
 
 from sequester.sandbox.nsexec.ns import enter, read_all, report
 
+
 def extract(data: bytes, dest: str, policy: str) -> None:
     """Unpack a tar with tarfile's extraction filters (``data``: no links out, no special
     files, no setuid bits; ``tar``: the same minus the mode cleaning; ``artifacts``: see
@@ -25,9 +26,13 @@ def extract(data: bytes, dest: str, policy: str) -> None:
         for member in tar:
             name = os.path.normpath(member.name)
             link_out = (member.issym() or member.islnk()) and os.path.normpath(
-                os.path.join(os.path.dirname(name), member.linkname)).startswith(("/", ".."))
-            if name.startswith(("/", "..")) or member.isdev() or (link_out and not (
-                    policy == "artifacts" and member.issym())):
+                os.path.join(os.path.dirname(name), member.linkname)
+            ).startswith(("/", ".."))
+            if (
+                name.startswith(("/", ".."))
+                or member.isdev()
+                or (link_out and not (policy == "artifacts" and member.issym()))
+            ):
                 raise OSError(errno.EPERM, f"refusing to unpack {member.name!r}")
             parent = os.path.dirname(os.path.join(dest, name))
             if os.path.realpath(parent) != os.path.normpath(parent):
@@ -54,8 +59,7 @@ def _pack(paths: list[str], exclude: dict[str, list[str]], out: int) -> list[str
                 if not (info.isfile() or info.isdir() or info.issym()):
                     return None  # no devices, fifos or hard links into the view
                 rel = info.name.split("/", 1)[-1]
-                return None if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(info.name, p) for p in patterns) \
-                    else info
+                return None if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(info.name, p) for p in patterns) else info
 
             tar.add(path, arcname=path.lstrip("/"), filter=keep)
     return missing
@@ -89,7 +93,7 @@ def op_files(req: dict[str, Any], fds: list[int]) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fchmod(fd, req.get("mode", 0o644))
         finally:
             os.close(fd)
@@ -108,5 +112,3 @@ def op_files(req: dict[str, Any], fds: list[int]) -> None:
         report(result, {"missing": _pack(req["paths"], req.get("exclude", {}), fds[1])})
     else:
         raise ValueError(f"unknown file action {action!r}")
-
-

@@ -23,8 +23,14 @@ PR_SET_PDEATHSIG = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 # statvfs's flags -> mount(2)'s: a remount must repeat the flags a mount was locked with.
-_KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
-               (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
+_KEPT_FLAGS = (
+    (os.ST_NOSUID, MS_NOSUID),
+    (os.ST_NODEV, MS_NODEV),
+    (os.ST_NOEXEC, MS_NOEXEC),
+    (os.ST_NOATIME, MS_NOATIME),
+    (os.ST_NODIRATIME, MS_NODIRATIME),
+    (os.ST_RELATIME, MS_RELATIME),
+)
 # Attack: a root caller's agent (and every program its tests run) is host uid 0, and
 # procfs lets host uid 0 write the kernel's global settings whatever its capabilities
 # (kernel.core_pattern = "|/path" runs a program as host root at the next crash;
@@ -34,9 +40,6 @@ PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 # or touch the host's /dev/null itself. On a read-only mount those are refused, while the
 # devices still read and write.
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
-
-
-
 
 
 def remount_readonly(path: str) -> None:
@@ -91,8 +94,10 @@ def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, 
     for procs in [cgroup] if isinstance(cgroup, str) else (cgroup or ()):  # the freezer's, the limits'
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
-    fds = {name: os.open(f"/proc/{target}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-           for name in ("mnt", "net", "ipc", "uts", "pid", "user")}
+    fds = {
+        name: os.open(f"/proc/{target}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        for name in ("mnt", "net", "ipc", "uts", "pid", "user")
+    }
     try:
         parent = fcntl.ioctl(fds["user"], NS_GET_PARENT)
         try:
@@ -133,7 +138,7 @@ def report(fd: int, message: dict[str, Any]) -> None:
     data = (json.dumps(message) + "\n").encode()
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def read_all(fd: int) -> bytes:
@@ -141,5 +146,3 @@ def read_all(fd: int) -> bytes:
     while chunk := os.read(fd, 1 << 16):
         chunks.append(chunk)
     return b"".join(chunks)
-
-

@@ -52,8 +52,16 @@ _BIN_TARGETS = ("/usr/bin", "/bin")
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    check(libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
-                     flags, data.encode() if data else None), f"mount {target}")
+    check(
+        libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
+        f"mount {target}",
+    )
 
 
 def build_root(staging: str, runner_bin: str, run: str) -> list[str]:
@@ -72,8 +80,9 @@ def build_root(staging: str, runner_bin: str, run: str) -> list[str]:
     _bin(os.path.join(staging, "bin"), os.path.join(staging, ".sequester"), agent_bin, runner_bin)
     entries = sorted(os.scandir("/"), key=lambda e: e.name)
     if len(entries) > MAX_TOP_ENTRIES:
-        notes.append(f"the agent's root has {len(entries)} entries: only the first {MAX_TOP_ENTRIES} are in the "
-                     "verifier's root")
+        notes.append(
+            f"the agent's root has {len(entries)} entries: only the first {MAX_TOP_ENTRIES} are in the verifier's root"
+        )
     for entry in entries[:MAX_TOP_ENTRIES]:
         name, target = entry.name, os.path.join(staging, entry.name)
         if name in _OWN or name == os.path.basename(staging.rstrip("/")):
@@ -144,8 +153,10 @@ def _bind_fd(fd: int, target: str) -> None:
     if tree < 0:
         check(-1, f"open_tree for {target}")
     try:
-        check(libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH),
-              f"move_mount to {target}")
+        check(
+            libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH),
+            f"move_mount to {target}",
+        )
     finally:
         os.close(tree)
 
@@ -166,8 +177,13 @@ def _populate_dev(dev: str) -> None:
             _bind_fd(fd, os.path.join(dev, name))
         finally:
             os.close(fd)
-    for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                       ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
+    for name, link in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ):
         os.symlink(link, os.path.join(dev, name))
     os.mkdir(os.path.join(dev, "pts"), 0o755)
     _mount("devpts", os.path.join(dev, "pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")

@@ -39,11 +39,27 @@ import time
 from typing import Any
 
 from sequester.sandbox.nsexec.files import extract, op_files
+from sequester.sandbox.nsexec.ns import (
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    MNT_DETACH,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_REC,
+    PR_SET_PDEATHSIG,
+    check,
+    die_with_parent,
+    enter,
+    harden_proc,
+    libc,
+    read_all,
+    remount_readonly,
+    report,
+    restrict,
+)
 from sequester.sandbox.nsexec.root import build_root
-from sequester.sandbox.nsexec.ns import (CLONE_NEWNS, CLONE_NEWPID, MNT_DETACH, MS_NODEV, MS_NOEXEC,
-                                           MS_NOSUID, MS_PRIVATE, MS_REC, PR_SET_PDEATHSIG, check,
-                                           die_with_parent, enter, harden_proc, libc, read_all,
-                                           remount_readonly, report, restrict)
 
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
@@ -90,8 +106,9 @@ def _only_child(proc: int, pid: int) -> int:
     raise OSError(errno.ECHILD, "the new process did not appear")
 
 
-def _exec_agent_process(req: dict[str, Any], result: int, stdin: int, stdout: int, stderr: int,
-                        extra: list[int]) -> None:
+def _exec_agent_process(
+    req: dict[str, Any], result: int, stdin: int, stdout: int, stderr: int, extra: list[int]
+) -> None:
     try:
         os.setsid()
         # Move every descriptor out of the way first, then into place: 0-2, then 3, 4, ...
@@ -168,8 +185,12 @@ def _copy_wheels(source: int, target: str) -> None:
                 total += entry.stat(follow_symlinks=False).st_size
     os.mkdir(target, 0o755)
     size = total + (len(names) + 256) * 4096  # page rounding and folder entries
-    check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                     f"mode=0755,size={size}".encode()), f"mount {target}")
+    check(
+        libc.mount(
+            b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"mode=0755,size={size}".encode()
+        ),
+        f"mount {target}",
+    )
     for name in names:
         src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=source)
         try:
@@ -237,15 +258,21 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                 os.waitpid(-1, 0)
             except ChildProcessError:
                 break
-        report(result, {"exit_code": os.waitstatus_to_exitcode(status) if status is not None else None,
-                        "files": _verdict_files(), "notes": notes})
+        report(
+            result,
+            {
+                "exit_code": os.waitstatus_to_exitcode(status) if status is not None else None,
+                "files": _verdict_files(),
+                "notes": notes,
+            },
+        )
     except BaseException as exc:  # noqa: BLE001
         report(result, {"error": f"{type(exc).__name__}: {exc}"})
     os._exit(0)
 
 
 _FILES_TOTAL = 8 << 20  # all files read back, together (the report must stay small)
-_FILES_SCANNED = 4096   # folder entries looked at (the tests' programs can make millions)
+_FILES_SCANNED = 4096  # folder entries looked at (the tests' programs can make millions)
 
 
 def _verdict_files() -> dict[str, str]:
@@ -269,7 +296,7 @@ def _verdict_files() -> dict[str, str]:
         return out
     try:
         with os.scandir(folder) as entries:
-            names = sorted(e.name for _, e in zip(range(_FILES_SCANNED), entries))
+            names = sorted(e.name for _, e in zip(range(_FILES_SCANNED), entries, strict=False))
         first = [n for n in ("reward.json", "reward.txt") if n in names]
         names = first + [n for n in names if n not in first]
         total = 0
