@@ -14,7 +14,7 @@ import pytest
 from sequester.cli import build_parser
 from sequester.environments.base import ExecResult
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 
 
