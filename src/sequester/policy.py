@@ -31,7 +31,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from sequester.errors import PolicyError
@@ -195,7 +195,8 @@ class Policy:
         return dataclasses.replace(
             self,
             isolation=self.isolation if isolation is None else isolation,
-            allow=(*self.allow, *allow),
+            # str entries are parsed into Endpoint-s by __post_init__
+            allow=cast("tuple[Endpoint, ...]", (*self.allow, *allow)),
             readonly=(*self.readonly, *(existing_path(base / p, "--readonly") for p in readonly)),
             hide=(*self.hide, *(existing_path(base / p, "--hide") for p in hide)),
         )

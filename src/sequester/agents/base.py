@@ -9,7 +9,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sequester.errors import PolicyError
 
@@ -23,7 +23,8 @@ __all__ = ["Agent", "load_agent"]
 class Agent(Protocol):
     """Acts in an episode: runs commands with ``episode.exec``, reads and writes files."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only is enough (a plain attribute is one too)
 
     def run(self, instruction: str, episode: Episode) -> None: ...
 
@@ -92,7 +93,7 @@ def _import(spec: str, module_name: str) -> ModuleType:
         raise PolicyError(f"--agent {spec!r}: importing {module_name!r} raised {_describe(exc)}") from None
 
 
-def _construct(spec: str, cls: object) -> Agent:
+def _construct(spec: str, cls: object) -> Any:  # an Agent only once load_agent has checked it
     if not callable(cls):
         raise PolicyError(f"--agent {spec!r}: {cls!r} is not a class")
     try:

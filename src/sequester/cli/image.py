@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sequester.config import load_config
@@ -32,7 +32,8 @@ class _Bars:
     """:class:`sequester.images.progress.Progress` drawn with rich."""
 
     def __init__(self, bars: Progress):
-        self.bars, self.task = bars, None
+        self.bars = bars
+        self.task: TaskID | None = None
 
     def phase(self, description: str, total: int | None) -> None:
         self.done()
@@ -65,7 +66,7 @@ def _store(args: argparse.Namespace) -> ImageStore:
     return ImageStore(load_config(args.config).episodes.images)
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -26,10 +26,11 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from sequester.cluster.bundles import TaskBundle, evict_unused, pack_folder, task_on_node
 from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
-from sequester.images.image_settings import default_store_dir
+from sequester.images.image_settings import ImageSettings, default_store_dir
 from sequester.jobs.cancel import Cancellation
 from sequester.jobs.results import TrialResult
 from sequester.jobs.trial import run_trial
@@ -64,9 +65,17 @@ def machine_defaults(settings: EpisodeSettings) -> frozenset[str]:
     return frozenset(name for name in MACHINE_PATHS if current[name] == defaults[name])
 
 
+class _MachinePaths(TypedDict, total=False):
+    """The fields of :class:`EpisodeSettings` that :func:`settings_for_node` may replace."""
+
+    state_dir: Path
+    toolchain_dir: Path
+    images: ImageSettings
+
+
 def settings_for_node(settings: EpisodeSettings, defaulted: frozenset[str]) -> EpisodeSettings:
     """``settings`` with each path in ``defaulted`` replaced by this machine's default."""
-    changes: dict[str, object] = {}
+    changes: _MachinePaths = {}
     if "state_dir" in defaulted:
         changes["state_dir"] = default_state_dir()
     if "toolchain_dir" in defaulted:

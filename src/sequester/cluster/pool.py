@@ -326,7 +326,7 @@ class EpisodePool:
         """A new episode on task ``task_id`` (a folder of ``tasks_dir``), started."""
         ref, episode_id, slot = self._send_reset(task_id, self._bundle(self._folder(task_id)))
         try:
-            started = self._get(ref, episode_id, slot, "reset")
+            started: tuple[str, str] = self._get(ref, episode_id, slot, "reset")  # instruction, workdir
         except BaseException:
             self._abandon(episode_id, slot)
             raise
@@ -365,7 +365,7 @@ class EpisodePool:
         bundle = cached if cached is not None else await asyncio.to_thread(self._bundle, folder)
         ref, episode_id, slot = self._send_reset(task_id, bundle)
         try:
-            started = await self._aget(ref, episode_id, slot, "reset")
+            started: tuple[str, str] = await self._aget(ref, episode_id, slot, "reset")  # instruction, workdir
         except BaseException:  # cancelled too: the actor may have started it
             self._abandon(episode_id, slot)
             raise

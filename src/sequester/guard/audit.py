@@ -139,7 +139,7 @@ def install_audit_hook(
     sys.addaudithook(hook)
 
 
-def _ip_address():  # type: ignore[no-untyped-def]
+def _ip_address():
     import ipaddress
 
     return ipaddress.ip_address

@@ -51,7 +51,7 @@ def _fs_rights(abi: int) -> int:
     return rights
 
 
-def _libc():  # type: ignore[no-untyped-def]
+def _libc():
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)

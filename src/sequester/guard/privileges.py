@@ -173,7 +173,7 @@ def keep_capabilities(names: list[str] | tuple[str, ...]) -> None:
     _capset(libc, sum(1 << c for c in keep))
 
 
-def _capset(libc, mask: int) -> None:  # type: ignore[no-untyped-def]
+def _capset(libc, mask: int) -> None:
     """Set effective, permitted and inheritable to ``mask``; clear the ambient set."""
     import ctypes
 

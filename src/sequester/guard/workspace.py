@@ -20,7 +20,7 @@ _SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
 _AF_INET, _SOCK_DGRAM = 2, 2
 
 
-def steps_for_kernel(steps) -> list[tuple]:  # type: ignore[no-untyped-def]
+def steps_for_kernel(steps) -> list[tuple]:
     """``MountStep``-s as ``(op, target, source, fstype, flags, data, mode, parents)`` of
     str and int only (``parents``: a mount point's ancestors, outermost first)."""
     return [

@@ -32,7 +32,7 @@ from sequester.imagebuild.execute import StepContext, execute_step
 from sequester.imagebuild.layer import commit_layer, drop_mount_stubs
 from sequester.imagebuild.plan import StagePlanner, needed_stages, stage_graph
 from sequester.imagebuild.record import built_layer, write_built_image
-from sequester.imagebuild.steps import ConfigStep, CopyStep, RunStep, Step
+from sequester.imagebuild.steps import ConfigStep, CopyStep, RunStep, Step, WorkdirStep
 from sequester.images.build_cache import BuildCache, base_key, step_key
 from sequester.images.manifest import ImageConfig
 from sequester.images.records import ImageRecord, LayerRef, hex_of
@@ -344,7 +344,15 @@ def _cached_layer(store: ImageStore, cache: BuildCache, key: str) -> str | None:
     return None
 
 
-def _execute(store: ImageStore, step: Step, lowers: list[Path], key: str, ctx: StepContext, *, fresh: bool) -> str:
+def _execute(
+    store: ImageStore,
+    step: RunStep | CopyStep | WorkdirStep,
+    lowers: list[Path],
+    key: str,
+    ctx: StepContext,
+    *,
+    fresh: bool,
+) -> str:
     """Run ``step`` and commit its layer; the layer's hex name."""
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=store.root / "tmp"))
     try:

@@ -103,7 +103,7 @@ def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: St
         raise BuildError(f"{where}: USER {step.user!r}: {exc}") from None
     env = dict(step.env)
     env.setdefault("HOME", home or ("/root" if uid == 0 else "/"))
-    wants_network = step.network != "none" and ctx.proxy_factory is not None
+    proxy_factory = ctx.proxy_factory if step.network != "none" else None  # None: no network
     run = StepRun(
         tuple(lowers),
         upper,
@@ -115,7 +115,7 @@ def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: St
         gid=gid,
     )
     outcome = run_step(
-        run, timeout=_left(ctx), proxy=ctx.proxy_factory() if wants_network else None, on_output=ctx.on_output
+        run, timeout=_left(ctx), proxy=proxy_factory() if proxy_factory is not None else None, on_output=ctx.on_output
     )
     if outcome.status != 0:
         raise step_failure(ctx, step.line, step.text, outcome)
@@ -138,7 +138,7 @@ def _copy(
     _check_mount_points(lowers, ("proc", "dev", runner_rel.split("/")[0], runner_rel), where)
     if image_path_kind(lowers, runner_rel) != "none":
         raise BuildError(f"{where}: the image has {RUNNER_MOUNT}, where the build mounts its copier")
-    mounts = [MountOp(MountKind.READONLY, RUNNER_MOUNT, source=ctx.runner)]
+    mounts = [MountOp(MountKind.READONLY, Path(RUNNER_MOUNT), source=ctx.runner)]
     ops: list[dict] = []
     network = False
     if isinstance(step, WorkdirStep):

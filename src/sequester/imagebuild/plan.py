@@ -87,7 +87,7 @@ class StagePlanner:
         self._shell = base_config.shell or DEFAULT_SHELL
         self._shell_set = bool(base_config.shell)  # the config records a Shell only once there is one
         self._cmd, self._entrypoint, self._cmd_set = base_config.cmd, base_config.entrypoint, False
-        self._labels = dict(item.split("=", 1) if "=" in item else (item, "") for item in base_config.labels)
+        self._labels = {key: value for key, _, value in (item.partition("=") for item in base_config.labels)}
         self._ports = dict.fromkeys(base_config.exposed_ports)
         self._volumes = dict.fromkeys(base_config.volumes)
         self._healthcheck = base_config.healthcheck

@@ -18,14 +18,14 @@ import tarfile
 import zlib
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 try:
     import zstandard
 
     ZstdError: type[Exception] = zstandard.ZstdError
 except ImportError:  # only zstd layers need it: a Python without it still runs host-mode episodes
-    zstandard = None
+    zstandard = None  # type: ignore[assignment]  # an optional module: mypy cannot type module-or-None
 
     class ZstdError(Exception):  # type: ignore[no-redef]
         pass
@@ -168,7 +168,7 @@ def bounded_tarinfo(layer: LayerStream) -> type[tarfile.TarInfo]:
         __slots__ = ()
 
         @classmethod
-        def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        def fromtarfile(cls, tar: tarfile.TarFile) -> BoundedTarInfo:
             outer = layer.header_limit is None  # PAX and long-name headers recurse into here
             if outer:
                 layer.header_limit = layer.total + HEADER_BUDGET
@@ -188,12 +188,14 @@ def decoder_for(media_type: str, blob: Blob) -> Any:
         compression = "gzip" if head[:2] == b"\x1f\x8b" else "zstd" if head == b"\x28\xb5\x2f\xfd" else "tar"
         log.debug("layer media type %r: %s, from its first bytes", media_type, compression)
     if compression == "gzip":
-        return gzip.GzipFile(fileobj=blob, mode="rb")  # multi-member; CRC and length checked
+        # read forward only: typeshed's file object protocol also asks for seek()
+        return gzip.GzipFile(fileobj=cast(BinaryIO, blob), mode="rb")  # multi-member; CRC and length checked
     if compression == "zstd":
         if zstandard is None:
             raise ImageError("a zstd-compressed layer needs the zstandard package (pip install zstandard)")
         blob.frames = ZstdFrames()
         blob.frames.feed(blob.head)
         # The default window limit (128 MiB) bounds the decoder's memory whatever a frame asks.
-        return zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True, closefd=False)
+        source = cast(BinaryIO, blob)  # stream_reader only calls read()
+        return zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True, closefd=False)
     return blob

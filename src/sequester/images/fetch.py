@@ -17,7 +17,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from sequester.errors import ImageError
 from sequester.images import skopeo
@@ -29,6 +29,7 @@ from sequester.images.reference import parse_reference
 from sequester.images.sources import Source, SourceKind
 
 if TYPE_CHECKING:
+    from sequester.images.manifest import Platform
     from sequester.images.store import ImageStore
 
 __all__ = ["skopeo_fetch"]
@@ -36,11 +37,19 @@ __all__ = ["skopeo_fetch"]
 Fetched = tuple[str, str, "str | None"]  # manifest digest, where it came from, the source's own digest
 
 
+class _Common(TypedDict):
+    """The keyword arguments every skopeo argv of one store takes."""
+
+    policy: Path
+    plat: Platform
+    tmpdir: Path
+
+
 @contextlib.contextmanager
 def skopeo_fetch(store: ImageStore, source: Source, tmp: Path, progress: Progress, what: str) -> Iterator[Fetched]:
     """Copy ``source``'s blobs into the store; yields while the image's fetch lock is held."""
     program = skopeo.skopeo_path()
-    common = dict(policy=store.root / "policy.json", plat=store.platform, tmpdir=tmp)
+    common = _Common(policy=store.root / "policy.json", plat=store.platform, tmpdir=tmp)
     if source.kind is not SourceKind.REGISTRY:
         if source.kind is SourceKind.OCI_LAYOUT:
             _check_layout_platform(store, source, what)

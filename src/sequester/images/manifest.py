@@ -209,6 +209,7 @@ def parse_config(doc: dict[str, Any], what: str) -> ImageConfig:
             raise ImageError(f"{what}: config.{key} is not a string")
     plat = Platform(str(doc.get("os", "")), str(doc.get("architecture", "")), str(doc.get("variant", "") or ""))
     health = cfg.get("Healthcheck")
+    stop_signal = cfg.get("StopSignal")
     return ImageConfig(
         env=_strings(cfg.get("Env"), what, "Env"),
         workdir=cfg.get("WorkingDir") or "",
@@ -221,7 +222,7 @@ def parse_config(doc: dict[str, Any], what: str) -> ImageConfig:
         exposed_ports=_keys(cfg.get("ExposedPorts")),
         volumes=_keys(cfg.get("Volumes")),
         healthcheck=_strings(health.get("Test"), what, "Healthcheck.Test") if isinstance(health, dict) else (),
-        stop_signal=cfg.get("StopSignal") if isinstance(cfg.get("StopSignal"), str) else "",
+        stop_signal=stop_signal if isinstance(stop_signal, str) else "",
         shell=_strings(cfg.get("Shell"), what, "Shell"),
     )
 

@@ -84,8 +84,9 @@ def read_record(path: Path) -> ImageRecord:
             data = json.loads(f.read(4 << 20))
         cfg = dict(data["config"])
         plat = cfg.pop("platform", None)
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}
         config = ImageConfig(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()},
+            **fields,
             platform=Platform(**plat) if plat else None,
         )
         layers = tuple(LayerRef(**layer) for layer in data["layers"])

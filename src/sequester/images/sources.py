@@ -18,6 +18,7 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, cast
 
 from sequester.errors import ImageError
 
@@ -129,7 +130,9 @@ def tar_rootfs(folder: Path, out: Path) -> tuple[str, int]:
 
     try:
         with open(out, "wb") as raw:
-            with tarfile.open(fileobj=_Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            # a stream ("w|") only writes to its file object; typeshed asks for a whole file
+            hashing = cast(BinaryIO, _Hashing(raw))
+            with tarfile.open(fileobj=hashing, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for entry in sorted(os.listdir(folder)):
                     tar.add(folder / entry, arcname=entry, recursive=True, filter=fold)
     except OSError as exc:

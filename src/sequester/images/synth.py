@@ -79,8 +79,8 @@ def _digests(path: Path, compression: str) -> tuple[str, str, int]:
     elif compression == "zstd":
         import zstandard
 
-        d = zstandard.ZstdDecompressor().decompressobj()
-        feed = lambda data: tar.update(d.decompress(data))  # noqa: E731
+        zd = zstandard.ZstdDecompressor().decompressobj()
+        feed = lambda data: tar.update(zd.decompress(data))  # noqa: E731
     else:
         feed = tar.update
     size = 0

@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, cast
 
 from sequester.errors import ImageError
 from sequester.images._layerstream import (
@@ -107,14 +108,15 @@ class _Unpacker:
 
     def run(self) -> None:
         tar = tarfile.open(
-            fileobj=self.layer,
+            fileobj=cast(BinaryIO, self.layer),  # a stream ("r|") only calls read()
             mode="r|",
             tarinfo=bounded_tarinfo(self.layer),
             encoding="utf-8",
             errors="surrogateescape",
         )
         while (member := tar.next()) is not None:
-            tar.members.clear()  # stream mode keeps every TarInfo: 2M members would be GBs
+            # stream mode keeps every TarInfo: 2M members would be GBs (members: not in typeshed)
+            tar.members.clear()  # type: ignore[attr-defined]
             self.counts["entries"] += 1
             if self.counts["entries"] > self.max_entries:
                 raise ImageError(f"more than max_entries={self.max_entries} members")

@@ -64,7 +64,7 @@ class _Capture:
                     _Router("stdout", sys.stdout, self._sinks),
                     _Router("stderr", sys.stderr, self._sinks),
                 )
-                sys.stdout, sys.stderr = self._installed  # type: ignore[assignment]
+                sys.stdout, sys.stderr = self._installed
             self._sinks[threading.get_ident()] = sink
 
     def leave(self) -> None:

@@ -26,7 +26,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sequester.agents import load_agent
 from sequester.environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
@@ -43,11 +43,21 @@ from sequester.jobs.paths import TEST_STDOUT, TrialPaths
 from sequester.jobs.results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
 from sequester.tasks import Task
 
+if TYPE_CHECKING:
+    from sequester.images.choose import Choice
+
 __all__ = ["run_trial", "trial_config", "new_trial_name", "settings_to_dict", "write_json"]
 
 log = logging.getLogger("sequester.jobs")
 
 _ALPHABET = string.ascii_lowercase + string.digits
+
+
+class _StartsOnImage(Protocol):
+    """A backend on this machine's image store (the local one): its ``start`` also takes
+    the system the job chose (see :meth:`~sequester.environments.base.Environment.start`)."""
+
+    def start(self, task: Task, *, image: Choice) -> object: ...
 
 
 def new_trial_name(task_name: str) -> str:
@@ -221,7 +231,10 @@ def run_trial(
                     if missing:
                         raise UnsupportedByBackend("; ".join(missing))
                     # (a backend that chooses its own system is never passed one)
-                    episode.start(task) if image is None else episode.start(task, image=image)
+                    if image is None:
+                        episode.start(task)
+                    else:  # a job chooses images only for the local backend (jobs/job.py)
+                        cast(_StartsOnImage, episode).start(task, image=image)
                     system = episode.system
                     if cancel is not None:
                         watch.enter_context(cancel.watching(episode))

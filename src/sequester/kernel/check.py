@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sequester.kernel.check_native import ctypes_unloadable
 from sequester.kernel.client import Kernel
@@ -160,7 +161,7 @@ def run_check(policy: Policy) -> CheckReport:
     return CheckReport(mode, tuple(findings), first_stage, view)
 
 
-def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:  # type: ignore[no-untyped-def]
+def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:
     dirs, _ = hidden_paths(policy, facts)
     backs = mount_backs(policy, facts)
     probes = []
@@ -182,17 +183,18 @@ def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:  # type: ig
     seen = _probe(kernel, code)
     if "error" in seen:
         return Finding("files hidden", False, seen["error"])
-    bad, notes = [], []
-    for path, host_count, expected in sorted(probes, key=lambda p: -p[1]):
-        inside = seen.get(path)
+    bad: list[str] = []
+    notes: list[str] = []
+    for probed, host_count, expected in sorted(probes, key=lambda p: -p[1]):
+        inside: Any = seen.get(probed)  # the probe's JSON: a list of names, or why not
         ok = isinstance(inside, str) or (isinstance(inside, list) and set(inside) <= set(expected))
         (notes if ok else bad).append(
-            f"{path}: host {host_count} entries, kernel {inside if isinstance(inside, str) else len(inside)}"
+            f"{probed}: host {host_count} entries, kernel {inside if isinstance(inside, str) else len(inside)}"
         )
     return Finding("files hidden", not bad and bool(probes), "; ".join(bad or notes[:4]) or "nothing to hide")
 
 
-def _source_readonly(kernel: Kernel, policy: Policy, facts) -> Finding:  # type: ignore[no-untyped-def]
+def _source_readonly(kernel: Kernel, policy: Policy, facts) -> Finding:
     targets = [str(facts.package_root), *(str(p) for p in policy.readonly if p.is_dir())]
     code = (
         "import json, os\nout = {}\n"
@@ -319,9 +321,10 @@ def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
     one) sees nothing of the first: not its workspace files, not its loopback listener
     (its network namespace), not its process."""
     marked = kernel.run(_MARK)
-    if marked.error is not None or not (marked.value or "").isdigit():
+    if marked.error is not None or marked.value is None or not marked.value.isdigit():
         return Finding("kernels apart", False, f"the first kernel could not mark itself: {marked.error}")
     with Kernel(policy) as other:
+        assert other.process is not None and kernel.process is not None  # both started; no cell failed
         if other.process.view_template is not kernel.process.view_template:
             return Finding("kernels apart", False, "the second kernel came from another view: nothing was compared")
         seen = _probe(other, _LOOK.replace("@PORT@", marked.value))

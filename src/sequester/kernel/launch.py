@@ -34,7 +34,7 @@ from sequester.kernel.environ import kernel_environment
 from sequester.kernel.from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
 from sequester.kernel.spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
 from sequester.kernel.stage0 import stage0_program
-from sequester.kernel.template import TemplateSandbox, ViewTemplate, templates_enabled
+from sequester.kernel.template import TemplateKernel, TemplateSandbox, ViewTemplate, templates_enabled
 from sequester.net.broker import Broker
 from sequester.policy import Isolation, Policy
 from sequester.sandbox.bwrap import close_fd
@@ -64,7 +64,7 @@ class KernelProcess:
     """
 
     mode: Isolation
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | TemplateKernel
     to_kernel: int
     from_kernel: int
     stdout: int
@@ -195,6 +195,8 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
             facts, to_kernel_r, from_kernel_w, confined=mode is not Isolation.OFF, native=stage0 is not None
         )
         first_frame = None
+        sandbox: SandboxProcess | TemplateSandbox | None
+        popen: subprocess.Popen[bytes] | TemplateKernel
         try:
             if stage0 is not None and templates_enabled():
                 # The view is assembled once per policy; this kernel is a child of its keeper.

@@ -214,7 +214,7 @@ class Cells:
 
             cls._ast = _ast
         _ast = cls._ast
-        tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST)  # what ast.parse does
+        tree: Any = compile(code, filename, "exec", _ast.PyCF_ONLY_AST)  # what ast.parse does: a Module
         last = None
         if tree.body and isinstance(tree.body[-1], _ast.Expr):
             last = compile(_ast.Expression(tree.body.pop().value), filename, "eval")

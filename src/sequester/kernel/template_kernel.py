@@ -99,7 +99,7 @@ class TemplateSandbox:
     below_tmp: tuple[Any, ...] = ()
 
     @property
-    def broker(self):  # type: ignore[no-untyped-def]
+    def broker(self):
         return self.network.broker
 
     @property

@@ -77,7 +77,7 @@ class _Bridge:
 
     def _accept(self, listener: _socket.socket, header: bytes | None) -> None:
         try:
-            fd, _ = listener._accept()
+            fd, _ = listener._accept()  # type: ignore[attr-defined]  # C method typeshed omits
         except OSError:
             return
         client = _socket.socket(listener.family, _socket.SOCK_STREAM, 0, fd)

@@ -73,15 +73,15 @@ def parse_request_line(line: bytes) -> Request:
         return Request(_host(host.strip("[]"), target), _port(port, target), True)
     try:
         parts = urlsplit(target)
-        hostname, port = parts.hostname, parts.port
+        hostname, url_port = parts.hostname, parts.port
     except ValueError as exc:  # "Port out of range", "Invalid IPv6 URL", NFKC tricks
         raise Refused(400, f"{shorten(target)!r} is not a valid URL ({exc})") from None
     if parts.scheme.lower() != "http" or not hostname:
         raise Refused(400, "only CONNECT and absolute http:// requests are proxied")
-    if port == 0:
+    if url_port == 0:
         raise Refused(400, f"{shorten(target)!r}: the port is not in 1..65535")
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Request(_host(hostname, target), port or 80, False, f"{method} {path} {version}\r\n".encode("latin-1"))
+    return Request(_host(hostname, target), url_port or 80, False, f"{method} {path} {version}\r\n".encode("latin-1"))
 
 
 def parse_direct(line: bytes) -> tuple[str, int] | None:

@@ -123,12 +123,18 @@ def start_bwrap(
         info_r, info_w = os.pipe()
         temp(info_r)
         info_w_open = [info_w]  # closed early (below), or at the end if Popen fails
-        temporary.callback(lambda: [close_fd(fd) for fd in info_w_open])
+
+        def close_info_w() -> None:
+            for fd in info_w_open:
+                close_fd(fd)
+
+        temporary.callback(close_info_w)
         needs_map = spec.identity is Identity.NOBODY
         block_r, block_w = (temp(fd) for fd in os.pipe())
         seccomp_fd = temp(_data_fd(spec.seccomp)) if spec.seccomp is not None else None
         hold_r, hold_w = os.pipe() if spec.hold else (None, None)
         if hold_r is not None:
+            assert hold_w is not None  # made with hold_r, by the same os.pipe()
             temp(hold_r)
             on_failure.callback(close_fd, hold_w)
         fds = LaunchFds(
@@ -151,7 +157,12 @@ def start_bwrap(
             stderr=stderr,
             start_new_session=True,
         )
-        on_failure.callback(lambda: (popen.kill(), popen.wait()))
+
+        def kill_bwrap() -> None:
+            popen.kill()
+            popen.wait()
+
+        on_failure.callback(kill_bwrap)
         if timing is not None:
             timing["spawned"] = time.monotonic_ns()
         close_fd(info_w_open.pop())  # so that bwrap's exit ends our read

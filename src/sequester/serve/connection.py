@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from sequester.serve import protocol
@@ -49,8 +50,8 @@ class Connection:
         self.settings = manager.settings
         self.session: Session | None = None
         self.progress = False
-        self._receiver: asyncio.Future[dict[str, Any]] | None = None
-        self._held: dict[str, Any] | None = None
+        self._receiver: asyncio.Future[Message] | None = None
+        self._held: Message | None = None
         self._task: asyncio.Task[Any] | None = None
         self._ended_by: str | None = None
 
@@ -96,7 +97,7 @@ class Connection:
             task.cancel()  # its finally closes the session: a step in flight is killed first
             await asyncio.wait([task], timeout=60)
 
-    async def _next(self, timeout: float | None) -> dict[str, Any] | None:
+    async def _next(self, timeout: float | None) -> Message | None:
         """The next ASGI message (``None``: ``timeout`` passed without one)."""
         if self._held is not None:
             message, self._held = self._held, None
@@ -108,7 +109,7 @@ class Connection:
             return None
         return self._take_received()
 
-    def _take_received(self) -> dict[str, Any]:
+    def _take_received(self) -> Message:
         assert self._receiver is not None
         receiver, self._receiver = self._receiver, None
         try:
@@ -146,7 +147,7 @@ class Connection:
 
     # -- frames ---------------------------------------------------------------------------
 
-    async def _handle(self, message: dict[str, Any]) -> bool:
+    async def _handle(self, message: Message) -> bool:
         """Answer one message; ``False``: the client asked to close."""
         text = message.get("text")
         if text is None:

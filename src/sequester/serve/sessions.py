@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 from sequester.environments.verdict import VerifierError
 from sequester.errors import KernelClosedError, SequesterError
@@ -100,7 +100,7 @@ def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
 class Session:
     """One session: its worker thread, its counters, and the calls a connection makes."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[Literal["episode", "kernel"]]
     actions: ClassVar[frozenset[str]]
 
     def __init__(self, session_id: str, task: str | None = None):
@@ -123,7 +123,7 @@ class Session:
         return protocol.SessionState(
             session_id=self.id,
             kind=self.kind,
-            task=self.task,  # type: ignore[arg-type]
+            task=self.task,
             steps=self.steps,
             done=self.done,
             started_at=self.started_at,
@@ -227,7 +227,7 @@ class EpisodeSession(Session):
     @property
     def init_pid(self) -> int:
         """Host pid of the episode's init (diagnostics and tests)."""
-        return self._episode.init_pid  # type: ignore[attr-defined] - the local backend's
+        return self._episode.init_pid  # type: ignore[attr-defined]  # only the local backend has one
 
     def _step(self, action: Any) -> StepResult:
         ep = self._episode

@@ -249,10 +249,10 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
         dest = root / "libexec" / name
         shutil.copy2(source, dest)
         programs.append(dest)
-    for source in (uv_bin, uvx_bin):
-        if source is not None:
-            shutil.copy2(source, root / "libexec" / source.name)
-            programs.append(root / "libexec" / source.name)
+    for uv_source in (uv_bin, uvx_bin):
+        if uv_source is not None:
+            shutil.copy2(uv_source, root / "libexec" / uv_source.name)
+            programs.append(root / "libexec" / uv_source.name)
     libraries: list[Path] = []
     for py in pythons:
         elves = copy_python(py, root / "python" / py.dir_name)

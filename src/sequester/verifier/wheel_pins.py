@@ -124,6 +124,7 @@ def _commands(script: str) -> Iterator[list[str]]:
     balances (an apostrophe in a here-document) is skipped."""
     lines = script.replace("\\\r\n", " ").replace("\\\n", " ").splitlines()
     i = 0
+    current: list[str]
     while i < len(lines):
         j, chunk, words = i, lines[i], None
         while words is None:

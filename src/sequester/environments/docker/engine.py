@@ -116,7 +116,7 @@ def _owner_gone(owner: str) -> bool:
 def reap_orphans(client: docker.DockerClient) -> list[str]:
     """Force-remove sequester's containers whose owner process on this host is gone; the
     names of those removed. Failures are logged, never raised: reaping is housekeeping."""
-    removed = []
+    removed: list[str] = []
     try:
         found = client.containers.list(all=True, filters={"label": f"{MANAGED}=1"})
     except Exception as exc:  # noqa: BLE001

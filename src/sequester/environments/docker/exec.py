@@ -154,6 +154,7 @@ def run_exec(
             if namespace:
                 pid, pidfd = _running_pid(api, exec_id, namespace)
             if pid:
+                assert namespace is not None  # a pid is only asked for in a namespace (above)
                 kill_tree(pid, namespace, pidfd=pidfd)
             elif wrap:
                 _kill_in_container(client, container_id, demux, notes)

@@ -11,6 +11,7 @@ file, or a tar stream without end, filling the host's memory) and parsed only by
 from __future__ import annotations
 
 import io
+import os
 import posixpath
 import tarfile
 import time
@@ -141,7 +142,7 @@ def write_file(container: Any, path: str, data: bytes, mode: int = 0o644) -> Non
     put_tar(container, "/", file_tar(path, data, mode))
 
 
-def upload_dir(container: Any, source: str | Path, dest: str) -> None:
+def upload_dir(container: Any, source: str | os.PathLike[str], dest: str) -> None:
     """Copy the host folder ``source`` (its contents, links as links) to the absolute ``dest``."""
     buf = io.BytesIO()
     arcname = dest.strip("/") or "."

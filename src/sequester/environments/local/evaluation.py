@@ -129,9 +129,9 @@ def _run_tests(
             close_fd(fd)
         raise
     finally:
-        for fd in (tests_r, out_w, said_w, wheels_fd):
-            if fd is not None:
-                close_fd(fd)
+        for passed in (tests_r, out_w, said_w, wheels_fd):
+            if passed is not None:
+                close_fd(passed)
     writer = threading.Thread(target=write_and_close, args=(tests_w, tests), daemon=True)
     writer.start()
     # Bounded while it streams: the agent's programs run inside the tests and can write

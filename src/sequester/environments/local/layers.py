@@ -31,7 +31,7 @@ import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.tamper import ELIDED_MARK, LIMIT, Change, ChangeSummary, printable
@@ -328,7 +328,7 @@ def _short(rel: str) -> str:
     return show_path(rel.split("/")) if len(rel) > 240 else rel
 
 
-def view_points(paths: Iterable[str | os.PurePath]) -> frozenset[str]:
+def view_points(paths: Iterable[str | PurePath]) -> frozenset[str]:
     """The view's mount points (``op.dest`` of every mount) and their parents, relative to
     ``/``: bwrap creates them in the layers (``/opt/sequester-verifier``, the host Python's
     folders under ``/root``), so they are no change of the agent's."""

@@ -74,6 +74,7 @@ def stage_environment(task: Task, dirs: EpisodeDirs, fresh: set[str], workdir: s
             try:
                 chmods.append((step.dest.rstrip("/") or "/", int(step.chmod, 8)))
             except ValueError:
+                assert plan is not None  # a step is one of its copies
                 notes.append(f"{plan.source}:{step.line}: --chmod={step.chmod} not applied (only octal modes are)")
     for src, dest in pairs:
         if src.is_symlink():
@@ -94,6 +95,7 @@ def stage_environment(task: Task, dirs: EpisodeDirs, fresh: set[str], workdir: s
                 os.chmod(target, mode)
     for step in plan.copies if plan else ():
         if step.chown:
+            assert plan is not None  # a step is one of its copies
             notes.append(f"{plan.source}:{step.line}: --chown={step.chown} not applied (files belong to root)")
     if workdir:
         layers.make_dirs(workdir)

@@ -11,6 +11,7 @@ import os
 import select
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,10 +101,14 @@ def start_episode(
     for top in tops_needed(task, workdir):
         if not (Path("/") / top).is_dir() or (Path("/") / top).is_symlink():
             fresh.add(top)
-    notes = [
-        f"{u.instruction} at {task.dockerfile.source}:{u.line} not applied: {u.reason}"
-        for u in (task.dockerfile.unsupported if task.dockerfile else ())
-    ]
+    notes = (
+        [
+            f"{u.instruction} at {task.dockerfile.source}:{u.line} not applied: {u.reason}"
+            for u in task.dockerfile.unsupported
+        ]
+        if task.dockerfile
+        else []
+    )
     if task.config.environment.effective_network_mode != "no-network":
         notes.append("the task asks for network access; local episodes have none")
     runner = runner_tree(settings.toolchain_dir)
@@ -188,7 +193,7 @@ def start_episode(
 
 
 def launch_init(
-    spec: SandboxSpec, overlaid: list[Path] = (), limits: LimitGroups | None = None
+    spec: SandboxSpec, overlaid: Sequence[Path] = (), limits: LimitGroups | None = None
 ) -> tuple[StartedBwrap, Freezer]:
     """Start the episode's init under bwrap and wait until the view is up; its freezer.
     ``overlaid``: the host folders the view overlays (named when bwrap fails on a mount

@@ -56,7 +56,7 @@ def remove_stale(base: Path) -> list[Path]:
     Never raises because of one folder: whatever an agent left in a layer (which made
     ``shutil.rmtree`` raise and then failed every later job of that user), the folder is
     logged and the others are still removed; it is tried again next time."""
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(base)
     except OSError:

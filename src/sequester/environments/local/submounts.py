@@ -433,6 +433,7 @@ def _make_items(items: Iterable[SkeletonItem], root: Path | None, building: Path
         elif item.kind == "link":
             os.symlink(item.target or "", p)
         elif item.kind == "copy":
+            assert item.source is not None  # every "copy" item is made with its source
             try:
                 shutil.copyfile(item.source, p, follow_symlinks=False)
             except OSError:  # gone or changed meanwhile: an empty file stands in for it

@@ -184,8 +184,10 @@ def parse_build_network(mode: str, allowed_hosts: Iterable[str] = ()) -> BuildNe
     hosts = list(allowed_hosts)
     rules = [parse_host_rule(h, field=f"allowed_hosts[{i}]") for i, h in enumerate(hosts)]
     for i, net in enumerate(rule.network for rule in rules):
+        if net is None:
+            continue
         # An entry that is always refused is a mistake worth saying, not a silent no-op.
-        for refused, _, what in _RANGES if net is not None else ():
+        for refused, _, what in _RANGES:
             if refused.version == net.version and net.subnet_of(refused):  # type: ignore[arg-type]
                 raise PolicyError(f"allowed_hosts[{i}]: {hosts[i]!r} is never reachable from a build: {what}")
     kept = tuple(dict.fromkeys(str(r) for r in rules)) if normalized == "allowlist" else ()

@@ -123,7 +123,7 @@ class BuildProxy:
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix="sequester-build-dns")
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._transports: set[asyncio.BaseTransport] = set()
+        self._transports: set[asyncio.WriteTransport] = set()
         self._accepted: set[socket.socket] = set()  # not yet handed to a transport
         self._closed = False
 

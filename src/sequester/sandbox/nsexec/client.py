@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sequester.errors import SandboxError
 from sequester.sandbox.bwrap import read_pending
@@ -67,6 +67,12 @@ class HeadTail:
         return bytes(self.head) + mark + bytes(self.tail)
 
 
+class Drain(Protocol):
+    """Where a drained pipe's bytes go (``bytearray`` or :class:`HeadTail`): ``buf += data``."""
+
+    def __iadd__(self, data: bytes, /) -> Drain: ...
+
+
 @dataclass
 class Worker:
     """A forked worker of the helper: its pid and the pipe it reports on."""
@@ -80,16 +86,14 @@ class Worker:
         except ProcessLookupError:
             pass
 
-    def report(
-        self, deadline: float | None = None, also: Sequence[tuple[int, bytearray | HeadTail]] = ()
-    ) -> dict[str, Any] | None:
+    def report(self, deadline: float | None = None, also: Sequence[tuple[int, Drain]] = ()) -> dict[str, Any] | None:
         """Read the worker's report (one JSON line) until end of file; ``None`` on deadline.
 
         ``also`` are (fd, buffer) pairs drained meanwhile (e.g. the verifier's output).
         """
         # A report holds at most 8 MiB of verdict files (base64: 4/3 of that); bound it anyway.
         chunks = HeadTail(16 << 20)
-        watched: dict[int, bytearray | HeadTail] = {self.result: chunks, **{fd: buf for fd, buf in also}}
+        watched: dict[int, Drain] = {self.result: chunks, **{fd: buf for fd, buf in also}}
         try:
             while self.result in watched:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -159,7 +163,7 @@ class NsExec:
             raise SandboxError(f"the namespace helper is gone: {exc}") from exc
         finally:
             os.close(result_w)
-        answer = json.loads(reply) if reply else {"error": "the namespace helper is gone"}
+        answer: dict[str, Any] = json.loads(reply) if reply else {"error": "the namespace helper is gone"}
         if "worker" not in answer:
             os.close(result_r)
             raise SandboxError(f"the namespace helper refused: {answer.get('error')}")

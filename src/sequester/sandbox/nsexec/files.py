@@ -9,12 +9,12 @@ import errno
 import io
 import os
 import tarfile
-from typing import Any
+from typing import Any, Literal
 
 from sequester.sandbox.nsexec.ns import enter, read_all, report
 
 
-def extract(data: bytes, dest: str, policy: str) -> None:
+def extract(data: bytes, dest: str, policy: Literal["data", "tar", "artifacts"]) -> None:
     """Unpack a tar with tarfile's extraction filters (``data``: no links out, no special
     files, no setuid bits; ``tar``: the same minus the mode cleaning; ``artifacts``: see
     :func:`_artifact_filter`). Pythons before 3.11.4 lack the filters: there the same rules
