@@ -10,7 +10,7 @@
 
 Both build on the same busybox root filesystem (tests/helpers/images.py), imported into
 each one's own store, with no network for RUN. podman runs with private storage and runc
-(see tests/test_image_engine.py for why); its figures are only taken when it is installed.
+(see tests/images/test_sources.py for why); its figures are only taken when it is installed.
 """
 
 from __future__ import annotations

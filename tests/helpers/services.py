@@ -1,5 +1,6 @@
-"""Host services for network tests."""
+"""Host services for network tests, and this host's own address."""
 
+import ipaddress
 import socket
 import socketserver
 import threading
@@ -46,3 +47,14 @@ def free_low_port() -> int:
             except OSError:
                 continue
     pytest.skip("no free port below 1024")
+
+
+def own_address() -> str | None:
+    """A non-loopback address of this host (the one it would reach the internet from)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("203.0.113.80", 80))
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ipaddress.ip_address(ip).is_loopback else ip

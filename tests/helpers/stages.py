@@ -46,3 +46,13 @@ def run_here(code: str, policy: Policy | None = None) -> dict:
         r = k.run(code, timeout=30)
         return {"stage": k.report["first_stage"], "view": k.report.get("view"), "value": r.value, "stdout": r.stdout,
                 "error": None if r.error is None else {"type": r.error.type, "message": r.error.message}}
+
+
+def checked(out: dict, stage: str) -> object:
+    """The value of a probe's result (:func:`run_here`'s, or a harness's of the same form)
+    run through ``stage``: skips where that flow does not use the native stage here."""
+    if stage != "python" and out["stage"] != "native":
+        pytest.skip("the native stage is not used in this flow here")
+    assert (out["stage"], out["view"]) == REPORTED[stage]
+    assert out["error"] is None, out["error"]
+    return eval(out["value"])  # noqa: S307 - the tests' own probe's repr

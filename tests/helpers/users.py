@@ -15,7 +15,10 @@ import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["temporary_user", "user_exists", "kill_processes_of"]
+__all__ = ["SEQTEST_USER", "temporary_user", "user_exists", "kill_processes_of"]
+
+# The suite's ordinary user (conftest's ``seqtest_user`` fixture): made for a session, removed at its end.
+SEQTEST_USER = "seqtest"
 
 
 def user_exists(name: str) -> bool:

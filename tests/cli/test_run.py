@@ -1,0 +1,58 @@
+"""``sequester run``'s input checks (:mod:`sequester.cli.run`), run as a real process: its
+output folder, agent modules (``module:Class``) that cannot be used or are found in the
+current folder, and the Ray backend's options without it."""
+
+from pathlib import Path
+
+import pytest
+from command import sequester
+from paths import EXAMPLES
+
+TASK = EXAMPLES / "python-csv-stats"
+
+
+def test_run_output_that_is_a_file_is_bad_input(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for output, said in ((tmp_path / "afile", "is not a folder"), (tmp_path / "afile" / "sub", "cannot be made")):
+        r = sequester("run", str(TASK), "--agent", "nop", "-o", str(output))
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+AGENTS = {
+    "needs_args": ("class Agent:\n    def __init__(self, model):\n        pass\n    def run(self, i, e):\n        pass\n",
+                   "constructed without arguments"),
+    "broken": ("class Agent:\n    def run(self,:\n", "broken.py:2: syntax error"),
+    "raises": ("raise RuntimeError('no API key')\n", "RuntimeError: no API key"),
+    "fails_in_init": ("class Agent:\n    def __init__(self):\n        raise KeyError('model')\n", "KeyError"),
+    "no_run": ("class Agent:\n    pass\n", "has no run(instruction, episode)"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(AGENTS))
+def test_a_bad_agent_module_is_bad_input(tmp_path, module):
+    source, said = AGENTS[module]
+    (tmp_path / f"{module}.py").write_text(source)
+    r = sequester("run", str(TASK), "--agent", f"{module}:Agent", "-o", str(tmp_path / "jobs"), cwd=tmp_path)
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_agent_modules_are_found_in_the_current_folder(tmp_path):
+    """With -P nothing puts the current folder on sys.path: sequester does, for module:Class."""
+    (tmp_path / "my_agent.py").write_text("class Agent:\n    def run(self, instruction, episode):\n        pass\n")
+    r = sequester("run", str(TASK), "--agent", "my_agent:Missing", "-o", str(tmp_path / "jobs"), cwd=tmp_path)
+    assert r.returncode == 2 and "module 'my_agent' has no 'Missing'" in r.stderr, r.stderr  # found, imported
+    r = sequester("run", str(TASK), "--agent", "no_such_agent:Agent", "-o", str(tmp_path / "jobs"), cwd=tmp_path)
+    assert r.returncode == 2 and "No module named 'no_such_agent'" in r.stderr  # control
+
+
+# -- the Ray backend's options --------------------------------------------------------------
+
+
+def test_ray_address_without_the_ray_backend_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from sequester.cli import main
+
+    assert main(["run", str(TASK), "--agent", "oracle", "-o", str(tmp_path),
+                 "--ray-address", "127.0.0.1:1"]) == 2
+    assert "--ray-address is for --backend ray" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "nothing ran"

@@ -1,0 +1,93 @@
+"""A separate verifier environment (:mod:`sequester.environments.local.separate`): the task's pristine view plus its artifacts only."""
+
+from __future__ import annotations
+
+import pytest
+
+from sequester.environments.local.episode import Episode
+from sequester.errors import TaskError
+from sequester.tasks.task_toml import parse_task_config
+from tasks import make_task
+
+# 1 only if the artifact arrived and nothing else of the agent's did.
+CHECK = ('if [ "$(cat /app/out 2>/dev/null)" = ok ] && [ ! -e /app/other ] && [ ! -e /usr/local/bin/planted ]'
+         '; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+
+
+def _task(tmp_path, artifacts: str, mode: str = ""):
+    task = make_task(tmp_path, test_sh=CHECK)
+    (task / "task.toml").write_text(f'version = "1.0"\nartifacts = {artifacts}\n[verifier]\ntimeout_sec = 30\n{mode}')
+    return task
+
+
+def test_only_declared_artifacts_reach_a_separate_verifier(tmp_path):
+    with Episode() as ep:
+        ep.reset(_task(tmp_path, '["/app/out", "/app/link"]'))
+        ep.exec("echo ok > /app/out; touch /app/other /usr/local/bin/planted; ln -s /etc /app/link")
+        shared = ep.evaluate(verifier_env="shared")
+        separate = ep.evaluate(verifier_env="separate")
+    assert shared.reward == 0.0  # control: in the shared view the agent's other changes are there
+    assert separate.reward == 1.0 and any("separate environment" in n for n in separate.notes)
+
+
+def test_the_task_can_ask_for_separate_mode_and_missing_artifacts_are_noted(tmp_path):
+    with Episode() as ep:
+        ep.reset(_task(tmp_path, '["/app/out", "/app/nothing"]', 'environment_mode = "separate"\n'))
+        ep.exec("echo ok > /app/out; touch /app/other")
+        result = ep.evaluate()
+    assert result.reward == 1.0 and any("/app/nothing does not exist" in n for n in result.notes)
+
+
+def test_no_agent_process_is_in_a_separate_verifier(tmp_path):
+    script = "ps -eo comm | grep -c '^sleep$' > /logs/verifier/sleeps.txt\necho 1 > /logs/verifier/reward.txt\n"
+    task = make_task(tmp_path, test_sh=script)
+    with Episode() as ep:
+        ep.reset(task)
+        ep.exec("sleep 300 &")
+        result = ep.evaluate(verifier_env="separate")
+    assert result.files["sleeps.txt"].strip() == b"0"
+
+
+def test_artifact_links_are_kept_as_links(tmp_path):
+    script = '{ test -L /app/d/link && echo 1 || echo 0; } > /logs/verifier/reward.txt\n'
+    task = make_task(tmp_path, test_sh=script)
+    (task / "task.toml").write_text('version = "1.0"\nartifacts = ["/app/d"]\n[verifier]\ntimeout_sec = 30\n')
+    with Episode() as ep:
+        ep.reset(task)
+        ep.exec("mkdir -p /app/d && ln -s /etc /app/d/link")
+        result = ep.evaluate(verifier_env="separate")
+    assert result.reward == 1.0
+
+
+@pytest.mark.parametrize("text, message", [
+    ('artifacts = ["app/out"]\n', "absolute path"),
+    ('artifacts = ["/app/../etc"]\n', "'..'"),
+    ('artifacts = [{exclude = ["x"]}]\n', "needs 'source'"),
+    ('[verifier]\nenvironment_mode = "elsewhere"\n', "environment_mode"),
+])
+def test_bad_artifact_declarations_name_the_field(text, message):
+    with pytest.raises(TaskError, match=message):
+        parse_task_config(text, "task.toml")
+
+
+def test_unpacking_artifacts_writes_nothing_through_a_link(tmp_path):
+    """A crafted tar (a link to /etc, then a file below the link) cannot write into the
+    verifier's /etc: the link is kept, the file through it is refused."""
+    import io
+    import tarfile
+
+    from sequester.errors import SandboxError
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        link = tarfile.TarInfo("app/link")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+        tar.addfile(link)
+        evil = tarfile.TarInfo("app/link/written-through")
+        evil.size = 1
+        tar.addfile(evil, io.BytesIO(b"x"))
+    with Episode() as ep:
+        ep.reset(make_task(tmp_path))
+        with pytest.raises(SandboxError):
+            ep._nsexec_call().extract_artifacts(ep.init_pid, buf.getvalue())
+        assert ep.exec("test -e /etc/written-through && echo THROUGH || echo no").stdout.strip() == "no"
