@@ -1,4 +1,4 @@
-"""``sequester serve`` as a command (:mod:`sequester.cli.serve`) and over plain HTTP: its input checks (exit 2), its README
+"""``sequester serve`` as a command (:mod:`sequester.cli.serve`) and over plain HTTP: its input checks (exit 2), its manual's
 synopsis, OpenEnv's stateless ``/reset`` and ``/step``, bounded bodies, and a real server
 process stopped with SIGTERM."""
 
@@ -30,6 +30,7 @@ def server():
         yield s
 
 
+@pytest.mark.slow  # the first test of the serve server (module fixture): pays its start
 def test_http_reset_is_stateless_and_step_points_to_the_websocket(server):
     status, body = http(server, "POST", "/reset", json.dumps({"task": TASK}).encode())
     assert status == 200 and body["reward"] is None and body["done"] is False
@@ -68,17 +69,16 @@ def _huge_body(server: Server, *, chunked: bool) -> bytes:
         return sock.recv(4096)
 
 
-def test_the_readme_documents_every_serve_option():
+def test_the_manual_documents_every_serve_option_in_its_synopsis():
     from sequester.cli import build_parser
 
-    readme = (ROOT / "README.md").read_text()
-    synopsis = next(b for b in re.findall(r"^```sh\n(.*?)^```", readme, flags=re.S | re.M)
+    manual = (ROOT / "docs" / "server.md").read_text()
+    synopsis = next(b for b in re.findall(r"^```sh\n(.*?)^```", manual, flags=re.S | re.M)
                     if "sequester serve [" in b)
     action = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     for option in action.choices["serve"]._actions:
         if option.option_strings and "-h" not in option.option_strings:
             assert any(o in synopsis for o in option.option_strings), option.option_strings
-    assert "## Serving episodes and kernels (`sequester serve`)" in readme
 
 
 @pytest.mark.parametrize("argv, said", [

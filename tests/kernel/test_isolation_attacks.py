@@ -125,7 +125,7 @@ os.getloadavg()
 
 
 NATIVE_CODE_RESIDUAL = (
-    "RESIDUAL (README, 'The audit hook is a tripwire, not a boundary'): CPython does not check bytecode, so a "
+    "RESIDUAL (docs/security.md, 'The audit hook is a tripwire, not a boundary'): CPython does not check bytecode, so a "
     "cell gets arbitrary memory access, and an anonymous PROT_EXEC mapping (left allowed: JIT libraries need it) "
     "makes that native code, which can replay the handoff execve into another program of the view under the same "
     "filter, namespaces, limits and write lock; closing it needs a handoff that cannot be replayed")

@@ -160,7 +160,7 @@ def test_the_keeper_survives_every_signal_a_kernel_sends_its_process_group_and_k
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="RESIDUAL (README, 'Kernels of one view share a keeper'): flock() works on read-only files, so two kernels can signal each other through a lock on any file both see (the view's root and data files, as on /usr with bwrap); denying flock would break locking libraries on workspace files")
+@pytest.mark.xfail(strict=True, reason="RESIDUAL (docs/security.md, 'Kernels of one view share a keeper'): flock() works on read-only files, so two kernels can signal each other through a lock on any file both see (the view's root and data files, as on /usr with bwrap); denying flock would break locking libraries on workspace files")
 @pytest.mark.parametrize("probe", ["flock_view_root", "flock_view_hosts_file"])
 def test_the_views_own_files_are_no_lock_channel_between_kernels(two_kernels, probe):
     """Found (low); left. Attack: the files bwrap made for the view (its root tmpfs, the
@@ -259,7 +259,7 @@ def test_one_policys_environment_never_reaches_another_policys_kernels(templates
 
 
 @pytest.mark.skipif(not ROOT, reason="root flow: the kernel's own user namespace maps only nobody")
-@pytest.mark.xfail(strict=True, reason="RESIDUAL (README, 'Kernels of one view share a keeper'): a root caller's kernel maps only nobody in its own user namespace, so root's files show the overflow id (nobody): access is unaffected (host ids decide), but stat() says nobody owns them; keeping 0 needs the keeper to write the map")
+@pytest.mark.xfail(strict=True, reason="RESIDUAL (docs/security.md, 'Kernels of one view share a keeper'): a root caller's kernel maps only nobody in its own user namespace, so root's files show the overflow id (nobody): access is unaffected (host ids decide), but stat() says nobody owns them; keeping 0 needs the keeper to write the map")
 def test_a_root_callers_kernel_does_not_appear_to_own_roots_files(templates):
     """Found (low); left. Attack (confusion): a root caller's kernel maps only 65534 in its own
     user namespace, so root's files show the overflow id, 65534, which is the kernel's own

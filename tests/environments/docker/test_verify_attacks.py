@@ -69,7 +69,7 @@ def test_hack_scores_no_more_than_nop_in_a_separate_container(docker_settings, h
 
 
 @pytest.mark.parametrize("hack", [pytest.param(h, marks=pytest.mark.xfail(
-    h.stem in SHARED_RESIDUAL, strict=True, reason="RESIDUAL (README, docker shared mode): the tests run the "
+    h.stem in SHARED_RESIDUAL, strict=True, reason="RESIDUAL (docs/security.md, docker shared mode): the tests run the "
     "agent's own programs")) for h in HACK_SCRIPTS], ids=[h.stem for h in HACK_SCRIPTS])
 def test_hack_in_shared_mode(docker_settings, hack):
     # Frozen: the agent's live processes (watchers) cannot race the tests, which is the

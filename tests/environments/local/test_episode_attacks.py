@@ -135,7 +135,7 @@ while True:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="RESIDUAL (README, 'a program the tests run on purpose'): a program the tests "
+@pytest.mark.xfail(reason="RESIDUAL (docs/security.md, 'a program the tests run on purpose'): a program the tests "
                           "run hands an fd of /logs/verifier to an agent process left running (freeze_agent "
                           "off); closing it needs the agent frozen while the verdict is read", strict=True)
 def test_a_live_agent_process_cannot_rewrite_the_verdict(tmp_path):
@@ -175,7 +175,7 @@ os.pwrite(fd, b"1\n", 0); os.ftruncate(fd, 2)
 '''
 
 
-@pytest.mark.xfail(reason="RESIDUAL (README, 'a program the tests run on purpose'): a writer a program "
+@pytest.mark.xfail(reason="RESIDUAL (docs/security.md, 'a program the tests run on purpose'): a writer a program "
                           "under test left behind wakes on the script's exit (a pidfd of it) and writes before "
                           "the verifier's init can kill it; closing it needs the script stopped at its exit "
                           "(PTRACE_O_TRACEEXIT) while the rest is killed", strict=True)

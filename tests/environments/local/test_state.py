@@ -79,6 +79,7 @@ print(os.listdir(base))
     assert "could not remove the stale episode folder" in proc.stderr and "mount point" in proc.stderr
 
 
+@pytest.mark.slow
 def test_remove_stale_goes_on_past_a_folder_the_old_code_could_not_remove(tmp_path):
     base = tmp_path / "state"
     chain(base / "4194305-deep" / "upper" / "usr", 1_100)
