@@ -6,6 +6,7 @@ import argparse
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sequester.cli.common import add_policy_flags, policy_of
@@ -31,6 +32,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                     "mode": report.mode.value,
                     "first_stage": report.first_stage,
                     "view": report.view,
+                    "view_note": report.view_note or None,
                     "passed": report.passed,
                     "findings": [vars(f) for f in report.findings],
                 },
@@ -47,5 +49,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     table.add_column("evidence", overflow="fold")
     for f in report.findings:
         table.add_row(f.name, "[green]pass[/]" if f.passed else "[red]FAIL[/]", f.evidence)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if report.view_note:
+        console.print(f"note: {escape(report.view_note)}", highlight=False, soft_wrap=True)
     return 0 if report.passed else 1

@@ -71,15 +71,13 @@ def install_audit_hook(
     ``allowed_names``/``allowed_connects`` turn on the network checks (guard-only mode,
     where no namespace enforces the allowlist): name resolution only of those names (and
     numeric addresses), connections only to those ``(address, port)`` pairs, to the
-    addresses allowed names resolved to, on the allowed ports.
+    addresses allowed names resolved to on their ports among them (the host resolves the
+    names for the kernel, see :mod:`.resolver`).
     """
     blocked = frozenset(blocked_imports)
     check_network = allowed_names is not None or allowed_connects is not None
     names = frozenset(n.lower() for n in (allowed_names or ()))
     connects = frozenset((str(h), int(p)) for h, p in (allowed_connects or ()))
-    name_ports = frozenset(p for _, p in connects)
-    # Addresses that allowed names resolved to; filled as they resolve (tripwire state).
-    resolved: set[str] = set()
     # Bound now, before the hook is live (a module looked up later could be a cell's
     # stand-in); imported only when the checks are on (guard-only mode).
     ip_address = _ip_address() if check_network else None
@@ -115,7 +113,7 @@ def install_audit_hook(
                 if type(address) is not tuple or len(address) < 2 or type(address[0]) is not str:
                     raise PermissionError("this socket address is blocked by the sandbox policy")
                 host, port = address[0], address[1]
-                if (host, port) in connects or (host in resolved and port in name_ports):
+                if (host, port) in connects:
                     return
                 raise PermissionError(f"connection to {host}:{port} is blocked by the sandbox policy")
 
@@ -126,16 +124,6 @@ def install_audit_hook(
             return False
         return True
 
-    if check_network and names:
-        # Pre-resolve allowed names (before the hook is live) so their addresses connect.
-        import socket
-
-        for name in names:
-            try:
-                for info in socket.getaddrinfo(name, None):
-                    resolved.add(str(info[4][0]))
-            except OSError:
-                pass
     sys.addaudithook(hook)
 
 

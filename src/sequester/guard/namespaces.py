@@ -42,6 +42,7 @@ __all__ = [
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+MOUNT_ATTR_RDONLY = 0x1
 
 # Where the workspace tmpfs is mounted while its two folders are bound into place; an
 # empty folder bwrap made (the view's /run), back to empty once the staging is detached.
@@ -55,12 +56,16 @@ class MountStep:
     """One ``mount(2)`` (``source`` None: a remount), ``mkdir`` or lazy ``umount``."""
 
     op: str  # "mount" | "mkdir" | "umount" | "mountpoint" (parents 0755, then a folder or file like ``source``)
+    # | "setattr": mount_setattr on ``target`` (with every mount below it if ``recursive``),
+    # setting the MOUNT_ATTR_* bits ``flags`` and clearing ``clear``
     target: Path
     source: str | None = None
     fstype: str | None = None
     flags: int = 0
     data: str | None = None
     mode: int = 0o755
+    clear: int = 0
+    recursive: bool = False
 
 
 def plan_own_proc(covers: tuple[Path, ...]) -> tuple[MountStep, ...]:
@@ -81,7 +86,9 @@ def plan_own_proc(covers: tuple[Path, ...]) -> tuple[MountStep, ...]:
             Path("/dev/pts"),
             source="devpts",
             fstype="devpts",
-            flags=MS_NOSUID | MS_NOEXEC,
+            # read-only, as a bwrap kernel's (its first stage makes the whole view so):
+            # terminals still open (devpts makes their nodes itself)
+            flags=MS_NOSUID | MS_NOEXEC | MS_RDONLY,
             data="newinstance,ptmxmode=0666,mode=620",
         )
     )
@@ -103,6 +110,20 @@ def plan_workspace(
     steps = [
         # Nothing we mount may propagate back to bwrap's namespace (or the host's).
         MountStep("mount", Path("/"), flags=MS_REC | MS_PRIVATE),
+        # bwrap's view (a kernel with a bwrap of its own; a template's keeper does this for
+        # its kernels): every mount read-only by the mount tree. bwrap remounts by path and
+        # leaves a mount it cannot reach writable, which a kernel running as another uid may
+        # reach (red team: a root caller's kernel is nobody; a folder that refuses root may
+        # let nobody through). Then this kernel's own /proc writable again for the writes
+        # below (its /proc/sys; the covers bwrap made under it stay read-only).
+        *(
+            (
+                MountStep("setattr", Path("/"), flags=MOUNT_ATTR_RDONLY, recursive=True),
+                MountStep("setattr", Path("/proc"), clear=MOUNT_ATTR_RDONLY),
+            )
+            if own_proc is None
+            else ()
+        ),
         *(plan_own_proc(own_proc) if own_proc is not None else ()),
         MountStep("mount", STAGING, source="tmpfs", fstype="tmpfs", flags=_FLAGS, data=f"size={size_bytes},mode=755"),
         MountStep("mkdir", tmp, mode=0o1777),

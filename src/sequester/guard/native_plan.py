@@ -65,6 +65,7 @@ class Op(enum.IntEnum):
     MOUNTPOINT = 20
     LANDLOCK = 21
     USERNS = 22  # a user namespace of its own, its ids shown as these (template kernels)
+    SETATTR = 23  # mount_setattr(path, recursive, set, clear): by the mount tree, not by path
 
 
 Step = tuple[Op, tuple["str | bytes | int | None", ...]]
@@ -87,6 +88,8 @@ def _workspace_steps(workspace: dict[str, Any], template: bool) -> list[Step]:
             steps.append((Op.UMOUNT, (target, MNT_DETACH)))
         elif op == "mount":
             steps.append((Op.MOUNT, (source, target, fstype, flags, data)))
+        elif op == "setattr":
+            steps.append((Op.SETATTR, (target, int(bool(parents)), flags, mode)))
         else:
             raise NativePlanError(f"unknown workspace step {op!r}")
     return [

@@ -16,12 +16,28 @@ What the filter refuses (everything else is allowed, so Python and threads work)
   writable mount of the kernel is ``noexec``;
 * namespace and privilege games: ``unshare``, ``setns``, ``mount`` and friends, ``bpf``,
   ``ptrace``, ``process_vm_*``, ``keyctl`` and friends (the keyring is shared by uid), ...;
-* sockets other than IPv4/IPv6 (no unix socket to a daemon that happens to be visible);
-* ``io_uring`` (its operations would bypass this filter).
+* sockets other than TCP over IPv4/IPv6 (no unix socket to a daemon that happens to be
+  visible; no UDP, raw, SCTP or MPTCP socket: in guard-only mode, where no network
+  namespace holds the kernel, Landlock limits TCP only, and a datagram could go anywhere);
+* ``io_uring`` (its operations would bypass this filter);
+* kernel state a sandbox could attach to a file or folder it only sees, and so reach past
+  its sandbox: leases (``fcntl(F_SETLEASE)``: a host process opening the file would wait
+  for the sandbox, and the sandbox learns of the open), directory notifications
+  (``fcntl(F_NOTIFY)``, ``inotify_*``: every process's activity in a watched folder, the
+  host's and the verifier's included), write-life hints (``F_SET_RW_HINT``, kept on the
+  inode) and a read that answers only from the page cache (``preadv2`` with ``RWF_NOWAIT``:
+  whether another process read the file lately). Advisory locks (``flock``,
+  ``fcntl(F_SETLK)``) stay: sqlite and pip need them; a lock on a file two sandboxes see is
+  the documented channel between them.
 
-The ``agent`` profile (an episode's shell and its verifier) refuses only the second and
-last groups, like a container runtime's default: agents start processes, debug them and
-talk to local daemons of their own.
+A guard-only kernel (no namespace holds it) also gets no ``listen``: Landlock checks an
+explicit ``bind`` only, and ``listen`` on an unbound socket serves every address.
+
+The ``agent`` profile (an episode's shell and its verifier) refuses only the second group,
+``io_uring``, leases, ``F_NOTIFY`` and inotify, like a container runtime's default plus
+those: agents start processes, debug them and talk to local daemons of their own (inotify
+is refused because an episode's view binds host folders too, where a watch sees the
+host's activity; file watchers fall back to polling).
 
 Why a denylist: an allowlist precise enough for arbitrary Python (numpy, threads,
 asyncio) is brittle across libc versions; the namespaces already contain what the
@@ -35,7 +51,16 @@ import os
 
 from sequester.guard.handoff import HANDOFF_ADDRESS
 
-__all__ = ["DENIED_SYSCALLS", "PROCESS_SYSCALLS", "compile_filter", "load_filter", "syscall_number"]
+__all__ = [
+    "AGENT_FCNTL_REFUSED",
+    "DENIED_SYSCALLS",
+    "KERNEL_FCNTL_REFUSED",
+    "WATCH_SYSCALLS",
+    "PROCESS_SYSCALLS",
+    "compile_filter",
+    "load_filter",
+    "syscall_number",
+]
 
 CLONE_THREAD = 0x00010000
 
@@ -97,6 +122,21 @@ KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethos
 
 # Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
 ALLOWED_SOCKET_FAMILIES = (2, 10)  # not ``socket``'s names: the kernel imports this module
+# ... of type SOCK_STREAM (1; the low 4 bits of the type, flags aside) only, with protocol
+# 0 or IPPROTO_TCP (6). The other types and protocols: EPERM.
+SOCK_STREAM, SOCK_TYPE_MASK, IPPROTO_TCP = 1, 0xF, 6
+REFUSED_SOCKET_TYPES = (2, 3, 4, 5, 6, 10)  # DGRAM, RAW, RDM, SEQPACKET, DCCP, PACKET
+
+# fcntl commands that attach kernel state to a file or folder (see the module): refused to
+# kernels; leases and dnotify to agents too. F_SETLEASE, F_NOTIFY, F_SET_RW_HINT.
+F_SETLEASE, F_NOTIFY, F_SET_RW_HINT = 1024, 1026, 1036
+KERNEL_FCNTL_REFUSED = (F_SETLEASE, F_NOTIFY, F_SET_RW_HINT)
+RWF_NOWAIT = 0x8
+AGENT_FCNTL_REFUSED = (F_SETLEASE, F_NOTIFY)
+# Watches on files and folders (fanotify is refused to everyone): refused to kernels and
+# agents alike (an episode's view binds host folders too: the Python installation, the
+# runner; a watch there saw the host's reads, red team).
+WATCH_SYSCALLS = ("inotify_init", "inotify_init1", "inotify_add_watch")
 
 
 _COMPILED: dict[str, bytes] = {}
@@ -105,9 +145,10 @@ _COMPILED: dict[str, bytes] = {}
 def compile_filter(profile: str = "kernel") -> bytes:
     """The BPF program (raw ``struct sock_filter`` array) for this machine's architecture.
 
-    ``kernel``: everything below. ``agent`` (an episode's shell and verifier): only
-    :data:`DENIED_SYSCALLS`; processes, ptrace and unix sockets stay allowed. Compiled
-    once per process and profile (it depends on nothing else).
+    ``kernel``: everything below. ``guard``: a guard-only kernel's, the kernel's plus no
+    ``listen`` (no namespace holds it). ``agent`` (an episode's shell and verifier):
+    :data:`DENIED_SYSCALLS`, leases, ``F_NOTIFY`` and inotify; processes, ptrace and unix
+    sockets stay allowed. Compiled once per process and profile (it depends on nothing else).
     """
     if profile not in _COMPILED:
         _COMPILED[profile] = _compile(profile)
@@ -119,7 +160,7 @@ def _compile(profile: str) -> bytes:
 
     import pyseccomp as sc
 
-    if profile not in ("kernel", "agent", "build"):
+    if profile not in ("kernel", "guard", "agent", "build"):
         raise ValueError(f"unknown seccomp profile {profile!r}")
     flt = sc.SyscallFilter(sc.ALLOW)
     if profile == "build":
@@ -132,13 +173,31 @@ def _compile(profile: str) -> bytes:
                 flt.add_rule(sc.ERRNO(0), name)
     eperm = sc.ERRNO(errno.EPERM)
     kernel_names = tuple(n for n in PROCESS_SYSCALLS if n != "execve") + KERNEL_ONLY_DENIED
-    names = DENIED_SYSCALLS + (kernel_names if profile == "kernel" else ())
+    names = DENIED_SYSCALLS + (kernel_names if profile in ("kernel", "guard") else ())
     for name in names:
         try:
             flt.add_rule(eperm, name)
         except (OSError, ValueError, RuntimeError):
             pass  # not a syscall on this architecture
-    if profile == "kernel":
+    if profile in ("kernel", "guard", "agent"):
+        # fcntl's command is an int: the kernel reads the low 32 bits, so compare those only
+        # (red team: 1 << 32 | F_SETLEASE passed an EQ rule and still took the lease).
+        for command in AGENT_FCNTL_REFUSED if profile == "agent" else KERNEL_FCNTL_REFUSED:
+            flt.add_rule(eperm, "fcntl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, command))
+        for name in WATCH_SYSCALLS:
+            flt.add_rule(eperm, name)
+    if profile in ("kernel", "guard"):
+        # preadv2 with RWF_NOWAIT answers whether a page of a file is in the page cache, so
+        # whether the host (or another kernel) read it lately (red team); its flags are the
+        # sixth argument on every architecture that has it.
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            flt.add_rule(eperm, "preadv2", sc.Arg(5, sc.MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT))
+    if profile == "guard":
+        # No network namespace holds a guard-only kernel, and Landlock checks an explicit
+        # bind only: listen() on an unbound socket picks a port and serves every address
+        # (red team). A guard-only kernel serves nothing.
+        flt.add_rule(eperm, "listen")
+    if profile in ("kernel", "guard"):
         # execve: only the first stage's handoff, whose path lives at HANDOFF_ADDRESS.
         flt.add_rule(eperm, "execve", sc.Arg(0, sc.NE, HANDOFF_ADDRESS))
         # clone: allowed only when making a thread.
@@ -150,6 +209,12 @@ def _compile(profile: str) -> bytes:
         flt.add_rule(eperm, "socket", sc.Arg(0, sc.GT, high))
         for family in range(low + 1, high):
             flt.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, family))
+        # ... and, within them, TCP only (see the module).
+        for kind in REFUSED_SOCKET_TYPES:
+            flt.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, kind))
+        flt.add_rule(eperm, "socket", sc.Arg(2, sc.GT, IPPROTO_TCP))
+        for protocol in range(1, IPPROTO_TCP):
+            flt.add_rule(eperm, "socket", sc.Arg(2, sc.EQ, protocol))
     read_fd, write_fd = os.pipe()
     try:
         with os.fdopen(write_fd, "wb") as out:

@@ -46,7 +46,8 @@ def bootstrap_config(
     }
     if mode is Isolation.OFF:
         return config
-    config["seccomp"] = {"bpf": seccomp.compile_filter(), "nr": seccomp.syscall_number("seccomp")}
+    profile = "guard" if mode is Isolation.GUARD else "kernel"
+    config["seccomp"] = {"bpf": seccomp.compile_filter(profile), "nr": seccomp.syscall_number("seccomp")}
     if mode is Isolation.SANDBOX:
         # The kernel's own noexec tmpfs for /tmp and /dev/shm together (see guard.namespaces).
         # A view template's kernel (native stage only) makes the /proc and /dev/pts bwrap would.

@@ -43,6 +43,8 @@ class CheckReport:
     first_stage: str = ""
     # Where its view came from: "template" (kept per policy, sandbox.template), "bwrap" (its own), "none".
     view: str = ""
+    # Why a kernel that would have come from a view template has a bwrap of its own here.
+    view_note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -144,6 +146,7 @@ def run_check(policy: Policy) -> CheckReport:
             mode = kernel.mode
             first_stage = str(kernel.report.get("first_stage", ""))
             view = str(kernel.report.get("view", ""))
+            view_note = str(kernel.report.get("view_note", ""))
             findings += [
                 _files_hidden(kernel, policy, facts),
                 _source_readonly(kernel, policy, facts),
@@ -152,13 +155,14 @@ def run_check(policy: Policy) -> CheckReport:
                 _processes_blocked(kernel),
                 _processes_invisible(kernel),
                 _capabilities(kernel),
+                _no_file_state(kernel),
                 _own_memory(kernel),
                 _kernels_apart(kernel, probe_policy),
                 _ctypes(kernel),
                 # last: it switches the audit hook off
                 Finding("ctypes unloadable (hook off)", *ctypes_unloadable(kernel, facts.ffi_libraries)),
             ]
-    return CheckReport(mode, tuple(findings), first_stage, view)
+    return CheckReport(mode, tuple(findings), first_stage, view, view_note)
 
 
 def _files_hidden(kernel: Kernel, policy: Policy, facts) -> Finding:
@@ -396,6 +400,48 @@ def _capabilities(kernel: Kernel) -> Finding:
         not nonzero and "error" not in seen,
         f"non-zero: {nonzero}" if nonzero else f"all five sets are 0 (uid {kernel.report.get('uid')})",
     )
+
+
+_FILE_STATE = r"""
+import errno, fcntl, json, os, socket
+def attempt(call):
+    try:
+        call()
+        return "allowed"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+own = os.path.join(os.getcwd(), "lease-probe")
+open(own, "w").close()
+fd = os.open(own, os.O_RDONLY)
+folder = os.open(os.getcwd(), os.O_RDONLY)
+out = {
+    "lease": attempt(lambda: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)),
+    "dnotify": attempt(lambda: fcntl.fcntl(folder, fcntl.F_NOTIFY, fcntl.DN_ACCESS | fcntl.DN_MULTISHOT)),
+    "udp": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()),
+    "raw": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP).close()),
+    "tcp": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
+    "lock": attempt(lambda: fcntl.flock(fd, fcntl.LOCK_SH)),
+}
+os.close(fd)
+os.close(folder)
+os.unlink(own)
+print(json.dumps(out))
+"""
+
+
+def _no_file_state(kernel: Kernel) -> Finding:
+    """Nothing a kernel attaches to a file or folder reaches past it: a lease (a host
+    process opening the file would wait for the kernel), a directory notification (every
+    process's activity in the folder), a socket but TCP's (a datagram, in guard-only mode,
+    could go anywhere). Tried on the kernel's own workspace file and folder, where nothing
+    else would refuse them; an advisory lock there is allowed (sqlite needs them)."""
+    seen = _probe(kernel, _FILE_STATE)
+    if "error" in seen:
+        return Finding("no leases, watches or datagrams", False, seen["error"])
+    refused = ("lease", "dnotify", "udp", "raw")
+    ok = all(seen[k] == "EPERM" for k in refused) and seen["tcp"] == "allowed" and seen["lock"] == "allowed"
+    evidence = ", ".join(f"{k}: {seen[k]}" for k in (*refused, "tcp", "lock"))
+    return Finding("no leases, watches or datagrams", ok, evidence + " (inotify: refused by the same filter)")
 
 
 def _ctypes(kernel: Kernel) -> Finding:

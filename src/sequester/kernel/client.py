@@ -208,6 +208,8 @@ class Kernel:
         report["view"] = (
             ("template" if process.from_template else "bwrap") if process.mode is Isolation.SANDBOX else "none"
         )
+        if process.view_note:
+            report["view_note"] = process.view_note
         if process.native_stage and process.config.get("write_lock"):
             report.setdefault("landlock_abi", process.config["write_lock"]["abi"])
         self._report = report

@@ -13,6 +13,7 @@ propagates (fail closed).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -34,7 +35,13 @@ from sequester.kernel.environ import kernel_environment
 from sequester.kernel.from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
 from sequester.kernel.spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
 from sequester.kernel.stage0 import stage0_program
-from sequester.kernel.template import TemplateKernel, TemplateSandbox, ViewTemplate, templates_enabled
+from sequester.kernel.template import (
+    TemplateKernel,
+    TemplateSandbox,
+    TemplateUnavailable,
+    ViewTemplate,
+    templates_enabled,
+)
 from sequester.net.broker import Broker
 from sequester.policy import Isolation, Policy
 from sequester.sandbox.bwrap import close_fd
@@ -42,6 +49,8 @@ from sequester.sandbox.host import HostFacts, gather_host_facts
 from sequester.sandbox.mounts import ROOT_SECRETS, hidden_paths, mount_backs
 from sequester.sandbox.native import ctypes_library
 from sequester.sandbox.probe import resolve_isolation
+
+log = logging.getLogger("sequester.kernel")
 
 __all__ = [
     "KernelProcess",
@@ -77,6 +86,8 @@ class KernelProcess:
     # The native first stage's plan (:func:`~sequester.guard.native_plan.encode_plan`),
     # sent instead of ``config`` when the kernel starts through it.
     first_frame: bytes | None = None
+    # Why a kernel that would have come from a view template has a bwrap of its own.
+    view_note: str | None = None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -197,7 +208,9 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         first_frame = None
         sandbox: SandboxProcess | TemplateSandbox | None
         popen: subprocess.Popen[bytes] | TemplateKernel
+        view_note = None
         try:
+            from_view = None
             if stage0 is not None and templates_enabled():
                 # The view is assembled once per policy; this kernel is a child of its keeper.
                 def kernel_config(
@@ -207,9 +220,16 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
                         policy, mode, root_flow=facts.is_root, bridge=bridge, keep_below_tmp=below_tmp, template_ids=ids
                     )
 
-                sandbox, config = kernel_from_template(
-                    policy, facts, stage0, kernel_config, to_kernel_r, from_kernel_w, out_w, err_w, timing
-                )
+                try:
+                    from_view = kernel_from_template(
+                        policy, facts, stage0, kernel_config, to_kernel_r, from_kernel_w, out_w, err_w, timing
+                    )
+                except TemplateUnavailable as exc:
+                    # A reason of the host's: the kernel still starts, as a bwrap of its own.
+                    view_note = f"no view template here ({exc}); the kernel has a bwrap of its own"
+                    log.info("%s", view_note)
+            if from_view is not None:
+                sandbox, config = from_view
                 first_frame = b""  # the plan went with the spawn
                 on_failure.callback(sandbox.kill)
                 popen, workspace = sandbox.kernel, None
@@ -286,7 +306,18 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         os.set_inheritable(fd, False)
     timing["launched"] = time.monotonic_ns()
     return KernelProcess(
-        mode, popen, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, workspace, timing, first_frame
+        mode,
+        popen,
+        to_kernel_w,
+        from_kernel_r,
+        out_r,
+        err_r,
+        config,
+        sandbox,
+        workspace,
+        timing,
+        first_frame,
+        view_note=view_note,
     )
 
 
@@ -318,7 +349,25 @@ def _guard_config(policy: Policy, facts: HostFacts, mode: Isolation, workspace: 
         if e.is_ip or e.host == "localhost"
     ]
     names = [e.host for e in policy.allow if not e.is_ip]
-    return bootstrap_config(policy, mode, landlock_spec=spec, audit_network={"names": names, "connects": connects})
+    # Resolved here: the kernel's filter leaves its resolver no UDP (guard.resolver). An
+    # allowed name's addresses are allowed on its own port.
+    resolved = {name: ["127.0.0.1"] if name == "localhost" else _resolve(name) for name in names}
+    connects += [[address, e.port] for e in policy.allow if not e.is_ip for address in resolved[e.host]]
+    connects = [list(pair) for pair in dict.fromkeys(tuple(pair) for pair in connects)]
+    return bootstrap_config(
+        policy, mode, landlock_spec=spec, audit_network={"names": names, "connects": connects, "resolved": resolved}
+    )
+
+
+def _resolve(name: str) -> list[str]:
+    """The addresses ``name`` has from here (none when it does not resolve: then the
+    kernel cannot reach it, as in sandbox mode a failed lookup gets a refusal)."""
+    import socket
+
+    try:
+        return list(dict.fromkeys(str(info[4][0]) for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)))
+    except OSError:
+        return []
 
 
 def run_in_sandbox(policy: Policy, command: list[str]) -> subprocess.CompletedProcess[str]:

@@ -64,6 +64,10 @@ def start(cfg: dict[str, Any]) -> dict[str, Any]:
     from sequester.guard import audit
 
     network = cfg.get("audit_network")
+    if network:
+        from sequester.guard.resolver import install_resolver
+
+        install_resolver(network.get("resolved", {}))
     audit.install_audit_hook(
         allowed_names=network["names"] if network else None,
         allowed_connects=[tuple(x) for x in network["connects"]] if network else None,

@@ -39,6 +39,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <linux/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -61,11 +62,18 @@ extern char **environ;
 #endif
 
 /* native_plan.Op's numbers (6 is unused). */
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
+
 enum {
     OP_UNSHARE = 1, OP_MOUNT = 2, OP_UMOUNT = 3, OP_MKDIR = 4, OP_MKDIR_MISSING = 5, OP_CHDIR = 7,
     OP_LOOPBACK_UP = 8, OP_WRITE = 9, OP_RLIMIT = 10, OP_CHOWN = 11, OP_DROP_BOUNDING = 12, OP_SETIDS = 13,
     OP_CLEAR_CAPS = 14, OP_CHECK_NO_CAPS = 15, OP_NO_NEW_PRIVS = 16, OP_SECCOMP = 17, OP_ARG = 18, OP_EXEC = 19,
-    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21, OP_USERNS = 22,
+    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21, OP_USERNS = 22, OP_SETATTR = 23,
 };
 
 int out_fd = -1;
@@ -304,6 +312,13 @@ void run_plan(const unsigned char *frame, uint32_t size) {
         case OP_USERNS:
             own_user_namespace(int_arg(&op, 0), int_arg(&op, 1));
             break;
+        case OP_SETATTR: { /* path recursive set clear: mount_setattr by the mount tree */
+            struct mount_attr attr = {.attr_set = int_arg(&op, 2), .attr_clr = int_arg(&op, 3)};
+            if (syscall(SYS_mount_setattr, AT_FDCWD, text_arg(&op, 0), int_arg(&op, 1) ? AT_RECURSIVE : 0, &attr,
+                        sizeof attr) != 0 && errno != ENOSYS) /* older than 5.12: bwrap's remounts stand */
+                fail("mount_setattr", text_arg(&op, 0), errno);
+            break;
+        }
         case OP_ARG:
             if (n_argv >= MAX_EXEC) fail("too many arguments for the cell runner", NULL, 0);
             exec_argv[n_argv++] = (char *)text_arg(&op, 0);

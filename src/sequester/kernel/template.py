@@ -33,12 +33,13 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from sequester.errors import SandboxError
 from sequester.kernel.spawn import STAGE0_IN_VIEW, KernelView
-from sequester.kernel.template_kernel import StaleView, TemplateKernel, TemplateSandbox
+from sequester.kernel.template_kernel import StaleView, TemplateKernel, TemplateSandbox, TemplateUnavailable
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "TemplateKernel",
     "TemplateSandbox",
     "StaleView",
+    "TemplateUnavailable",
     "template_for",
     "forget",
     "close_templates",
@@ -103,7 +105,7 @@ class ViewTemplate:
             said = _said(err)
             close_fd(err)
             if isinstance(exc, SandboxError):
-                raise SandboxError(f"{exc} {said}".strip()) from None
+                raise TemplateUnavailable(f"{exc} {said}".strip()) from None
             raise
         finally:
             theirs.close()
@@ -135,7 +137,9 @@ class ViewTemplate:
                 reason = json.loads(body.decode("utf-8", "replace")).get("error") if body else None
             except (ValueError, AttributeError):
                 reason = None
-            raise SandboxError(f"the view template did not start: {reason or 'no reason given'} {_said(err)}".strip())
+            raise TemplateUnavailable(
+                f"the view template did not start: {reason or 'no reason given'} {_said(err)}".strip()
+            )
 
     def host_pids(self) -> list[int]:
         """bwrap's monitor and the keeper (not the kernels)."""
@@ -273,9 +277,19 @@ _templates: collections.OrderedDict[str, ViewTemplate] = collections.OrderedDict
 _starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sequester-view-templates")
 
 
+# A view whose template could not be made here is not tried again for a while: every
+# kernel of it would pay a failed start before its bwrap of its own.
+_UNAVAILABLE_FOR = 60.0
+_unavailable: dict[str, tuple[float, str]] = {}
+
+
 def template_for(key: str, start: Callable[[], ViewTemplate]) -> ViewTemplate:
-    """The live template of ``key`` (the view's full description), started if needed."""
+    """The live template of ``key`` (the view's full description), started if needed;
+    :class:`TemplateUnavailable` when it cannot be made here (remembered for a minute)."""
     with _lock:
+        failed = _unavailable.get(key)
+        if failed is not None and time.monotonic() - failed[0] < _UNAVAILABLE_FOR:
+            raise TemplateUnavailable(failed[1])
         found = _templates.get(key)
         if found is not None and found.alive:
             _templates.move_to_end(key)
@@ -289,13 +303,25 @@ def template_for(key: str, start: Callable[[], ViewTemplate]) -> ViewTemplate:
 
 def _start_once(key: str, start: Callable[[], ViewTemplate]) -> ViewTemplate:
     with _lock:
+        # Checked again here: first kernels that arrive together queue on this thread, and
+        # only the first of them pays the failed start (red team).
+        failed = _unavailable.get(key)
+        if failed is not None and time.monotonic() - failed[0] < _UNAVAILABLE_FOR:
+            raise TemplateUnavailable(failed[1])
         found = _templates.pop(key, None)
         if found is not None and found.alive:
             _templates[key] = found
             return found
     if found is not None:
         found.retire()
-    made = start()
+    try:
+        made = start()
+    except TemplateUnavailable as exc:
+        with _lock:
+            _unavailable[key] = (time.monotonic(), str(exc))
+            while len(_unavailable) > 4 * MAX_TEMPLATES:
+                _unavailable.pop(next(iter(_unavailable)))
+        raise
     with _lock:
         _templates[key] = made
         retired = [_templates.popitem(last=False)[1] for _ in range(len(_templates) - MAX_TEMPLATES)]
@@ -314,8 +340,10 @@ def forget(template: ViewTemplate) -> None:
 
 
 def close_templates() -> None:
-    """End every template of this process and their kernels (tests, shutdown)."""
+    """End every template of this process and their kernels (tests, shutdown), and forget
+    which views could not be made."""
     with _lock:
+        _unavailable.clear()
         found = list(_templates.values())
         _templates.clear()
     for template in found:

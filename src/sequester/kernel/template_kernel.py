@@ -20,11 +20,16 @@ from sequester.sandbox.procs import descendants
 if TYPE_CHECKING:  # pragma: no cover
     from sequester.kernel.template import ViewTemplate
 
-__all__ = ["StaleView", "TemplateKernel", "TemplateSandbox"]
+__all__ = ["StaleView", "TemplateUnavailable", "TemplateKernel", "TemplateSandbox"]
 
 
 class StaleView(SandboxError):
     """The view changed on the host since the template checked it: start from a new one."""
+
+
+class TemplateUnavailable(SandboxError):
+    """A view template could not be made on this host (its keeper did not get ready): the
+    kernel is started with a bwrap of its own instead, and says so."""
 
 
 @dataclass
