@@ -21,6 +21,7 @@ from rich.table import Table
 
 from sequester.cli.common import positive
 from sequester.config import load_config
+from sequester.environments.settings import episode_id_map
 from sequester.errors import ImageError, PolicyError
 from sequester.imagebuild import BuildResult, StepReport, build_task
 from sequester.images import ImageStore
@@ -64,6 +65,8 @@ def cmd_build(args: argparse.Namespace) -> int:
             else:
                 _err.print(f"{prefix}#{report.number} [green]DONE[/] {report.seconds:.1f}s", highlight=False)
 
+    ids = episode_id_map(settings)[0]  # the ids its RUN steps map: as the episodes'
+
     def one(task) -> tuple[BuildResult | None, str | None]:
         try:
             result = build_task(
@@ -75,6 +78,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 no_cache=args.no_cache,
                 log_path=logs / f"{task.name}.log",
                 on_step=lambda report, done: show(task.name, report, done),
+                ids=ids,
             )
             return result, None
         except ImageError as exc:  # BuildError, or a base image that cannot be had

@@ -26,10 +26,18 @@ from typing import Any
 from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
 from sequester.images.image_settings import ImageSettings
+from sequester.sandbox.idmap import IdMap, caller_id_map, parse_id_range
 
 BACKENDS = ("local", "docker")
 
-__all__ = ["BACKENDS", "EpisodeSettings", "cluster_cache_dir", "default_state_dir", "default_toolchain_dir"]
+__all__ = [
+    "BACKENDS",
+    "EpisodeSettings",
+    "episode_id_map",
+    "cluster_cache_dir",
+    "default_state_dir",
+    "default_toolchain_dir",
+]
 
 
 def default_state_dir() -> Path:
@@ -65,6 +73,9 @@ class EpisodeSettings:
     backend: str = "local"  # what runs the episodes: "local" (namespaces here) or "docker" (see sequester.environments)
     docker_host: str | None = None
     docker_build: bool = False
+    # A root caller's range of subordinate ids for its episodes ("BASE:COUNT"; see
+    # sequester.sandbox.idmap): else /etc/subuid's root entry (sequester setup ids).
+    id_range: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("exec_timeout", "output_bytes", "max_processes"):
@@ -83,6 +94,8 @@ class EpisodeSettings:
                 f"episodes.docker_host: {self.docker_host!r} is not an engine address "
                 "(unix:///PATH, tcp://HOST:PORT, ssh://...)"
             )
+        if self.id_range is not None:
+            parse_id_range(self.id_range)  # raises, naming the key
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))
@@ -100,3 +113,9 @@ def _reward_range(value: Any) -> tuple[float, float] | None:
     ):
         return (float(value[0]), float(value[1]))
     raise PolicyError(f'episodes.reward_range: {value!r} is not [low, high] (finite, low <= high) or "any"')
+
+
+def episode_id_map(settings: EpisodeSettings) -> tuple[IdMap | None, str | None]:
+    """The ids an episode of ``settings`` maps (:mod:`sequester.sandbox.idmap`), or
+    ``(None, why)``: then the caller alone."""
+    return caller_id_map(parse_id_range(settings.id_range) if settings.id_range else None)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Mapping
 
 __all__ = [
+    "become",
     "NOBODY",
     "KERNEL_HOST_ID",
     "CAPABILITIES",
@@ -151,6 +152,15 @@ CAPABILITIES = {
         )
     )
 }
+
+
+def become(uid: int, gid: int) -> None:
+    """Switch every id to ``uid``/``gid`` (supplementary groups: ``gid`` alone), from root of
+    the current user namespace: an image's non-root ``User``. The kernel clears the
+    capability sets on the way out of uid 0; the bounding set stays what it was."""
+    os.setgroups([gid])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
 
 
 def keep_capabilities(names: list[str] | tuple[str, ...]) -> None:

@@ -38,6 +38,7 @@ from sequester.images.manifest import ImageConfig
 from sequester.images.records import ImageRecord, LayerRef, hex_of
 from sequester.images.store import ImageStore
 from sequester.net.build.network import BuildNetwork
+from sequester.sandbox.idmap import IdMap
 from sequester.tasks.dockerfile_parse import parse_dockerfile
 
 __all__ = ["BuildOptions", "StepReport", "BuildResult", "BuildReporter", "build_image"]
@@ -54,6 +55,10 @@ class BuildOptions:
     network: BuildNetwork = field(default_factory=BuildNetwork)
     timeout: float | None = None
     build_args: Mapping[str, str] = field(default_factory=dict)
+    # The ids a RUN step maps (sandbox.idmap): the same as the caller's episodes, so that
+    # useradd and chown leave real owners in the layers; None: the caller alone (chown is
+    # then a no-op, as podman's ignore_chown_errors).
+    ids: IdMap | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,7 @@ def build_image(
             proxy_factory=proxy_factory,
             deadline=deadline,
             on_output=reporter.output,
+            ids=options.ids,
         )
         reports: list[StepReport] = []
 
@@ -210,15 +216,15 @@ def _plan_stage(
     refs: tuple[LayerRef, ...] = ()
     if base.base_stage is not None:  # FROM <earlier stage>: its layers are known once it is built
         parent = base.base_stage
-        config, key = stages[parent].config, base_key("stage", stages[parent].final_key)
+        config, key = stages[parent].config, base_key("stage", stages[parent].final_key, ids=options.ids)
     elif base.base_ref in (None, "scratch"):
-        config, key = ImageConfig(), base_key("scratch", "")
+        config, key = ImageConfig(), base_key("scratch", "", ids=options.ids)
     else:
         record = store.get(base.base_ref)
         lease = store.lease(record)  # checks that its layers are there
         lease.release()
         layers, refs, config = lease.layers, record.layers, record.config
-        key = base_key("image", record.id)
+        key = base_key("image", record.id, ids=options.ids)
     planner = StagePlanner(df, base.index, config, options.build_args, names)
     planned: list[_Planned] = []
     for step in planner.steps():

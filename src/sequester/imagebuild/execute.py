@@ -22,6 +22,7 @@ from sequester.imagebuild.context import context_sources
 from sequester.imagebuild.step_sandbox import AUX, StepOutcome, StepRun, run_step
 from sequester.imagebuild.steps import CopyStep, RunStep, WorkdirStep
 from sequester.images.stack import image_path_kind, resolve_user
+from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.verifier.layout import RUNNER_MOUNT
 
@@ -47,6 +48,7 @@ class StepContext:
     on_output: Callable[[bytes], None] | None = None
     stage_layers: Callable[[int], Sequence[Path]] = field(default=lambda i: ())  # COPY --from=<stage>
     image_layers: Callable[[str], Sequence[Path]] = field(default=lambda ref: ())  # COPY --from=<image>
+    ids: IdMap | None = None  # the ids every step maps (BuildOptions.ids)
 
 
 def _left(ctx: StepContext) -> float | None:
@@ -113,6 +115,7 @@ def _run(step: RunStep, lowers: Sequence[Path], upper: Path, work: Path, ctx: St
         cwd=step.workdir if _is_dir(lowers, step.workdir) else "/",
         uid=uid,
         gid=gid,
+        id_map=ctx.ids,
     )
     outcome = run_step(
         run, timeout=_left(ctx), proxy=proxy_factory() if proxy_factory is not None else None, on_output=ctx.on_output
@@ -207,6 +210,7 @@ def _copy(
         {"HOME": "/root"},
         extra_mounts=tuple(mounts),
         data_files={_PROGRAM: _COPIER.read_text(), _PLAN: json.dumps({"ops": ops})},
+        id_map=ctx.ids,
     )
     proxy = ctx.proxy_factory() if network and ctx.proxy_factory is not None else None
     outcome = run_step(run, timeout=_left(ctx), proxy=proxy, on_output=ctx.on_output)

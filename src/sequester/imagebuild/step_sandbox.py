@@ -36,6 +36,7 @@ from sequester.guard import seccomp
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, start_bwrap
 from sequester.sandbox.cgroups.limits import make_limit_groups
+from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.sandbox.nsexec.client import shared_nsexec
 
@@ -70,6 +71,7 @@ class StepRun:
     extra_mounts: tuple[MountOp, ...] = ()
     data_files: Mapping[Path, str] = field(default_factory=dict)
     hostname: str = "buildkitsandbox"
+    id_map: IdMap | None = None  # the ids the step maps (sandbox.idmap); None: the caller alone
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def step_spec(run: StepRun, *, network: bool) -> SandboxSpec:
         env=env,
         cwd=Path(run.cwd),
         identity=Identity.ROOT,
+        id_map=run.id_map,
         caps=CONTAINER_CAPS if run.uid == 0 else (),
         uid=run.uid,
         gid=run.gid,
@@ -123,7 +126,8 @@ def step_spec(run: StepRun, *, network: bool) -> SandboxSpec:
         # Held until the host has put the step in its limits (and opened its proxy): a
         # command that ran at once could fork before them.
         readonly_root=False,
-        seccomp=seccomp.compile_filter("build"),
+        # With one id mapped, chown to another fails: the "build" filter makes it a no-op.
+        seccomp=seccomp.compile_filter("build" if run.id_map is None else "agent"),
         hold=True,
     )
 

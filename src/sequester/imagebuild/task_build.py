@@ -22,6 +22,7 @@ from sequester.errors import BuildError
 from sequester.imagebuild.builder import BuildOptions, BuildResult, StepReport, build_image
 from sequester.images.store import ImageStore
 from sequester.net.build.network import parse_build_network
+from sequester.sandbox.idmap import IdMap, configured_id_map
 from sequester.tasks import Task
 
 __all__ = ["build_task", "task_image_name", "has_dockerfile", "BuildLog"]
@@ -98,6 +99,7 @@ def build_task(
     no_cache: bool = False,
     log_path: Path | None = None,
     on_step: Callable[[StepReport, bool], None] | None = None,
+    ids: IdMap | None = None,
 ) -> BuildResult:
     """Build ``task``'s Dockerfile into ``store``; :class:`BuildError` if a step fails or
     the build outlives the task's ``build_timeout_sec``."""
@@ -108,6 +110,7 @@ def build_task(
         no_cache=no_cache,
         network=parse_build_network(network, allowed_hosts),
         timeout=task.config.environment.build_timeout_sec,
+        ids=ids,
     )
     key = (str(store.root), str(dockerfile))
     with _locks_lock:
@@ -177,6 +180,7 @@ def ensure_built(
             allowed_hosts=images.build_allowed_hosts,
             log_path=log_path,
             on_step=on_step,
+            ids=configured_id_map(settings.id_range),
         ).record
     except BuildError as exc:
         with _locks_lock:

@@ -25,13 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from sequester.sandbox.idmap import IdMap
+
 __all__ = ["step_key", "base_key", "BuildCache"]
 
 
-def base_key(kind: str, value: str) -> str:
+def base_key(kind: str, value: str, *, ids: IdMap | None = None) -> str:
     """The key a stage starts from: ``image`` (its id), ``stage`` (that stage's last key),
-    ``scratch``."""
-    return hashlib.sha256(f"sequester-build/1 {kind} {value}".encode()).hexdigest()
+    ``scratch``; and the ids its steps map (``ids``), since a layer built with the caller
+    alone holds other owners than one built with a range."""
+    mapped = f" ids {ids.uid}:{ids.gid}:{ids.sub_uid}:{ids.sub_gid}" if ids is not None else ""
+    return hashlib.sha256(f"sequester-build/1 {kind} {value}{mapped}".encode()).hexdigest()
 
 
 def step_key(parent: str, key_text: str, content: str = "") -> str:

@@ -13,6 +13,9 @@ Who the sandboxed process is (``SandboxSpec.identity``):
   code runs.
 * ``ROOT`` (an agent's episode): root inside its user namespace, mapped to the caller,
   with a container's usual capabilities (``spec.caps``) and no nested user namespaces.
+  With an ``id_map`` (:mod:`sequester.sandbox.idmap`) the namespace maps 65,536 ids, the
+  caller as root and its subordinate range for the rest: bwrap waits
+  (``--userns-block-fd``) while the launcher writes the map.
 
 The environment is not on the command line (API keys would show in ``ps``): the
 launcher hands it to bwrap as its own environment, and bwrap passes it on.
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import WORKSPACE, MountKind, MountOp
 
 __all__ = [
@@ -94,6 +98,9 @@ class SandboxSpec:
     # ROOT: who the agent is in its namespace (an image's ``User``): the caller maps to it.
     uid: int = 0
     gid: int = 0
+    # ROOT: the ids the namespace maps (the caller as root, its subordinate range for the
+    # rest), written by the launcher; None: the caller alone, mapped to ``uid``/``gid``.
+    id_map: IdMap | None = None
     # A seccomp filter (BPF) bwrap loads just before it runs the command: an episode's
     # init gets the agent's, so a process the agent takes over by ptrace gains nothing.
     seccomp: bytes | None = None
@@ -156,12 +163,14 @@ def build_argv(bwrap: str, spec: SandboxSpec, fds: LaunchFds) -> list[str]:
     argv = [bwrap, "--unshare-user"]
     if fds.info is not None:
         argv += ["--info-fd", str(fds.info)]
-    if spec.identity is Identity.NOBODY:
+    if spec.identity is Identity.NOBODY or (spec.identity is Identity.ROOT and spec.id_map is not None):
         if fds.info is None or fds.userns_block is None:
-            raise ValueError("the root flow needs an info fd and a userns block fd")
+            raise ValueError("a map written by the launcher needs an info fd and a userns block fd")
         argv += ["--userns-block-fd", str(fds.userns_block)]
-    else:
-        if not spec.allow_userns:
+    if spec.identity is not Identity.NOBODY:
+        # (bwrap refuses --disable-userns beside --userns-block-fd: with a map of the
+        # launcher's, the namespace helper forbids nested ones when it hardens the view.)
+        if not spec.allow_userns and spec.id_map is None:
             argv += ["--disable-userns"]
         if spec.identity is Identity.ROOT:
             argv += ["--uid", str(spec.uid), "--gid", str(spec.gid)]

@@ -25,6 +25,7 @@ from pathlib import Path
 from sequester.errors import SandboxError
 from sequester.guard.privileges import KERNEL_HOST_ID, NOBODY
 from sequester.sandbox.argv import Identity, LaunchFds, SandboxSpec, build_argv
+from sequester.sandbox.idmap import write_id_map
 from sequester.sandbox.probe import bwrap_path
 
 __all__ = ["StartedBwrap", "start_bwrap", "close_fd", "readable", "read_pending"]
@@ -129,7 +130,7 @@ def start_bwrap(
                 close_fd(fd)
 
         temporary.callback(close_info_w)
-        needs_map = spec.identity is Identity.NOBODY
+        needs_map = spec.identity is Identity.NOBODY or (spec.identity is Identity.ROOT and spec.id_map is not None)
         block_r, block_w = (temp(fd) for fd in os.pipe())
         seccomp_fd = temp(_data_fd(spec.seccomp)) if spec.seccomp is not None else None
         hold_r, hold_w = os.pipe() if spec.hold else (None, None)
@@ -183,10 +184,13 @@ def start_bwrap(
             raise SandboxError(f"bwrap failed to set up the sandbox: {said or 'no message'}") from None
         on_failure.callback(close_fd, pidfd)
         if needs_map:
-            for name in ("uid_map", "gid_map"):
-                # setgroups stays allowed: the kernel's bootstrap clears root's groups.
-                with open(f"/proc/{pid}/{name}", "w") as f:
-                    f.write(_ID_MAP)
+            if spec.id_map is not None:
+                write_id_map(pid, spec.id_map)  # an episode's 65,536 ids (sandbox.idmap)
+            else:
+                for name in ("uid_map", "gid_map"):
+                    # setgroups stays allowed: the kernel's bootstrap clears root's groups.
+                    with open(f"/proc/{pid}/{name}", "w") as f:
+                        f.write(_ID_MAP)
             os.write(block_w, b"1")
         if hold_r is not None:
             _wait_until_held(pid, pidfd, hold_r, popen, stderr_reader)

@@ -179,6 +179,8 @@ class Episode:
         run, chosen = self._run, self._run.workdir
         self._state = _State.RUNNING
         try:
+            if run.top_owners:
+                self._nsexec.set_owners(run.bwrap.pid, run.top_owners)
             if not shell:  # else the shell's start does it: before any agent process exists
                 self._nsexec.harden(run.bwrap.pid)
             if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
@@ -250,6 +252,7 @@ class Episode:
                 cgroup=run.agent_cgroups,
                 rlimits=run.rlimits,
                 harden=harden,
+                ids=run.agent_ids,
             )
         except BaseException:
             for fd in (master, control_w, out_r):

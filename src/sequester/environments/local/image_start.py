@@ -8,14 +8,16 @@ is), so nothing of the Dockerfile is applied again; the task's folder is not in 
 from __future__ import annotations
 
 import os
+import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
 from sequester.environments.local.layers import view_points
 from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
 from sequester.environments.local.state import EpisodeDirs
-from sequester.environments.settings import EpisodeSettings
+from sequester.environments.settings import EpisodeSettings, episode_id_map
 from sequester.errors import ImageError, SandboxError
 from sequester.guard import seccomp
 from sequester.images import ImageLease
@@ -23,7 +25,8 @@ from sequester.images.stack import TopEntry, image_path_kind, merge_tops, resolv
 from sequester.images.synth import DEFAULT_PATH
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.cgroups.limits import LimitGroups
-from sequester.sandbox.mounts import MountKind
+from sequester.sandbox.idmap import IdMap
+from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.tasks import Task
 from sequester.verifier.layout import RUNNER_MOUNT
 from sequester.verifier.tree import runner_tree
@@ -56,6 +59,28 @@ def _tops_for_mounts(tops: list[TopEntry]) -> tuple[list[TopEntry], set[str]]:
     kept = [t for t in tops if not (t.name == RUNNER_MOUNT.parts[1] and t.kind != "dir")]
     fresh = {RUNNER_MOUNT.parts[1]} if len(kept) != len(tops) else set()
     return kept, fresh
+
+
+def _top_owners(mounts: Sequence[MountOp], ids: IdMap | None) -> tuple[tuple[str, int, int, int], ...]:
+    """``(path, uid, gid, mode)`` inside, of each top-level overlay whose root (its upper
+    folder, made by the host as the caller) differs from the image's folder there (its
+    topmost layer's): an image's ``/app`` of user ``app``, its ``/tmp`` 1777."""
+    found = []
+    for op in mounts:
+        if op.kind is not MountKind.OVERLAY or len(op.dest.parts) != 2 or not op.lowers or op.upper is None:
+            continue
+        try:
+            image, made = os.lstat(op.lowers[-1]), os.lstat(op.upper)
+        except OSError:
+            continue
+        uid = ids.inside_uid(image.st_uid) if ids is not None else 0
+        gid = ids.inside_gid(image.st_gid) if ids is not None else 0
+        mode = stat.S_IMODE(image.st_mode)
+        if uid is None or gid is None:
+            continue  # an owner outside the map shows as nobody whatever we do
+        if (uid, gid, mode) != (0, 0, stat.S_IMODE(made.st_mode)):
+            found.append((str(op.dest), uid, gid, mode))
+    return tuple(found)
 
 
 def start_on_image(
@@ -98,12 +123,14 @@ def start_on_image(
         env["HOSTNAME"] = task.name[:63] or "sequester"
     runner_bin = f"{RUNNER_MOUNT}/bin"
     caps = CONTAINER_CAPS if uid == 0 else ()
+    ids, why = episode_id_map(settings)
     spec = SandboxSpec(
         mounts=mounts,
         command=(f"{runner_bin}/bash", "--noprofile", "--norc", "-c", INIT_SCRIPT),
         env={"PATH": runner_bin},
         cwd=Path("/"),
         identity=Identity.ROOT,
+        id_map=ids,
         caps=caps,
         uid=uid,
         gid=gid,
@@ -117,6 +144,9 @@ def start_on_image(
     notes = [f"image {names} ({record.digest}): the agent's view is the image's layers plus a writable layer"]
     if record.config.user:
         notes.append(f"the agent runs as the image's User {record.config.user!r} (uid {uid}, gid {gid})")
+    if why:
+        notes.append(why)
+    owners = _top_owners(mounts, ids)
     timeout = task.config.agent.timeout_sec
     return RunningEpisode(
         task,
@@ -134,4 +164,7 @@ def start_on_image(
         lease=lease,
         shell_argv=image_shell(runner_bin),
         agent_caps=caps,
+        id_map=ids,
+        agent_ids=(uid, gid) if ids is not None and uid != 0 else None,
+        top_owners=owners,
     )

@@ -22,7 +22,7 @@ from sequester.environments.local.staging import stage_environment, tops_needed
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.submounts import describe_mounts_below, gather_submounts, make_skeleton, staged_names
 from sequester.environments.local.view import plan_episode_layout
-from sequester.environments.settings import EpisodeSettings, cluster_cache_dir
+from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, episode_id_map
 from sequester.errors import SandboxError
 from sequester.guard import seccomp
 from sequester.policy import Policy
@@ -30,6 +30,7 @@ from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
 from sequester.sandbox.freeze import Freezer, make_freezer
 from sequester.sandbox.host import HostFacts, gather_host_facts
+from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from sequester.tasks import Task
 from sequester.verifier.tree import runner_tree
@@ -76,6 +77,13 @@ class RunningEpisode:
     agent_caps: tuple[str, ...] = CONTAINER_CAPS  # an image's non-root User gets none
     rlimits: dict[str, int] = field(default_factory=dict)  # set on every agent process (see .limits)
     limit_groups: LimitGroups | None = None  # the episode's cgroups (see .cgroup_limits)
+    # The ids the episode maps (sandbox.idmap; None: the caller alone), and who the agent
+    # becomes inside when that is not the namespace's root (an image's User).
+    id_map: IdMap | None = None
+    agent_ids: tuple[int, int] | None = None
+    # (path, uid, gid, mode) inside, of the view's top-level folders whose owner or mode the
+    # image gives otherwise than the host made them (set once the view is up).
+    top_owners: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def agent_cgroups(self) -> list[str]:
@@ -163,12 +171,16 @@ def start_episode(
         "PWD": workdir,
         **(task.dockerfile.env_map if task.dockerfile else {}),
     }
+    ids, why = episode_id_map(settings)
+    if why:
+        notes.append(why)
     spec = SandboxSpec(
         mounts=mounts,
         command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT),
         env={"PATH": AGENT_PATH},
         cwd=Path("/"),
         identity=Identity.ROOT,
+        id_map=ids,
         caps=CONTAINER_CAPS,
         hostname=task.name[:63] or "sequester",
         as_pid_1=True,
@@ -189,6 +201,7 @@ def start_episode(
         symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
         runner=runner,
         view_points=view_points(op.dest for op in mounts),
+        id_map=ids,
     )
 
 

@@ -100,27 +100,36 @@ def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, 
     }
     try:
         parent = fcntl.ioctl(fds["user"], NS_GET_PARENT)
+        one_level = False
         try:
             if libc.setns(parent, CLONE_NEWUSER) != 0:
                 if ctypes.get_errno() != errno.EINVAL:
                     check(-1, "setns(user)")
-                # EINVAL: the parent is ours, so the target is still in bwrap's first user
-                # namespace (a build step's bwrap, held before its command nests one): that
-                # first namespace is the one that owns the others.
+                # EINVAL: the parent is ours, so the target is in the first user namespace
+                # bwrap made (a build step's bwrap, held before its command nests one; an
+                # episode whose map the launcher wrote, sandbox.idmap, where bwrap nests
+                # none): that namespace is the one that owns the others.
                 check(libc.setns(fds["user"], CLONE_NEWUSER), "setns(user)")
+                one_level = True
         finally:
             os.close(parent)
         order = [("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)]
         if pid:
             order.append(("pid", CLONE_NEWPID))
-        if user == "agent":
+        if user == "agent" and not one_level:
             order.append(("user", CLONE_NEWUSER))
         for name, flag in order:
             if name == "user" and harden:
                 harden_proc("/proc")
                 harden_dev("/dev")
             check(libc.setns(fds[name], flag), f"setns({name})")
-        if harden and user != "agent":
+        if harden and one_level:
+            # bwrap nests no user namespace under a map the launcher wrote, so it cannot
+            # forbid nested ones (--disable-userns): no process of the episode may make one.
+            # (Before /proc/sys goes read-only below.)
+            with open("/proc/sys/user/max_user_namespaces", "w") as f:
+                f.write("0")
+        if harden and (user != "agent" or one_level):
             harden_proc("/proc")
             harden_dev("/dev")
     finally:
@@ -128,10 +137,14 @@ def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, 
             os.close(fd)
 
 
-def restrict(bpf: bytes, nr: int, caps: list[str]) -> None:
-    """The agent's restrictions: seccomp (while we may still load it), then capabilities."""
+def restrict(bpf: bytes, nr: int, caps: list[str], ids: list[int] | None = None) -> None:
+    """The agent's restrictions: seccomp (while we may still load it), then capabilities,
+    then ``ids`` (an image's non-root ``User`` in a namespace whose root is the caller):
+    who the process becomes, which clears what capabilities it kept."""
     seccomp.load_filter(bpf, nr)
-    privileges.keep_capabilities(caps)
+    privileges.keep_capabilities(caps if ids is None else [*caps, "CAP_SETUID", "CAP_SETGID"])
+    if ids is not None:
+        privileges.become(ids[0], ids[1])
 
 
 def report(fd: int, message: dict[str, Any]) -> None:

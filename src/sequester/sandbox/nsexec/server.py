@@ -123,7 +123,7 @@ def _exec_agent_process(
         os.chdir(req.get("cwd") or "/")
         for name, value in (req.get("rlimits") or {}).items():  # task limits (see episodes.limits)
             resource.setrlimit(getattr(resource, name), (value, value))
-        restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
+        restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"], req.get("ids"))
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as exc:  # noqa: BLE001 - the result pipe is gone by now
         os.write(2, f"sequester: could not start {req['argv'][0]}: {exc}\n".encode())
@@ -328,7 +328,18 @@ def op_harden(req: dict[str, Any], fds: list[int]) -> None:
     report(fds[0], {"ok": True})
 
 
-_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden}
+def op_owners(req: dict[str, Any], fds: list[int]) -> None:
+    """In the episode's namespaces, as its root: owners and modes of folders of its view
+    (their paths the host's plan, never the agent's; links are not followed)."""
+    enter(req["target"], user="parent", pid=False, cgroup=None)
+    for path, uid, gid, mode in req["items"]:
+        os.chown(path, uid, gid, follow_symlinks=False)
+        if not os.path.islink(path):
+            os.chmod(path, mode)
+    report(fds[0], {"ok": True})
+
+
+_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden, "owners": op_owners}
 
 
 def serve(sock: socket.socket) -> None:

@@ -1,0 +1,170 @@
+"""Which ids an episode's user namespace maps: the caller as root, and 65,535 subordinate
+ids for the image's other users (``_apt``, ``www-data``, a ``useradd``-ed ``app``), as a
+container engine maps a container.
+
+    inside 0            -> the caller (host root for a root caller, else the user itself)
+    inside 1 .. 65535   -> the caller's subordinate range, base .. base + 65534
+
+The range is the caller's own: an ordinary user's from ``/etc/subuid`` and ``/etc/subgid``
+(``useradd`` gives every new user one), written by the field's setuid helpers
+``newuidmap``/``newgidmap`` (Debian's ``uidmap``); root's from ``[episodes] id_range`` or
+the ``root`` entry of those files, which ``sequester setup ids`` adds (never made silently).
+Without one, the namespace maps the caller alone, as before, and the episode says so: then
+``apt-get`` cannot drop to ``_apt``, ``chown`` to another user fails, ``su`` has no one to
+become.
+
+Pure but for reading the two files and writing the map (:func:`write_id_map`).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from sequester.errors import PolicyError, SandboxError
+
+__all__ = [
+    "IDS",
+    "IdMap",
+    "caller_id_map",
+    "configured_id_map",
+    "parse_id_range",
+    "parse_subid_file",
+    "write_id_map",
+]
+
+IDS = 65536  # ids an episode sees: 0 (the caller) and 1 .. 65535 (the subordinate range)
+SUBUID, SUBGID = Path("/etc/subuid"), Path("/etc/subgid")
+
+
+@dataclass(frozen=True)
+class IdMap:
+    """The caller's ``uid``/``gid`` as the namespace's root, and the first host id of the
+    subordinate ranges (``sub_uid``, ``sub_gid``) for inside ids 1 .. ``IDS - 1``."""
+
+    uid: int
+    gid: int
+    sub_uid: int
+    sub_gid: int
+
+    def host_uid(self, inside: int) -> int:
+        """The host uid of ``inside`` (0 .. 65535)."""
+        return self.uid if inside == 0 else self.sub_uid + inside - 1
+
+    def host_gid(self, inside: int) -> int:
+        return self.gid if inside == 0 else self.sub_gid + inside - 1
+
+    def inside_uid(self, host: int) -> int | None:
+        """Who host uid ``host`` is inside (None: unmapped, shown as nobody)."""
+        if host == self.uid:
+            return 0
+        return host - self.sub_uid + 1 if self.sub_uid <= host < self.sub_uid + IDS - 1 else None
+
+    def inside_gid(self, host: int) -> int | None:
+        if host == self.gid:
+            return 0
+        return host - self.sub_gid + 1 if self.sub_gid <= host < self.sub_gid + IDS - 1 else None
+
+    def uid_map(self) -> str:
+        """``/proc/PID/uid_map``'s text."""
+        return f"0 {self.uid} 1\n1 {self.sub_uid} {IDS - 1}\n"
+
+    def gid_map(self) -> str:
+        return f"0 {self.gid} 1\n1 {self.sub_gid} {IDS - 1}\n"
+
+    def describe(self) -> str:
+        return f"uids 0 -> {self.uid}, 1-{IDS - 1} -> {self.sub_uid}-{self.sub_uid + IDS - 2}"
+
+
+def parse_subid_file(text: str, user: str, uid: int) -> list[tuple[int, int]]:
+    """The ``(start, count)`` ranges of ``user`` (by name or uid) in ``/etc/subuid``-style
+    ``text``, in file order; malformed lines are skipped (the setuid helpers do the same)."""
+    found = []
+    for line in text.splitlines():
+        parts = line.strip().split(":")
+        if len(parts) != 3 or parts[0] not in (user, str(uid)):
+            continue
+        try:
+            start, count = int(parts[1]), int(parts[2])
+        except ValueError:
+            continue
+        if start >= 0 and count > 0:
+            found.append((start, count))
+    return found
+
+
+def parse_id_range(text: str, where: str = "episodes.id_range") -> tuple[int, int]:
+    """``"BASE:COUNT"`` (or ``"BASE"``, 65,536 ids) of a configured range, checked: at least
+    65,535 ids, above every id a system account uses (1,000 and below), within 32 bits."""
+    base_text, _, count_text = str(text).partition(":")
+    try:
+        base, count = int(base_text), int(count_text or IDS)
+    except ValueError:
+        raise PolicyError(f"{where}: {text!r} is not BASE:COUNT (for example 100000:65536)") from None
+    if count < IDS - 1:
+        raise PolicyError(f"{where}: {text!r} has {count} ids; an episode needs {IDS - 1} beside the caller's")
+    if base <= 1000 or base + count > 2**32 - 2:
+        raise PolicyError(f"{where}: {text!r} is not a range of unused ids (above 1000, below 2^32 - 1)")
+    return base, count
+
+
+def caller_id_map(configured: tuple[int, int] | None = None) -> tuple[IdMap | None, str | None]:
+    """This process's map, or ``(None, why)`` when it has no range to map: ``configured``
+    (``[episodes] id_range``, root only) wins, else the subordinate files."""
+    uid, gid = os.getuid(), os.getgid()
+    if configured is not None:
+        if uid != 0:
+            return None, "[episodes] id_range is root's: an ordinary user's range comes from /etc/subuid"
+        return IdMap(uid, gid, configured[0], configured[0]), None
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    try:
+        subuid = parse_subid_file(SUBUID.read_text(), name, uid)
+        subgid = parse_subid_file(SUBGID.read_text(), name, uid)
+    except OSError:
+        subuid = subgid = []
+    start_uid = next((s for s, c in subuid if c >= IDS - 1), None)
+    start_gid = next((s for s, c in subgid if c >= IDS - 1), None)
+    if start_uid is None or start_gid is None:
+        fix = (
+            "run `sequester setup ids` (root)"
+            if uid == 0
+            else f"add a range of {IDS} ids to /etc/subuid and /etc/subgid"
+        )
+
+        return None, (
+            f"the episode maps one id ({name} as root): {name} has no range of {IDS - 1} subordinate ids "
+            f"in /etc/subuid and /etc/subgid ({fix})"
+        )
+    if uid != 0 and (shutil.which("newuidmap") is None or shutil.which("newgidmap") is None):
+        return None, "the episode maps one id: newuidmap/newgidmap (Debian's uidmap) are missing"
+    return IdMap(uid, gid, start_uid, start_gid), None
+
+
+def write_id_map(pid: int, ids: IdMap) -> None:
+    """Write ``ids`` as the user namespace map of ``pid`` (a process just made in a new
+    user namespace, waiting for its map): root writes the files, an ordinary user runs
+    the setuid helpers, which check the range against /etc/subuid and /etc/subgid.
+    ``setgroups`` stays allowed (``apt`` and ``su`` call it)."""
+    if os.geteuid() == 0:
+        for name, text in (("uid_map", ids.uid_map()), ("gid_map", ids.gid_map())):
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(text)
+        return
+    for tool, own, sub in (("newuidmap", ids.uid, ids.sub_uid), ("newgidmap", ids.gid, ids.sub_gid)):
+        argv = [tool, str(pid), "0", str(own), "1", "1", str(sub), str(IDS - 1)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise SandboxError(f"{tool} could not map the episode's ids: {done.stderr.strip() or done.returncode}")
+
+
+def configured_id_map(id_range: str | None) -> IdMap | None:
+    """:func:`caller_id_map` for a configured ``[episodes] id_range`` (or none): the map
+    alone (the reason there is none goes in an episode's notes, not a build's)."""
+    return caller_id_map(parse_id_range(id_range) if id_range else None)[0]
