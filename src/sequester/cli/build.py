@@ -21,10 +21,9 @@ from rich.table import Table
 
 from sequester.cli.common import positive
 from sequester.config import load_config
-from sequester.environments.settings import episode_id_map
+from sequester.environments.settings import episode_id_map, episode_image_store
 from sequester.errors import ImageError, PolicyError
 from sequester.imagebuild import BuildResult, StepReport, build_task
-from sequester.images import ImageStore
 from sequester.images.image_settings import BUILD_NETWORKS
 
 __all__ = ["add_build_command", "positive"]
@@ -49,7 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if missing:
         raise PolicyError(f"task {missing[0]} has no environment/Dockerfile to build")
     logs = Path(args.logs or f"build-logs/{time.strftime('%Y-%m-%d__%H-%M-%S')}").absolute()
-    store = ImageStore(images)
+    store = episode_image_store(settings)
     runner = runner_tree(settings.toolchain_dir)
     several = len(tasks) > 1
     lock = threading.Lock()

@@ -23,6 +23,7 @@ from sequester.cli.exec import add_exec_command
 from sequester.cli.image import add_image_commands
 from sequester.cli.run import add_run_command
 from sequester.cli.serve import add_serve_command
+from sequester.cli.setup import add_setup_command
 from sequester.errors import ImageError, PolicyError, SequesterError, TaskError
 
 __all__ = ["main"]
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_image_commands(sub)
     add_build_command(sub)
     add_serve_command(sub)
+    add_setup_command(sub)
     return parser
 
 

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, Ta
 from rich.table import Table
 
 from sequester.config import load_config
+from sequester.environments.settings import episode_image_store
 from sequester.errors import ImageError
 from sequester.images import ImageRecord, ImageStore, parse_reference
 
@@ -63,7 +64,7 @@ def image_bars() -> Iterator[_Bars]:
 
 
 def _store(args: argparse.Namespace) -> ImageStore:
-    return ImageStore(load_config(args.config).episodes.images)
+    return episode_image_store(load_config(args.config).episodes)
 
 
 def _size(n: float) -> str:

@@ -21,12 +21,15 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
 from sequester.images.image_settings import ImageSettings
 from sequester.sandbox.idmap import IdMap, caller_id_map, parse_id_range
+
+if TYPE_CHECKING:
+    from sequester.images.store import ImageStore
 
 BACKENDS = ("local", "docker")
 
@@ -34,6 +37,7 @@ __all__ = [
     "BACKENDS",
     "EpisodeSettings",
     "episode_id_map",
+    "episode_image_store",
     "cluster_cache_dir",
     "default_state_dir",
     "default_toolchain_dir",
@@ -119,3 +123,10 @@ def episode_id_map(settings: EpisodeSettings) -> tuple[IdMap | None, str | None]
     """The ids an episode of ``settings`` maps (:mod:`sequester.sandbox.idmap`), or
     ``(None, why)``: then the caller alone."""
     return caller_id_map(parse_id_range(settings.id_range) if settings.id_range else None)
+
+
+def episode_image_store(settings: EpisodeSettings) -> ImageStore:
+    """The image store of ``settings``, its layers owned through the episodes' id map."""
+    from sequester.images.store import ImageStore
+
+    return ImageStore(settings.images, ids=episode_id_map(settings)[0])

@@ -33,11 +33,14 @@ What the filter refuses (everything else is allowed, so Python and threads work)
 A guard-only kernel (no namespace holds it) also gets no ``listen``: Landlock checks an
 explicit ``bind`` only, and ``listen`` on an unbound socket serves every address.
 
-The ``agent`` profile (an episode's shell and its verifier) refuses only the second group,
-``io_uring``, leases, ``F_NOTIFY`` and inotify, like a container runtime's default plus
-those: agents start processes, debug them and talk to local daemons of their own (inotify
-is refused because an episode's view binds host folders too, where a watch sees the
-host's activity; file watchers fall back to polling).
+The ``agent`` profile (an episode's shell and its verifier) is no wider than Docker's
+default profile for a container's capabilities: it refuses the second group, what Docker's
+refuses beside it (NUMA policy calls, ``personality`` beyond ``PER_LINUX32``/``UNAME26``,
+``AF_VSOCK`` sockets, ``clone`` with namespace flags, ``clone3`` answered ``ENOSYS``,
+obsolete calls), and adds ``io_uring``, leases, ``F_NOTIFY`` and inotify: agents start
+processes, ``chroot``, debug them and talk to local daemons of their own (inotify is
+refused because an episode's view binds host folders too, where a watch sees the host's
+activity; file watchers fall back to polling). ``docs/security.md`` lists every refusal.
 
 Why a denylist: an allowlist precise enough for arbitrary Python (numpy, threads,
 asyncio) is brittle across libc versions; the namespaces already contain what the
@@ -75,7 +78,7 @@ DENIED_SYSCALLS = (
     "mount",
     "umount2",
     "pivot_root",
-    "chroot",
+    "umount",
     "open_tree",
     "move_mount",
     "fsopen",
@@ -116,9 +119,47 @@ DENIED_SYSCALLS = (
     "io_uring_setup",
     "io_uring_enter",
     "io_uring_register",
+    # refused by Docker's default profile too (not in its allowlist, or only with a
+    # capability a container lacks: SYS_NICE, SYS_PTRACE, SYS_ADMIN)
+    "get_mempolicy",
+    "set_mempolicy",
+    "set_mempolicy_home_node",
+    "mbind",
+    "migrate_pages",
+    "move_pages",
+    "process_madvise",
+    "lookup_dcookie",
+    "nfsservctl",
+    "sysfs",
+    "ustat",
+    "_sysctl",
+    "vm86",
+    "vm86old",
+    "create_module",
+    "get_kernel_syms",
+    "query_module",
+    "quotactl_fd",
+    "stime",
 )
 # Only kernels: an agent's shell debugs its programs (ptrace) and names its host.
-KERNEL_ONLY_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "sethostname", "setdomainname", "memfd_create")
+# chroot: an agent holds CAP_SYS_CHROOT, as a container does.
+KERNEL_ONLY_DENIED = (
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "sethostname",
+    "setdomainname",
+    "memfd_create",
+    "chroot",
+)
+# Docker's: personality() may only set PER_LINUX, PER_LINUX32, UNAME26 (bits 0x20008),
+# never ADDR_NO_RANDOMIZE and the rest; every other bit of the low 32 refused (the query
+# 0xffffffff too: a narrower rule than Docker's, which one-comparison rules cannot avoid).
+PERSONALITY_ALLOWED_BITS = 0x20008
+AF_VSOCK = 40  # a socket to the hypervisor: Docker refuses it
+# clone() flags that make namespaces (Docker refuses them without CAP_SYS_ADMIN; an agent
+# lacks it anyway, and its namespace allows no user namespace below it).
+CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 
 # Socket families the kernel may create (everything else: EPERM). AF_INET=2, AF_INET6=10.
 ALLOWED_SOCKET_FAMILIES = (2, 10)  # not ``socket``'s names: the kernel imports this module
@@ -179,6 +220,14 @@ def _compile(profile: str) -> bytes:
             flt.add_rule(eperm, name)
         except (OSError, ValueError, RuntimeError):
             pass  # not a syscall on this architecture
+    if profile in ("agent", "build"):
+        for bit in range(32):
+            if not PERSONALITY_ALLOWED_BITS & (1 << bit):
+                flt.add_rule(eperm, "personality", sc.Arg(0, sc.MASKED_EQ, 1 << bit, 1 << bit))
+        flt.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_VSOCK))
+        for flag in CLONE_NAMESPACE_FLAGS:
+            flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # as Docker: libc falls back to clone
     if profile in ("kernel", "guard", "agent"):
         # fcntl's command is an int: the kernel reads the low 32 bits, so compare those only
         # (red team: 1 << 32 | F_SETLEASE passed an EQ rule and still took the lease).

@@ -373,10 +373,10 @@ def _execute(
 
 
 def _remove(path: Path) -> None:
-    from sequester.sandbox.remove import remove_tree
+    from sequester.sandbox.idspace import remove_mapped_tree
 
     try:
-        remove_tree(path)
+        remove_mapped_tree(path)
     except OSError:
         shutil.rmtree(path, ignore_errors=True)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from sequester.images.stack import image_path_kind
-from sequester.sandbox.remove import remove_tree
+from sequester.sandbox.idspace import remove_mapped_tree
 from sequester.sandbox.rename import rename_noreplace
 
 __all__ = ["drop_mount_stubs", "commit_layer", "layer_size"]
@@ -117,5 +117,5 @@ def commit_layer(upper: Path, layers_dir: Path, key_hex: str) -> tuple[Path, int
     if rename_noreplace(upper, dest):
         (layers_dir / f"{key_hex}.json").write_text(json.dumps({"bytes": size, "entries": entries, "built": True}))
     else:  # the same step, built concurrently, is there already
-        remove_tree(upper)
+        remove_mapped_tree(upper)
     return dest, size

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from sequester.errors import ImageError
 from sequester.images.records import ImageRecord, hex_of
-from sequester.sandbox.remove import remove_tree
+from sequester.sandbox.idspace import remove_mapped_tree
 
 if TYPE_CHECKING:
     from sequester.images.store import ImageStore
@@ -49,10 +49,10 @@ def collect_garbage(self: ImageStore) -> int:
     keep_blobs = {hex_of(d) for r in records for d in (r.id, r.config_digest)}
     freed = 0
     for entry in (self.root / "layers").iterdir():
-        name = entry.name.removesuffix(".json")
+        name = entry.name.removesuffix(".json").removesuffix(".owners")
         if name not in keep_layers:
             freed += _size(entry)
-            remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+            remove_mapped_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
     for entry in (self.root / "blobs" / "sha256").iterdir():
         if entry.name not in keep_blobs:
             freed += _size(entry)
@@ -62,7 +62,7 @@ def collect_garbage(self: ImageStore) -> int:
             entry.unlink(missing_ok=True)
     for entry in (self.root / "tmp").iterdir():
         freed += _size(entry)
-        remove_tree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
+        remove_mapped_tree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
     return freed
 
 

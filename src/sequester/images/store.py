@@ -58,6 +58,7 @@ from sequester.images.reference import parse_reference
 from sequester.images.sources import Source, SourceKind, classify, compression_of
 from sequester.images.synth import rootfs_image
 from sequester.images.unpack import unpack_layer
+from sequester.sandbox.idmap import IdMap
 
 __all__ = ["ImageStore", "ImageLease"]
 
@@ -79,10 +80,21 @@ class ImageLease:
 
 
 class ImageStore:
-    def __init__(self, settings: ImageSettings | None = None):
+    """The store of ``settings``, its pulled layers owned through ``ids`` (the map the
+    caller's episodes use, :mod:`sequester.sandbox.idmap`; None: the caller alone)."""
+
+    def __init__(self, settings: ImageSettings | None = None, ids: IdMap | None = None):
         self.settings = settings or ImageSettings()
         self.root = self.settings.store_dir
         self.platform: Platform = host_platform()
+        self.ids = ids
+
+    def _ready(self) -> None:
+        """The store's folders, and its layers owned through :attr:`ids` (:mod:`.migrate`)."""
+        from sequester.images.migrate import reconcile
+
+        self._ensure()
+        reconcile(self)
 
     # -- folders --------------------------------------------------------------------------
 
@@ -164,6 +176,7 @@ class ImageStore:
 
     def lease(self, record: ImageRecord) -> ImageLease:
         """Hold ``record`` for an episode: its layers are there and stay until released."""
+        self._ready()
         used = self.root / "images" / f"{hex_of(record.id)}.used"
         fd = os.open(used, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -216,7 +229,7 @@ class ImageStore:
         return self._fetch(source, tag, progress, what=text)
 
     def _fetch(self, source: Source, name: str | None, progress: Progress, *, what: str) -> ImageRecord:
-        self._ensure()
+        self._ready()
         with self.lock("gc.lock", fcntl.LOCK_SH):
             tmp = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.root / "tmp"))
             try:
@@ -299,6 +312,7 @@ class ImageStore:
 
     def _ensure_layer(self, desc: Descriptor, diff_id: str, progress: Progress, what: str) -> int:
         folder, stats = self.layer_dir(diff_id), self.root / "layers" / f"{hex_of(diff_id)}.json"
+        owners = self.root / "layers" / f"{hex_of(diff_id)}.owners"
         if not folder.is_dir():
             blob = self.blob(desc.digest)
             if not blob.is_file():
@@ -311,7 +325,14 @@ class ImageStore:
                 media_type = ""
             try:
                 result = unpack_layer(
-                    blob, folder, media_type=media_type, digest=desc.digest, diff_id=diff_id, progress=progress.advance
+                    blob,
+                    folder,
+                    media_type=media_type,
+                    digest=desc.digest,
+                    diff_id=diff_id,
+                    progress=progress.advance,
+                    owners=owners,
+                    ids=self.ids,
                 )
             except (ImageError, OSError) as exc:
                 if not folder.is_dir():  # else: a concurrent fetch unpacked the same layer first
@@ -319,7 +340,13 @@ class ImageStore:
             else:
                 stats.write_text(
                     json.dumps(
-                        {"bytes": result.bytes, "entries": result.entries, "devices_skipped": result.devices_skipped}
+                        {
+                            "bytes": result.bytes,
+                            "entries": result.entries,
+                            "devices_skipped": result.devices_skipped,
+                            "owned": result.owned,
+                            "unmapped_owners": result.unmapped_owners,
+                        }
                     )
                 )
             progress.done()

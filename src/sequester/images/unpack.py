@@ -3,9 +3,11 @@
 The folder is mounted by bubblewrap with ``userxattr``, so the layer's whiteouts become
 what overlayfs reads there: ``.wh.NAME`` a char device 0/0 named ``NAME``,
 ``.wh..wh..opq`` the xattr ``user.overlay.opaque=y`` on its folder. Everything belongs to
-the unpacking user (the sandbox maps it to the image's root): nothing is chowned, devices
-are skipped (the sandbox has its own ``/dev``), and no xattr of the tar is ever copied (a
-layer's ``user.overlay.redirect`` or ``.opaque`` would rewrite what overlayfs shows).
+the unpacking user (the sandbox maps it to the image's root) until the owners the layer
+gives are applied through the episodes' id map (:mod:`.owners`, before the rename into
+place; the list is kept beside the layer); devices are skipped (the sandbox has its own
+``/dev``), and no xattr of the tar is ever copied (a layer's ``user.overlay.redirect`` or
+``.opaque`` would rewrite what overlayfs shows).
 
 One pass over the blob (its streams: :mod:`._layerstream`): it is hashed as read
 (``digest``), decompressed, hashed again (``diff_id``), bounded (``max_bytes``,
@@ -18,6 +20,7 @@ digests match: nothing half-unpacked or unverified is ever at ``dest``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from sequester.errors import ImageError
+from sequester.errors import ImageError, SandboxError
 from sequester.images._layerstream import (
     CHUNK,
     HEADER_BUDGET,
@@ -43,7 +46,9 @@ from sequester.images._layerstream import (
     decoder_for,
 )
 from sequester.images._tarsafe import META, OPAQUE, WHITEOUT, Parts, Tree, split_name
-from sequester.sandbox.remove import remove_tree
+from sequester.images.owners import Owners, own_layer
+from sequester.sandbox.idmap import IdMap
+from sequester.sandbox.idspace import remove_mapped_tree
 from sequester.sandbox.rename import rename_noreplace
 
 __all__ = [
@@ -76,6 +81,8 @@ class UnpackStats:
     opaque_dirs: int
     devices_skipped: int
     bytes: int
+    owned: int = 0  # entries another owner than root's was given (:mod:`.owners`)
+    unmapped_owners: int = 0  # entries owned by an id above 65,535 (left root's)
 
 
 def _mtime_ns(member: tarfile.TarInfo) -> int | None:
@@ -105,6 +112,7 @@ class _Unpacker:
         )
         self.dirs: dict[Parts, tuple[int, int | None]] = {}
         self.written = 0
+        self.owners = Owners()
 
     def run(self) -> None:
         tar = tarfile.open(
@@ -159,13 +167,16 @@ class _Unpacker:
             self.counts["whiteouts"] += 1
         elif m.isreg():
             self.write_file(tar, m, parent, base, mtime)
+            self.owners.note(parts, m.uid, m.gid, m.mode)
             self.counts["files"] += 1
         elif m.isdir():
             tree.make_dir(parent, base, m.mode, name)
+            self.owners.note(parts, m.uid, m.gid, None)
             self.dirs[parts] = (m.mode, mtime)
             self.counts["dirs"] += 1
         elif m.issym():
             tree.symlink(parent, base, m.linkname, name)
+            self.owners.note(parts, m.uid, m.gid, None)
             self.counts["symlinks"] += 1
         elif m.islnk():
             tree.hardlink(parent, base, m.linkname, name)
@@ -173,6 +184,7 @@ class _Unpacker:
         elif m.isfifo():
             tree.fifo(parent, base, m.mode, name)
             tree.set_time(parent, base, mtime, name)
+            self.owners.note(parts, m.uid, m.gid, None)
             self.counts["files"] += 1
         elif m.ischr() and m.devmajor == 0 and m.devminor == 0:  # a whiteout, overlayfs style
             tree.whiteout(parent, base, name)
@@ -219,6 +231,8 @@ def unpack_layer(
     progress: Callable[[int], None] | None = None,
     max_entries: int = 2_000_000,
     max_bytes: int = 64 << 30,
+    owners: Path | None = None,
+    ids: IdMap | None = None,
 ) -> UnpackStats:
     """Unpack the layer file ``blob`` into the new folder ``dest`` (which must not exist).
 
@@ -229,6 +243,9 @@ def unpack_layer(
     malformed or hostile layer, or a bound exceeded; ``dest`` is then absent and no
     temporary folder is left. If ``dest`` appears meanwhile (a concurrent unpack of the
     same layer), it is kept and ours removed.
+
+    The entries the layer gives another owner are written to ``owners`` (:mod:`.owners`)
+    and given their owners through ``ids`` before ``dest`` appears.
     """
     blob, dest = Path(blob), Path(dest)
     label = f"layer {digest or diff_id or blob.name}"
@@ -240,17 +257,28 @@ def unpack_layer(
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
     except OSError as exc:
         raise ImageError(f"{label}: cannot make a folder next to {dest}: {exc}") from exc
+    listed = tmp.with_name(tmp.name + ".owners")
     try:
-        stats = _unpack(blob, tmp, label, media_type, digest, diff_id, progress, max_entries, max_bytes)
+        stats, found = _unpack(blob, tmp, label, media_type, digest, diff_id, progress, max_entries, max_bytes)
+        found.write(listed)
+        try:
+            owned = own_layer(tmp, listed, ids)
+        except (OSError, SandboxError) as exc:
+            raise ImageError(f"{label}: cannot give its files their owners: {exc}") from None
+        stats = dataclasses.replace(stats, owned=owned, unmapped_owners=found.unmapped)
+        if owners is not None:
+            os.replace(listed, owners)  # before the folder: a layer in place always has its list
         if not rename_noreplace(tmp, dest):
             log.info("%s: %s appeared meanwhile (a concurrent unpack): keeping it", label, dest)
-            remove_tree(tmp)
+            remove_mapped_tree(tmp)
     except BaseException:  # KeyboardInterrupt too: never leave a half-made tree behind
         try:
-            remove_tree(tmp)
+            remove_mapped_tree(tmp)
         except OSError as exc:
             log.warning("%s: could not remove %s: %s", label, tmp, exc)
         raise
+    finally:
+        listed.unlink(missing_ok=True)
     log.info("%s: unpacked into %s (%d entries, %d bytes)", label, dest, stats.entries, stats.bytes)
     return stats
 
@@ -265,7 +293,7 @@ def _unpack(
     progress: Callable[[int], None] | None,
     max_entries: int,
     max_bytes: int,
-) -> UnpackStats:
+) -> tuple[UnpackStats, Owners]:
     try:
         f = open(blob, "rb")
     except OSError as exc:
@@ -289,4 +317,4 @@ def _unpack(
     for what, want, got in (("digest", digest, raw.hash), ("diff_id", diff_id, layer.hash)):
         if want is not None and want.split(":")[1] != got.hexdigest():
             raise ImageError(f"{label}: {what} mismatch: expected {want}, got {got.name}:{got.hexdigest()}")
-    return UnpackStats(**unpacker.counts, bytes=layer.total)
+    return UnpackStats(**unpacker.counts, bytes=layer.total), unpacker.owners

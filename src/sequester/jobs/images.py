@@ -17,12 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sequester.environments.settings import EpisodeSettings
+from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.errors import BuildError, ImageError
 from sequester.imagebuild import StepReport, ensure_built
 from sequester.images.choose import Choice, choose_image
 from sequester.images.progress import NO_PROGRESS, Progress
-from sequester.images.store import ImageStore
 from sequester.tasks import Task
 
 __all__ = ["ImagePlan", "choose_job_images"]
@@ -41,7 +40,7 @@ def choose_job_images(
 ) -> dict[Path, ImagePlan]:
     """Each task's system, by task folder. An image that cannot be had with ``prebuilt``
     raises :class:`ImageError` here; any other failure is that task's plan."""
-    store = ImageStore(settings.images)
+    store = episode_image_store(settings)
     source = settings.images.source
     plans: dict[Path, ImagePlan] = {}
     for task in tasks:

@@ -72,6 +72,10 @@ CONTAINER_CAPS = (
     "CAP_AUDIT_WRITE",
 )
 
+# ... and the resource limits a container's processes start with (Docker since 25:
+# 1024 open files, soft; 524,288 hard, or the caller's own hard limit when lower).
+CONTAINER_RLIMITS: dict[str, list[int]] = {"RLIMIT_NOFILE": [1024, 524288]}
+
 
 class Identity(enum.Enum):
     CALLER = "caller"

@@ -32,6 +32,10 @@ __all__ = [
     "IdMap",
     "caller_id_map",
     "configured_id_map",
+    "covered",
+    "free_range",
+    "parse_proc_map",
+    "root_range_argv",
     "parse_id_range",
     "parse_subid_file",
     "write_id_map",
@@ -112,6 +116,41 @@ def parse_id_range(text: str, where: str = "episodes.id_range") -> tuple[int, in
     return base, count
 
 
+def parse_proc_map(text: str) -> list[tuple[int, int, int]]:
+    """``/proc/PID/uid_map``'s lines as ``(inside, outside, count)``."""
+    out = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 3 and all(f.isdigit() for f in fields):
+            out.append((int(fields[0]), int(fields[1]), int(fields[2])))
+    return out
+
+
+def covered(ranges: list[tuple[int, int, int]], start: int, count: int) -> bool:
+    """Whether ids ``start .. start + count - 1`` are all mapped by ``ranges`` (as seen from
+    inside: the ``inside`` column)."""
+    end = start + count
+    while start < end:
+        hit = next(((i, n) for i, _, n in ranges if i <= start < i + n), None)
+        if hit is None:
+            return False
+        start = hit[0] + hit[1]
+    return True
+
+
+def _unmapped_here(ids: IdMap) -> str | None:
+    """Why ``ids`` cannot be mapped by this process (its own namespace lacks them: sequester
+    run inside a container, or a test's one-id namespace), or None."""
+    for name, own, sub in (("uid_map", ids.uid, ids.sub_uid), ("gid_map", ids.gid, ids.sub_gid)):
+        try:
+            ranges = parse_proc_map(Path(f"/proc/self/{name}").read_text())
+        except OSError:
+            continue
+        if not covered(ranges, own, 1) or not covered(ranges, sub, IDS - 1):
+            return f"ids {sub}-{sub + IDS - 2} are not mapped in sequester's own user namespace ({name})"
+    return None
+
+
 def caller_id_map(configured: tuple[int, int] | None = None) -> tuple[IdMap | None, str | None]:
     """This process's map, or ``(None, why)`` when it has no range to map: ``configured``
     (``[episodes] id_range``, root only) wins, else the subordinate files."""
@@ -119,7 +158,9 @@ def caller_id_map(configured: tuple[int, int] | None = None) -> tuple[IdMap | No
     if configured is not None:
         if uid != 0:
             return None, "[episodes] id_range is root's: an ordinary user's range comes from /etc/subuid"
-        return IdMap(uid, gid, configured[0], configured[0]), None
+        ids = IdMap(uid, gid, configured[0], configured[0])
+        why = _unmapped_here(ids)
+        return (None, f"the episode maps one id: {why}") if why else (ids, None)
     try:
         name = pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -144,7 +185,9 @@ def caller_id_map(configured: tuple[int, int] | None = None) -> tuple[IdMap | No
         )
     if uid != 0 and (shutil.which("newuidmap") is None or shutil.which("newgidmap") is None):
         return None, "the episode maps one id: newuidmap/newgidmap (Debian's uidmap) are missing"
-    return IdMap(uid, gid, start_uid, start_gid), None
+    ids = IdMap(uid, gid, start_uid, start_gid)
+    why = _unmapped_here(ids) if uid == 0 else None  # (newuidmap checks an ordinary user's)
+    return (None, f"the episode maps one id: {why}") if why else (ids, None)
 
 
 def write_id_map(pid: int, ids: IdMap) -> None:
@@ -168,3 +211,27 @@ def configured_id_map(id_range: str | None) -> IdMap | None:
     """:func:`caller_id_map` for a configured ``[episodes] id_range`` (or none): the map
     alone (the reason there is none goes in an episode's notes, not a build's)."""
     return caller_id_map(parse_id_range(id_range) if id_range else None)[0]
+
+
+def free_range(subuid: str, subgid: str, count: int = IDS, floor: int = 100000) -> int:
+    """The first id at or above ``floor``, on a multiple of ``count``, from which ``count``
+    ids are free in both files (what ``useradd`` would hand the next user is after all of
+    them): where ``sequester setup ids`` puts root's range."""
+    taken: list[tuple[int, int]] = []
+    for text in (subuid, subgid):
+        for line in text.splitlines():
+            parts = line.strip().split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                taken.append((int(parts[1]), int(parts[1]) + int(parts[2])))
+    start = floor
+    while True:
+        clash = [end for first, end in taken if first < start + count and start < end]
+        if not clash:
+            return start
+        start = -(-max(clash) // count) * count  # the next multiple of count past them
+
+
+def root_range_argv(start: int, count: int = IDS) -> list[str]:
+    """The ``usermod`` command that gives root ``count`` subordinate uids and gids from ``start``."""
+    last = start + count - 1
+    return ["usermod", "--add-subuids", f"{start}-{last}", "--add-subgids", f"{start}-{last}", "root"]

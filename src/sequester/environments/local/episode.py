@@ -37,14 +37,16 @@ from sequester.environments.local.separate import evaluate_separately
 from sequester.environments.local.shell import SHELL_SETUP, Shell
 from sequester.environments.local.start import RunningEpisode
 from sequester.environments.local.system import start_system
-from sequester.environments.settings import EpisodeSettings
+from sequester.environments.local.tamper import printable
+from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.environments.verdict import frozen_evaluation_note, judge, runner_works, zero_result
 from sequester.errors import EpisodeError, SandboxError
 from sequester.guard import seccomp
 from sequester.imagebuild.task_build import ensure_built
-from sequester.images import ImageRecord, ImageStore
+from sequester.images import ImageRecord
 from sequester.images.choose import Choice, choose_image
 from sequester.images.stack import image_path_kind
+from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.sandbox.probe import namespace_support
@@ -165,7 +167,7 @@ class Episode:
         if choice is not None:
             pass
         elif image is _CHOOSE:
-            store = ImageStore(self.settings.images)
+            store = episode_image_store(self.settings)
             choice = choose_image(
                 task,
                 image_source or self.settings.images.source,
@@ -179,8 +181,6 @@ class Episode:
         run, chosen = self._run, self._run.workdir
         self._state = _State.RUNNING
         try:
-            if run.top_owners:
-                self._nsexec.set_owners(run.bwrap.pid, run.top_owners)
             if not shell:  # else the shell's start does it: before any agent process exists
                 self._nsexec.harden(run.bwrap.pid)
             if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
@@ -250,7 +250,7 @@ class Episode:
                 seccomp_bpf=seccomp.compile_filter("agent"),
                 seccomp_nr=seccomp.syscall_number("seccomp"),
                 cgroup=run.agent_cgroups,
-                rlimits=run.rlimits,
+                rlimits={**CONTAINER_RLIMITS, **run.rlimits},
                 harden=harden,
                 ids=run.agent_ids,
             )
@@ -351,7 +351,25 @@ class Episode:
         system would have trusted (see :mod:`.layers`): information only, bounded, and it
         never raises for anything the agent left."""
         run = self._running()
-        return report_episode(run.dirs, known=run.view_points) + self._top_level_changes(run)
+        image = run.image is not None
+        lines = report_episode(run.dirs, known=run.view_points, ids=run.id_map, image=image)
+        return lines + (self._top_level_entries(run) if image else self._top_level_changes(run))
+
+    def _top_level_entries(self, run: RunningEpisode) -> list[str]:
+        """On an image the agent's writes to ``/`` itself are in its writable layer: what it
+        put there other than a folder (a file, a link, a whiteout of the image's ``/bin``)."""
+        found: list[str] = []
+        try:
+            with os.scandir(run.dirs.upper_root) as entries:
+                for entry in entries:
+                    if len(found) >= 20:
+                        found.append("and more entries at the top of the tree")
+                        break
+                    if not entry.is_dir(follow_symlinks=False):
+                        found.append(f"changed /{printable(entry.name)} at the top of the tree")
+        except OSError:
+            pass
+        return found
 
     def _top_level_changes(self, run: RunningEpisode) -> list[str]:
         """The view's root is a tmpfs of the sandbox's own (not on the host's disk): look

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sequester.environments.verdict import Evaluation
 from sequester.guard import seccomp
-from sequester.sandbox.argv import CONTAINER_CAPS
+from sequester.sandbox.argv import CONTAINER_CAPS, CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.cgroups.limits import make_limit_groups
 from sequester.sandbox.nsexec.client import HeadTail, NsExec, write_and_close
@@ -120,7 +120,7 @@ def _run_tests(
                 },
                 "runner_fd": invocation.RUNNER_FD,
                 "cgroup": cgroups,
-                "rlimits": {"RLIMIT_NPROC": 2 * max_processes},
+                "rlimits": {**CONTAINER_RLIMITS, "RLIMIT_NPROC": 2 * max_processes},
             },
             [tests_r, out_w, said_w, *([wheels_fd] if wheels_fd is not None else [])],
         )

@@ -8,12 +8,16 @@ is), so nothing of the Dockerfile is applied again; the task's folder is not in 
 from __future__ import annotations
 
 import os
-import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
+from sequester.environments.local.image_view import (
+    OVERLAY_OPTIONS_LIMIT,
+    overlay_option_bytes,
+    plan_image_view,
+    upper_folders,
+)
 from sequester.environments.local.layers import view_points
 from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
 from sequester.environments.local.state import EpisodeDirs
@@ -21,12 +25,11 @@ from sequester.environments.settings import EpisodeSettings, episode_id_map
 from sequester.errors import ImageError, SandboxError
 from sequester.guard import seccomp
 from sequester.images import ImageLease
-from sequester.images.stack import TopEntry, image_path_kind, merge_tops, resolve_user
+from sequester.images.stack import OPAQUE_XATTR, image_path_kind, merge_tops, resolve_user
 from sequester.images.synth import DEFAULT_PATH
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.cgroups.limits import LimitGroups
-from sequester.sandbox.idmap import IdMap
-from sequester.sandbox.mounts import MountKind, MountOp
+from sequester.sandbox.mounts import MountKind
 from sequester.tasks import Task
 from sequester.verifier.layout import RUNNER_MOUNT
 from sequester.verifier.tree import runner_tree
@@ -52,35 +55,17 @@ def image_shell(runner_bin: str) -> tuple[str, ...]:
     return (f"{runner_bin}/bash", "--noprofile", "--norc", "-c", script)
 
 
-def _tops_for_mounts(tops: list[TopEntry]) -> tuple[list[TopEntry], set[str]]:
-    """The runner is mounted below ``/opt``: an image whose ``/opt`` is not a folder (a
-    symlink bwrap would follow while making the mount point, out of the new root) gets a
-    fresh ``/opt`` instead."""
-    kept = [t for t in tops if not (t.name == RUNNER_MOUNT.parts[1] and t.kind != "dir")]
-    fresh = {RUNNER_MOUNT.parts[1]} if len(kept) != len(tops) else set()
-    return kept, fresh
-
-
-def _top_owners(mounts: Sequence[MountOp], ids: IdMap | None) -> tuple[tuple[str, int, int, int], ...]:
-    """``(path, uid, gid, mode)`` inside, of each top-level overlay whose root (its upper
-    folder, made by the host as the caller) differs from the image's folder there (its
-    topmost layer's): an image's ``/app`` of user ``app``, its ``/tmp`` 1777."""
-    found = []
-    for op in mounts:
-        if op.kind is not MountKind.OVERLAY or len(op.dest.parts) != 2 or not op.lowers or op.upper is None:
-            continue
-        try:
-            image, made = os.lstat(op.lowers[-1]), os.lstat(op.upper)
-        except OSError:
-            continue
-        uid = ids.inside_uid(image.st_uid) if ids is not None else 0
-        gid = ids.inside_gid(image.st_gid) if ids is not None else 0
-        mode = stat.S_IMODE(image.st_mode)
-        if uid is None or gid is None:
-            continue  # an owner outside the map shows as nobody whatever we do
-        if (uid, gid, mode) != (0, 0, stat.S_IMODE(made.st_mode)):
-            found.append((str(op.dest), uid, gid, mode))
-    return tuple(found)
+def _make_upper(dirs: EpisodeDirs, layers: Sequence[Path], runner_top: str) -> None:
+    """The writable layer and the folders it holds before the start (:func:`upper_folders`)."""
+    kinds = {t.name: "dir" if t.kind == "dir" else "other" for t in merge_tops(layers)}
+    for folder in (dirs.upper_root, dirs.work_root):
+        folder.mkdir(parents=True, exist_ok=True)
+    for name, (mode, opaque) in upper_folders(kinds, runner_top).items():
+        path = dirs.upper_root / name
+        path.mkdir(exist_ok=True)
+        os.chmod(path, mode)
+        if opaque:
+            os.setxattr(path, OPAQUE_XATTR, b"y")
 
 
 def start_on_image(
@@ -98,25 +83,30 @@ def start_on_image(
             "an episode on an image needs the verifier's runner (its init and last-resort shell "
             "come from it), and it could not be built: see the log"
         )
-    tops, fresh = _tops_for_mounts(merge_tops(lease.layers))
-    if RUNNER_MOUNT.parts[1] not in fresh and image_path_kind(lease.layers, str(RUNNER_MOUNT)) != "none":
+    runner_top = RUNNER_MOUNT.parts[1]
+    if (
+        image_path_kind(lease.layers, f"/{runner_top}") == "dir"
+        and image_path_kind(lease.layers, str(RUNNER_MOUNT)) != "none"
+    ):
         raise ImageError(f"image {record.short_id} has {RUNNER_MOUNT}, where the verifier's runner is mounted")
-    if workdir != "/":
-        fresh.add(workdir.strip("/").split("/")[0])
+    fresh = {workdir.strip("/").split("/")[0]} if workdir != "/" else set()
     uid, gid, home = resolve_user(lease.layers, record.config.user)
     mounts = plan_image_view(
-        tops, dirs, toolchain=runner, new_tops=fresh, sys_cpu=_SYS_CPU if _SYS_CPU.is_dir() else None
+        lease.layers,
+        dirs,
+        toolchain=runner,
+        new_tops=fresh,
+        sys_cpu=_SYS_CPU if _SYS_CPU.is_dir() else None,
+        volumes=record.config.volumes,
     )
     for op in mounts:
         if op.kind is MountKind.OVERLAY and overlay_option_bytes(op) > OVERLAY_OPTIONS_LIMIT:
             raise ImageError(
-                f"image {record.short_id}: {op.dest} is made of {len(op.lowers)} layers, more than "
-                f"one overlay mount can name ({overlay_option_bytes(op)} bytes of options, at most "
+                f"image {record.short_id} is made of {len(op.lowers)} layers, more than one overlay "
+                f"mount can name ({overlay_option_bytes(op)} bytes of options, at most "
                 f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)"
             )
-        for folder in (op.upper, op.work, op.source if op.kind is MountKind.BIND else None):
-            if folder is not None and not os.path.lexists(folder):
-                folder.mkdir(parents=True, exist_ok=True)
+    _make_upper(dirs, lease.layers, runner_top)
     image_env = record.config.env_map()
     env = {"PATH": DEFAULT_PATH.split("=", 1)[1], "HOME": home or "/root", "TERM": "xterm", **image_env, "PWD": workdir}
     if "HOSTNAME" not in image_env:
@@ -146,7 +136,6 @@ def start_on_image(
         notes.append(f"the agent runs as the image's User {record.config.user!r} (uid {uid}, gid {gid})")
     if why:
         notes.append(why)
-    owners = _top_owners(mounts, ids)
     timeout = task.config.agent.timeout_sec
     return RunningEpisode(
         task,
@@ -157,7 +146,6 @@ def start_on_image(
         env,
         time.monotonic() + timeout if timeout else None,
         notes=notes,
-        symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
         runner=runner,
         view_points=view_points(op.dest for op in mounts),
         image=record,
@@ -166,5 +154,4 @@ def start_on_image(
         agent_caps=caps,
         id_map=ids,
         agent_ids=(uid, gid) if ids is not None and uid != 0 else None,
-        top_owners=owners,
     )

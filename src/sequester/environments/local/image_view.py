@@ -3,36 +3,39 @@
 Like a container on the task's image, with the guarantees of the host-mode view
 (:mod:`.view`):
 
-* every top-level folder of the merged image is an **overlay**: the image's layer folders
-  of that name (from the store, shared read-only by every episode on the image) beneath a
-  per-episode writable layer; the image's top-level symlinks (``/bin -> usr/bin``) are
-  made as such; an overlay of ``/`` itself is refused by the kernel, hence one per folder;
-* top-level folders the task needs and the image lacks are fresh writable folders;
+* **one overlay at** ``/``: the image's layer folders (from the store, shared read-only
+  by every episode on the image) beneath a per-episode writable layer, so the tree is one
+  filesystem as a container's root is (a rename from ``/app`` into ``/tmp`` or ``/root``
+  works; Docker has no mount there either);
+* ``/tmp`` and ``/run`` are the image's folders, unless the image declares them a
+  ``VOLUME`` (an anonymous volume of Docker is a filesystem of its own: here a tmpfs);
 * ``/tests`` and ``/logs`` are empty **read-only mount points**, whatever the image has
   there: the verifier mounts its own over them in a namespace only it has;
-* a fresh ``/proc``, ``/dev``, ``/dev/shm``, ``/tmp``, ``/run``; the CPU part of ``/sys``;
+* a fresh ``/proc``, ``/dev``, ``/dev/shm``; the CPU part of ``/sys``;
 * read-only at its own path: the verifier's runner, whose ``bash`` is also the episode's
   init and the agent's shell of last resort (it brings its own loader and libraries, so
   it runs in any image, one without a shell or Python included).
 
-Nothing of the host's system is in this view: not its ``/usr``, not its Python, not the
-task's folder. The init is the only host program in it, and the runner is read-only.
+The folders the sandbox mounts over (:data:`SANDBOX_POINTS`) are made in the writable
+layer before the start, as fresh opaque folders (:func:`upper_folders`): the image's
+content there is hidden, and no link of the image can lead bwrap's mount point out of the
+view. Nothing of the host's system is in this view: not its ``/usr``, not its Python, not
+the task's folder. The init is the only host program in it, and the runner is read-only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.view import TOOLCHAIN_MOUNT, VERIFIER_POINTS, sandbox_mounts
-from sequester.images.stack import TopEntry
 from sequester.sandbox.mounts import MountKind, MountOp
 
-__all__ = ["plan_image_view", "overlay_option_bytes", "OVERLAY_OPTIONS_LIMIT"]
+__all__ = ["plan_image_view", "upper_folders", "overlay_option_bytes", "OVERLAY_OPTIONS_LIMIT", "SANDBOX_POINTS"]
 
-_REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
-_VERIFIER_NAMES = frozenset(p.name for p in VERIFIER_POINTS)
+# Top-level folders the sandbox mounts its own over: made fresh and opaque in the upper layer.
+SANDBOX_POINTS = ("proc", "dev", "sys", *(p.name for p in VERIFIER_POINTS))
 # The kernel takes a mount's options in one page; bwrap prefixes every folder with /oldroot.
 OVERLAY_OPTIONS_LIMIT = 4000
 
@@ -44,40 +47,45 @@ def overlay_option_bytes(op: MountOp) -> int:
 
 
 def plan_image_view(
-    tops: Iterable[TopEntry],
+    layers: Sequence[Path],
     dirs: EpisodeDirs,
     *,
     toolchain: Path,
     new_tops: Iterable[str] = (),
     sys_cpu: Path | None = None,
+    volumes: Iterable[str] = (),
 ) -> tuple[MountOp, ...]:
-    """``tops``: the merged image's top level (:func:`~sequester.images.stack.merge_tops`);
-    ``new_tops``: top-level folders the task needs (its working directory's)."""
+    """``layers``: the image's layer folders, lowest first; ``new_tops``: top-level folders
+    the task needs (its working directory's) that the image may lack; ``volumes``: the
+    image config's ``Volumes``."""
     ops: list[tuple[int, int, MountOp]] = []
 
     def add(op: MountOp, rank: int) -> None:
         ops.append((len(op.dest.parts), rank, op))
 
-    have = set()
-    for top in tops:
-        if top.name in _REPLACED or top.name in _VERIFIER_NAMES:
-            continue
-        have.add(top.name)
-        dest = Path("/") / top.name
-        if top.kind == "dir":
-            add(
-                MountOp(
-                    MountKind.OVERLAY, dest, lowers=top.lowers, upper=dirs.upper(top.name), work=dirs.work(top.name)
-                ),
-                0,
-            )
-        elif top.kind == "symlink":
-            add(MountOp(MountKind.SYMLINK, dest, target=top.target), 0)
-        else:
-            add(MountOp(MountKind.READONLY, dest, source=top.lowers[0]), 0)
-    for name in sorted(set(new_tops) - have - _REPLACED - _VERIFIER_NAMES):
-        add(MountOp(MountKind.BIND, Path("/") / name, source=dirs.new(name)), 0)
+    add(MountOp(MountKind.OVERLAY, Path("/"), lowers=tuple(layers), upper=dirs.upper_root, work=dirs.work_root), 0)
+    declared = {v.rstrip("/") or "/" for v in volumes}
     for op, rank in sandbox_mounts(sys_cpu):
+        if op.dest in (Path("/tmp"), Path("/run")) and str(op.dest) not in declared:
+            continue  # the image's own folder, in the one filesystem
         add(op, rank)
+    for name in sorted(set(new_tops) - set(SANDBOX_POINTS) - {"tmp", "run"}):
+        add(MountOp(MountKind.DIR, Path("/") / name, mode=0o755), 0)
     add(MountOp(MountKind.READONLY, TOOLCHAIN_MOUNT, source=toolchain), 3)
     return tuple(op for _, _, op in sorted(ops, key=lambda t: (t[0], t[1], str(t[2].dest))))
+
+
+def upper_folders(kinds: Mapping[str, str], runner_top: str) -> dict[str, tuple[int, bool]]:
+    """The top-level folders to make in the writable layer before the start, by name:
+    ``(mode, opaque)``. ``kinds``: what the image has at each top-level name (``"dir"``,
+    ``"other"``, ``"none"``, see :func:`~sequester.images.stack.image_path_kind`);
+    ``runner_top``: the top-level folder the runner is mounted below.
+
+    Every sandbox mount point, fresh and opaque; the runner's folder where the image has
+    something else there (a link bwrap would follow); ``/tmp`` where the image has none."""
+    out = {name: (0o755, True) for name in SANDBOX_POINTS}
+    if kinds.get(runner_top, "none") == "other":
+        out[runner_top] = (0o755, False)
+    if kinds.get("tmp", "none") == "none":
+        out["tmp"] = (0o1777, False)
+    return out

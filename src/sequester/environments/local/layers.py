@@ -35,7 +35,10 @@ from pathlib import Path, PurePath
 
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.tamper import ELIDED_MARK, LIMIT, Change, ChangeSummary, printable
+from sequester.errors import SandboxError
 from sequester.sandbox.fdwalk import Cursor, OtherFilesystem, open_root, show_path
+from sequester.sandbox.idmap import IdMap
+from sequester.sandbox.idspace import run_in_id_space
 from sequester.sandbox.mounts import SYSTEM_DIRS
 
 __all__ = [
@@ -83,24 +86,45 @@ class Layer:
     homes: str = ""
 
 
-def episode_layers(dirs: EpisodeDirs) -> list[Layer]:
-    """The layers of an episode that a verifier trusts (see the module's docstring)."""
+def episode_layers(dirs: EpisodeDirs, *, image: bool = False) -> list[Layer]:
+    """The layers of an episode that a verifier trusts (see the module's docstring). On an
+    image (``image``) the episode has one writable layer for its whole tree: its system
+    folders and homes are scanned, the rest (``/app``, ``/tmp``) is the agent's own."""
+    if image:
+        return [
+            layer
+            for name in _names(dirs.upper_root)
+            if (layer := _layer(name, dirs.upper_root / name, overlay=True)) is not None
+            and os.path.isdir(layer.path)
+            and not os.path.islink(layer.path)
+        ]
     layers = []
     for kind in ("upper", "new"):
         folder = dirs.root / kind
-        try:
-            names = sorted(os.listdir(folder))
-        except OSError:
-            continue
-        for name in names:
+        for name in _names(folder):
             path = folder / name
-            if kind == "upper" or name in SYSTEM_DIRS:
-                layers.append(Layer(name, path, overlay=kind == "upper"))
-            elif name == "root":
-                layers.append(Layer(name, path, overlay=False, homes="root"))
-            elif name == "home":
-                layers.append(Layer(name, path, overlay=False, homes="parent"))
+            if kind == "upper":
+                layers.append(Layer(name, path, overlay=True))
+            elif (layer := _layer(name, path, overlay=False)) is not None:
+                layers.append(layer)
     return layers
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def _layer(name: str, path: Path, *, overlay: bool) -> Layer | None:
+    if name in SYSTEM_DIRS:
+        return Layer(name, path, overlay=overlay)
+    if name == "root":
+        return Layer(name, path, overlay=overlay, homes="root")
+    if name == "home":
+        return Layer(name, path, overlay=overlay, homes="parent")
+    return None
 
 
 @dataclass
@@ -124,6 +148,7 @@ class Scan:
     entries: int = 0
     problems: list[str] = field(default_factory=list)
     n_problems: int = 0
+    denied: bool = False  # a folder or entry this user may not read (see :func:`report_episode`)
     started: float = field(default_factory=time.monotonic)
     _stopped: bool = False
     _full: bool = False
@@ -190,6 +215,7 @@ class Scan:
                     if homes != "root" or entry.name.startswith("."):
                         names.append(entry.name)
         except OSError as exc:
+            self.denied |= exc.errno in (errno.EACCES, errno.EPERM)
             self.problem(f"cannot list /{printable(_short(rel))}: {exc.strerror}")
             return None
         names.sort(reverse=True)  # popped from the end: name order
@@ -227,6 +253,7 @@ class Scan:
         except FileNotFoundError:
             return None  # removed meanwhile (a running agent)
         except OSError as exc:
+            self.denied |= exc.errno in (errno.EACCES, errno.EPERM)
             self.problem(f"cannot stat /{printable(_short(rel))}: {exc.strerror}")
             return Change(rel, "changed", "cannot be examined")
         mode = st.st_mode
@@ -254,6 +281,7 @@ class Scan:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                 return None  # replaced meanwhile by a running agent; the new entry is not seen
             # mode 000 as an ordinary host user: we never chmod the agent's files to look
+            self.denied |= exc.errno in (errno.EACCES, errno.EPERM)
             self.problem(f"cannot enter /{printable(_short(rel))}: {exc.strerror}")
             return Change(rel, _kind(host), "folder, unreadable: not examined")
         opaque, redirect = _overlay_marks(cursor.fd)
@@ -340,16 +368,48 @@ def view_points(paths: Iterable[str | PurePath]) -> frozenset[str]:
 
 
 def report_episode(
-    dirs: EpisodeDirs, budget: Budget | None = None, limit: int = LIMIT, known: frozenset[str] = frozenset()
+    dirs: EpisodeDirs,
+    budget: Budget | None = None,
+    limit: int = LIMIT,
+    known: frozenset[str] = frozenset(),
+    ids: IdMap | None = None,
+    image: bool = False,
 ) -> list[str]:
     """The tampering report of an episode's layers (:func:`~.tamper.tampering_report`
     lines), from one bounded scan; never raises for anything the agent left. ``known``:
-    :func:`view_points` of the episode's mounts."""
+    :func:`view_points` of the episode's mounts.
+
+    An ordinary caller cannot read what the agent made unreadable (mode 000, a folder of
+    one of the episode's other users); when the scan met such an entry and the episode
+    maps ``ids``, it is made again as root of a namespace that maps them, which reads
+    everything the episode owns (never changing a mode to look)."""
     scan = Scan(budget or Budget(), known)
     summary = ChangeSummary(limit, host_has=_host_has)
-    for change in scan.changes(episode_layers(dirs)):
+    for change in scan.changes(episode_layers(dirs, image=image)):
         summary.add(change)
-    return summary.lines(scan.problems, scan.n_problems)
+    lines = summary.lines(scan.problems, scan.n_problems)
+    if scan.denied and ids is not None and os.getuid() != 0:
+        try:
+            again = run_in_id_space(
+                ids,
+                __name__,
+                "report_episode_at",
+                str(dirs.root),
+                sorted(known),
+                limit,
+                (budget or Budget()).entries,
+                image,
+            )
+        except SandboxError as exc:
+            return [*lines, f"the scan could not be made again as the episode's root: {printable(str(exc))}"]
+        if isinstance(again, list) and all(isinstance(line, str) for line in again):
+            return again
+    return lines
+
+
+def report_episode_at(root: str, known: list[str], limit: int, entries: int, image: bool) -> list[str]:
+    """:func:`report_episode` of the episode folder ``root`` (the id-space worker's entry)."""
+    return report_episode(EpisodeDirs(Path(root)), Budget(entries=entries), limit, frozenset(known), image=image)
 
 
 def _host_has(rel: str) -> bool:

@@ -81,9 +81,6 @@ class RunningEpisode:
     # becomes inside when that is not the namespace's root (an image's User).
     id_map: IdMap | None = None
     agent_ids: tuple[int, int] | None = None
-    # (path, uid, gid, mode) inside, of the view's top-level folders whose owner or mode the
-    # image gives otherwise than the host made them (set once the view is up).
-    top_owners: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def agent_cgroups(self) -> list[str]:

@@ -16,12 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sequester.errors import SandboxError
-from sequester.sandbox.idmap import configured_id_map
-from sequester.sandbox.idspace import run_in_id_space
-from sequester.sandbox.remove import RemovalError, remove_tree
+from sequester.sandbox.idspace import remove_mapped_tree
+from sequester.sandbox.remove import RemovalError
 
-__all__ = ["EpisodeDirs", "RemovalError", "remove_episode_tree", "remove_stale"]
+__all__ = ["EpisodeDirs", "RemovalError", "remove_stale"]
 
 log = logging.getLogger("sequester.environments.local")
 
@@ -35,6 +33,15 @@ class EpisodeDirs:
         base.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(base, 0o700)
         return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base)))
+
+    @property
+    def upper_root(self) -> Path:
+        """The writable layer of an episode on an image: one for its whole tree."""
+        return self.root / "upper"
+
+    @property
+    def work_root(self) -> Path:
+        return self.root / "work"
 
     def upper(self, top: str) -> Path:
         return self.root / "upper" / top
@@ -50,25 +57,7 @@ class EpisodeDirs:
         :func:`~sequester.sandbox.remove.remove_tree`: no recursion, no symlink followed, modes opened up).
         Raises :class:`~sequester.sandbox.remove.RemovalError` only for what truly cannot go (a mount point
         still mounted), after removing everything else."""
-        remove_episode_tree(self.root)
-
-
-def remove_episode_tree(path: Path) -> None:
-    """:func:`~sequester.sandbox.remove.remove_tree`, and what an ordinary caller could not
-    remove (a folder the agent gave one of its subordinate ids) again as the episode's root
-    (:mod:`sequester.sandbox.idspace`)."""
-    try:
-        remove_tree(path)
-        return
-    except RemovalError as first:
-        ids = configured_id_map(None) if os.getuid() != 0 else None
-        if ids is None or not os.path.lexists(path):
-            raise
-        failed = first
-    try:
-        run_in_id_space(ids, "sequester.sandbox.remove", "remove_tree", str(path))
-    except SandboxError as exc:
-        raise RemovalError(path, [*failed.left, f"as the episode's root: {exc}"], failed.count + 1) from None
+        remove_mapped_tree(self.root)
 
 
 def remove_stale(base: Path) -> list[Path]:
@@ -91,7 +80,7 @@ def remove_stale(base: Path) -> list[Path]:
         if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
             continue
         try:
-            remove_episode_tree(base / name)
+            remove_mapped_tree(base / name)
         except Exception as exc:  # noqa: BLE001 - one bad folder must not fail a later job
             log.warning("could not remove the stale episode folder %s: %s", base / name, exc)
             continue
@@ -113,7 +102,7 @@ def _older_than(path: Path, seconds: float) -> bool:
 
 def _remove_logged(path: Path) -> list[Path]:
     try:
-        remove_episode_tree(path)
+        remove_mapped_tree(path)
     except Exception as exc:  # noqa: BLE001 - one bad folder must not fail a later job
         log.warning("could not remove %s: %s", path, exc)
         return []

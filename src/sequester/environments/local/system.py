@@ -10,9 +10,8 @@ from sequester.environments.local.image_start import image_workdir, start_on_ima
 from sequester.environments.local.limits import finish_limits, make_episode_limits
 from sequester.environments.local.start import RunningEpisode, start_episode
 from sequester.environments.local.state import EpisodeDirs, remove_stale
-from sequester.environments.settings import EpisodeSettings
+from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.errors import EpisodeError
-from sequester.images import ImageStore
 from sequester.images.choose import Choice
 from sequester.sandbox.cgroups.limits import remove_stale_groups
 from sequester.tasks import Task
@@ -31,7 +30,7 @@ def start_system(
     # The wheels the test script pins beyond the runner's, fetched once on the host before
     # anything starts: a pin that cannot be had costs no agent run.
     wheels = ensure_task_wheels(task, settings.toolchain_dir)
-    store = ImageStore(settings.images)
+    store = episode_image_store(settings)
     lease = store.lease(choice.record) if choice.record is not None else None
     try:
         if lease is not None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -187,7 +187,7 @@ class NsExec:
         seccomp_nr: int,
         extra: Sequence[int] = (),
         cgroup: str | Sequence[str] | None = None,
-        rlimits: dict[str, int] | None = None,
+        rlimits: Mapping[str, int | list[int]] | None = None,
         harden: bool = False,
         ids: tuple[int, int] | None = None,
         timeout: float = 30,
@@ -196,7 +196,8 @@ class NsExec:
 
         ``extra`` descriptors become 3, 4, ... in the new process; ``cgroup``: the
         ``cgroup.procs`` file(s) it joins first; ``rlimits``: resource
-        limits by name (``{"RLIMIT_NPROC": 4096}``), soft and hard, set before the exec;
+        limits by name (``{"RLIMIT_NPROC": 4096}``: soft and hard; ``[soft, hard]``; never
+        above the caller's own hard limit), set before the exec;
         ``harden``: first do what :meth:`harden` does (the episode's first process);
         ``ids``: the uid and gid it becomes inside (an image's non-root ``User`` where the
         namespace's root is the caller), after its capabilities are cut to ``caps``."""
@@ -225,13 +226,6 @@ class NsExec:
         """Make the episode's /proc settings and the host's device nodes in its /dev read-only."""
         worker = self.request({"op": "harden", "target": target}, [])
         self._finish(worker, timeout, "harden the episode's /proc and /dev")
-
-    def set_owners(self, target: int, items: Sequence[tuple[str, int, int, int]], *, timeout: float = 30) -> None:
-        """Each ``(path, uid, gid, mode)``: the owner (ids inside the episode) and mode of a
-        folder of its view, set in its namespaces (an overlay's root takes them from its
-        upper folder, which the host made as the caller)."""
-        worker = self.request({"op": "owners", "target": target, "items": [list(i) for i in items]}, [])
-        self._finish(worker, timeout, "set the owners of the view's top-level folders")
 
     def write_file(self, target: int, path: str, data: bytes, *, mode: int = 0o644, timeout: float = 60) -> None:
         self._with_input(target, {"action": "write", "path": path, "mode": mode, "mkdirs": True}, data, timeout)

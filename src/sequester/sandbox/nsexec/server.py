@@ -121,13 +121,33 @@ def _exec_agent_process(
         if req.get("ctty"):
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(req.get("cwd") or "/")
-        for name, value in (req.get("rlimits") or {}).items():  # task limits (see episodes.limits)
-            resource.setrlimit(getattr(resource, name), (value, value))
+        _set_rlimits(req.get("rlimits"))  # a container's defaults and the task's limits
+        _default_signals()
         restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"], req.get("ids"))
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as exc:  # noqa: BLE001 - the result pipe is gone by now
         os.write(2, f"sequester: could not start {req['argv'][0]}: {exc}\n".encode())
     os._exit(127)
+
+
+def _set_rlimits(limits: dict[str, Any] | None) -> None:
+    """``{"RLIMIT_NPROC": n}`` (soft and hard) or ``{"RLIMIT_NOFILE": [soft, hard]}``."""
+    for name, value in (limits or {}).items():
+        which = getattr(resource, name)
+        soft, hard = (value, value) if isinstance(value, int) else value
+        now = resource.getrlimit(which)[1]
+        if now != resource.RLIM_INFINITY and hard > now:  # never above the caller's own
+            hard = now
+        resource.setrlimit(which, (min(soft, hard), hard))
+
+
+def _default_signals() -> None:
+    """What a container's process starts with: every disposition at its default (Python
+    ignores SIGPIPE and SIGXFSZ, and an ignored disposition survives exec: ``yes | head``
+    would print errors instead of ending quietly)."""
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def op_verify(req: dict[str, Any], fds: list[int]) -> None:
@@ -228,8 +248,8 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                     os.chdir(req["cwd"])
                 except OSError:
                     os.chdir("/")
-                for name, value in (req.get("rlimits") or {}).items():
-                    resource.setrlimit(getattr(resource, name), (value, value))
+                _set_rlimits(req.get("rlimits"))
+                _default_signals()
                 restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
                 os.execvpe(req["argv"][0], req["argv"], req["env"])
             except BaseException as exc:  # noqa: BLE001
@@ -328,18 +348,7 @@ def op_harden(req: dict[str, Any], fds: list[int]) -> None:
     report(fds[0], {"ok": True})
 
 
-def op_owners(req: dict[str, Any], fds: list[int]) -> None:
-    """In the episode's namespaces, as its root: owners and modes of folders of its view
-    (their paths the host's plan, never the agent's; links are not followed)."""
-    enter(req["target"], user="parent", pid=False, cgroup=None)
-    for path, uid, gid, mode in req["items"]:
-        os.chown(path, uid, gid, follow_symlinks=False)
-        if not os.path.islink(path):
-            os.chmod(path, mode)
-    report(fds[0], {"ok": True})
-
-
-_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden, "owners": op_owners}
+_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden}
 
 
 def serve(sock: socket.socket) -> None:
