@@ -113,6 +113,7 @@ SYNOPSIS_PAGES = {
     "image ls": "running-tasks.md",
     "image rm": "running-tasks.md",
     "image prune": "running-tasks.md",
+    "setup ids": "running-tasks.md",
 }
 
 

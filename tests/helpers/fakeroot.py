@@ -357,8 +357,12 @@ def _copy_tree_as_user(uid: int, gid: int, parent: Path, members: list[str], exc
 def _build_cache(cache: Path, uid: int, gid: int, prefix: Path) -> None:
     started = time.monotonic()
     if cache.exists():
-        subprocess.run(["rm", "-rf", "--one-file-system", str(cache)], check=True)
-    cache.mkdir(parents=True)
+        # Everything but the test images (tests/helpers/images.py keeps them in images/
+        # here): another suite running meanwhile may be using them.
+        old = [str(p) for p in cache.iterdir() if p.name != "images"]
+        if old:
+            subprocess.run(["rm", "-rf", "--one-file-system", *old], check=True)
+    cache.mkdir(parents=True, exist_ok=True)
     os.chown(cache, uid, gid)
     os.chmod(cache, 0o700)  # root's files, copied: only the test user may read them
     staging = cache / "staging"

@@ -126,6 +126,24 @@ RUN id -u > /tmp/uid && echo "$HOME" > /tmp/home
     assert result.record.config.user == "app"
 
 
+def test_run_useradd_su_and_chown_are_real_under_the_episodes_map(base_store, runner, tmp_path):
+    """RUN steps map the ids episodes map: another user exists, su works, and the files it
+    owns keep their owner in the built layer (the host id of 1234 in the map)."""
+    from sequester.sandbox.idmap import caller_id_map
+
+    ids, why = caller_id_map()
+    if ids is None:
+        pytest.skip(f"no id range here: {why}")
+    result = _build(base_store, runner, tmp_path / "owners", f"""\
+FROM {BASE}
+RUN (useradd -u 1234 -U app || (echo 'app:x:1234:1234::/:/bin/sh' >> /etc/passwd && echo 'app:x:1234:' >> /etc/group)) && \\
+    mkdir -p /data && chown app:app /data && su app -c 'touch /data/by-app'
+""", ids=ids)
+    layer = _layers(base_store, result.record)[-1]
+    st = os.lstat(layer / "data" / "by-app")
+    assert (st.st_uid, st.st_gid) == (ids.host_uid(1234), ids.host_gid(1234))
+
+
 def test_run_rm_becomes_a_whiteout(base_store, runner, tmp_path):
     result = _build(base_store, runner, tmp_path / "rm", f"FROM {BASE}\nRUN rm -rf /etc/passwd- /usr/share/doc "
                                                          "/bin/ls && test ! -e /bin/ls\n")

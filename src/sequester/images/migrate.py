@@ -19,7 +19,6 @@ All under the store's ``gc.lock`` held exclusively: no fetch or prune runs meanw
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import threading
@@ -41,6 +40,7 @@ log = logging.getLogger("sequester.images")
 IDS_FILE = "ids"
 _done: set[tuple[str, str]] = set()
 _done_lock = threading.Lock()
+_here = threading.local()  # the stores this thread is migrating (their own locks re-enter)
 
 
 def parse_tag(text: str) -> IdMap | None:
@@ -61,12 +61,19 @@ def reconcile(store: ImageStore) -> None:
     with _done_lock:
         if key in _done:
             return
-    if _read(store) != tag:
-        with store.lock("gc.lock", fcntl.LOCK_EX):
-            old = _read(store)
-            if old != tag:
-                _migrate(store, old)
-                _write(store, tag)
+    busy: set[tuple[str, str]] = _here.__dict__.setdefault("busy", set())
+    if key in busy:  # the migration's own use of the store (dropping a record takes its lock)
+        return
+    busy.add(key)
+    try:
+        if _read(store) != tag:
+            with store.exclusive(ready=False):
+                old = _read(store)
+                if old != tag:
+                    _migrate(store, old)
+                    _write(store, tag)
+    finally:
+        busy.discard(key)
     with _done_lock:
         _done.add(key)
 

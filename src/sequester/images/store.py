@@ -119,22 +119,59 @@ class ImageStore:
         return self.root / "layers" / hex_of(diff_id)
 
     @contextlib.contextmanager
-    def lock(self, name: str, kind: int, *, wait: float = 600) -> Iterator[None]:
-        self._ensure()
-        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def lock(self, name: str, kind: int, *, wait: float = 600, ready: bool = True) -> Iterator[None]:
+        """The store's lock ``name`` (a flock of ``kind``). The store is made ready first
+        (``ready``: its layers owned through :attr:`ids`), before any lock is held: the
+        migration takes ``gc.lock`` exclusively, which a caller already holding it shared
+        (a build) would wait for forever."""
+        if ready:
+            self._ready()
+        else:
+            self._ensure()
+        deadline = time.monotonic() + wait
+        if name == "gc.lock" and kind == fcntl.LOCK_SH:
+            # Through the gate first: a prune or migration waiting for gc.lock exclusively
+            # holds the gate, so new readers queue behind it instead of starving it (flock
+            # has no fairness: overlapping builds would hold gc.lock shared forever).
+            gate = self._flock("gate.lock", fcntl.LOCK_SH, deadline)
+            os.close(gate)
+        fd = self._flock(name, kind, deadline)
         try:
-            deadline = time.monotonic() + wait
-            while True:
-                try:
-                    fcntl.flock(fd, kind | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise ImageError(f"the image store {self.root} is busy (another prune or fetch)") from None
-                    time.sleep(0.05)
             yield
         finally:
             os.close(fd)
+
+    def _flock(self, name: str, kind: int, deadline: float) -> int:
+        """A descriptor of the lock file ``name`` holding a flock of ``kind``."""
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        while True:
+            try:
+                fcntl.flock(fd, kind | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ImageError(f"the image store {self.root} is busy (another prune or fetch)") from None
+                time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def exclusive(self, *, wait: float = 600, ready: bool = True) -> Iterator[None]:
+        """``gc.lock`` held exclusively (a prune, a migration), taken through the gate
+        (:meth:`lock`): readers that come later wait until it is released."""
+        if ready:
+            self._ready()
+        else:
+            self._ensure()
+        deadline = time.monotonic() + wait
+        gate = self._flock("gate.lock", fcntl.LOCK_EX, deadline)
+        try:
+            fd = self._flock("gc.lock", fcntl.LOCK_EX, deadline)
+            try:
+                yield
+            finally:
+                os.close(fd)
+        finally:
+            os.close(gate)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -381,7 +418,7 @@ class ImageStore:
         record = self.find(name)
         if record is None:
             raise ImageError(f"image {name!r} is not in the store {self.root}")
-        with self.lock("gc.lock", fcntl.LOCK_EX):
+        with self.exclusive():
             drop_record(self, record)
             collect_garbage(self)
         return record
@@ -393,7 +430,7 @@ class ImageStore:
         from sequester.images.build_cache import BuildCache
 
         removed = []
-        with self.lock("gc.lock", fcntl.LOCK_EX):
+        with self.exclusive():
             BuildCache(self.root).drop(unused_for)
             if unused_for is not None:
                 for record in self.records():

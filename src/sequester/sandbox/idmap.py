@@ -223,7 +223,7 @@ def free_range(subuid: str, subgid: str, count: int = IDS, floor: int = 100000) 
             parts = line.strip().split(":")
             if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
                 taken.append((int(parts[1]), int(parts[1]) + int(parts[2])))
-    start = floor
+    start = -(-floor // count) * count
     while True:
         clash = [end for first, end in taken if first < start + count and start < end]
         if not clash:

@@ -35,17 +35,6 @@ TB2_SCRIPT_LINES = ("apt-get install -y curl", "curl -LsSf https://astral.sh/uv/
 
 
 @pytest.fixture(scope="module")
-def busybox_store(tmp_path_factory) -> Iterator[tuple[ImageSettings, str]]:
-    """A store holding busybox (a shell-only image: no bash, no Python) as test/busybox:1."""
-    skip_unless_tools("skopeo")
-    root = tmp_path_factory.mktemp("busybox-store")
-    settings = ImageSettings(store_dir=root / "store", source="prebuilt")
-    record = ImageStore(settings).import_source(str(busybox_rootfs()), "test/busybox:1")
-    assert record.names == ("docker.io/test/busybox:1",)
-    yield settings, "test/busybox:1"
-
-
-@pytest.fixture(scope="module")
 def configured_store(tmp_path_factory) -> Iterator[tuple[ImageSettings, str]]:
     """busybox with a config: Env, WorkingDir (absent from the layers) and a numeric User."""
     skip_unless_tools("skopeo", "umoci")

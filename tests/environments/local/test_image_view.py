@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from sequester.environments.local.image_view import OVERLAY_OPTIONS_LIMIT, overlay_option_bytes, plan_image_view
+from sequester.environments.local.image_view import (
+    OVERLAY_OPTIONS_LIMIT,
+    overlay_option_bytes,
+    plan_image_view,
+    upper_folders,
+)
 from sequester.environments.local.state import EpisodeDirs
 from sequester.errors import ImageError
 from sequester.images.reference import parse_reference
@@ -63,24 +68,41 @@ def test_files_and_users_from_the_image(tmp_path):
     assert image_path_kind(layers, "/gone") == "none" and image_path_kind(layers, "/bin") == "other"
 
 
-def test_plan_replaces_what_the_sandbox_owns(tmp_path):
+def test_the_view_is_one_filesystem_with_the_sandboxs_own_mounts_on_it(tmp_path):
+    """One overlay at / over every layer (so a rename from /app into /tmp or /root works, as
+    in a container), the sandbox's /proc, /dev and hidden verifier points on it, the runner
+    read-only, and /tmp, /run of the image itself unless its config declares them volumes."""
     dirs = EpisodeDirs(tmp_path / "ep")
-    tops = [TopEntry("usr", "dir", (Path("/l1/usr"), Path("/l2/usr"))), TopEntry("tests", "dir", (Path("/l/tests"),)),
-            TopEntry("proc", "dir", (Path("/l/proc"),)), TopEntry("bin", "symlink", (), "usr/bin")]
-    ops = plan_image_view(tops, dirs, toolchain=Path("/runner"), new_tops={"app"})
+    layers = [Path("/l1"), Path("/l2")]
+    ops = plan_image_view(layers, dirs, toolchain=Path("/runner"), new_tops={"app", "tmp", "proc"})
     by_dest = {(op.kind, str(op.dest)): op for op in ops}
-    usr = by_dest[(MountKind.OVERLAY, "/usr")]
-    assert usr.lowers == (Path("/l1/usr"), Path("/l2/usr")) and usr.upper == dirs.upper("usr")
-    assert (MountKind.HIDE_DIR, "/tests") in by_dest and (MountKind.OVERLAY, "/tests") not in by_dest
-    assert (MountKind.PROC, "/proc") in by_dest and (MountKind.OVERLAY, "/proc") not in by_dest
-    assert (MountKind.BIND, "/app") in by_dest and (MountKind.SYMLINK, "/bin") in by_dest
+    root = by_dest[(MountKind.OVERLAY, "/")]
+    assert root.lowers == (Path("/l1"), Path("/l2")) and (root.upper, root.work) == (dirs.upper_root, dirs.work_root)
+    assert ops[0] is root  # everything else is mounted on it
+    assert not any(op.kind is MountKind.OVERLAY and str(op.dest) != "/" for op in ops)
+    assert (MountKind.PROC, "/proc") in by_dest and (MountKind.HIDE_DIR, "/tests") in by_dest
+    assert (MountKind.DIR, "/app") in by_dest  # the working directory's top, if the image lacks it
+    assert not {"/tmp", "/run"} & {str(op.dest) for op in ops}  # the image's own folders
     assert by_dest[(MountKind.READONLY, "/opt/sequester-verifier")].source == Path("/runner")
     assert not any(op.source and str(op.source).startswith(("/usr", "/root")) for op in ops)  # nothing of the host's
-    argv = build_argv("bwrap", SandboxSpec(mounts=(usr,), command=("true",), identity=Identity.ROOT,
+    declared = {str(op.dest) for op in plan_image_view(layers, dirs, toolchain=Path("/r"), volumes=["/tmp/"])}
+    assert "/tmp" in declared and "/run" not in declared
+    argv = build_argv("bwrap", SandboxSpec(mounts=(root,), command=("true",), identity=Identity.ROOT,
                                            caps=CONTAINER_CAPS, uid=7, gid=8), __import__("sequester.sandbox.argv",
                                                                                             fromlist=["LaunchFds"]).LaunchFds())
     joined = " ".join(argv)
-    assert "--overlay-src /l1/usr --overlay-src /l2/usr --overlay" in joined and "--uid 7 --gid 8" in joined
+    assert "--overlay-src /l1 --overlay-src /l2 --overlay" in joined and "--uid 7 --gid 8" in joined
+
+
+def test_the_writable_layer_starts_with_the_sandboxs_folders():
+    """Mount points fresh and opaque (nothing of the image's /proc, /dev, /tests shows
+    through); the runner's top where the image has something else there or nothing (bwrap
+    would make it 0700, closed to the image's other users); /tmp 1777 where the image has none."""
+    made = upper_folders({"usr": "dir", "opt": "dir", "tmp": "dir", "tests": "dir"}, "opt")
+    assert made == {name: (0o755, True) for name in ("proc", "dev", "sys", "tests", "logs")}
+    made = upper_folders({"usr": "dir", "opt": "other"}, "opt")
+    assert made["opt"] == (0o755, False) and made["tmp"] == (0o1777, False)
+    assert upper_folders({}, "opt")["opt"] == (0o755, False)
 
 
 def test_too_many_layers_for_one_overlay_is_measured():

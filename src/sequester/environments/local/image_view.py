@@ -82,9 +82,10 @@ def upper_folders(kinds: Mapping[str, str], runner_top: str) -> dict[str, tuple[
     ``runner_top``: the top-level folder the runner is mounted below.
 
     Every sandbox mount point, fresh and opaque; the runner's folder where the image has
-    something else there (a link bwrap would follow); ``/tmp`` where the image has none."""
+    something else there (a link bwrap would follow) or nothing (bwrap would make it 0700,
+    closed to the image's other users); ``/tmp`` where the image has none."""
     out = {name: (0o755, True) for name in SANDBOX_POINTS}
-    if kinds.get(runner_top, "none") == "other":
+    if kinds.get(runner_top, "none") != "dir":
         out[runner_top] = (0o755, False)
     if kinds.get("tmp", "none") == "none":
         out["tmp"] = (0o1777, False)

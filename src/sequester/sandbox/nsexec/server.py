@@ -123,11 +123,22 @@ def _exec_agent_process(
         os.chdir(req.get("cwd") or "/")
         _set_rlimits(req.get("rlimits"))  # a container's defaults and the task's limits
         _default_signals()
+        if req.get("ids"):
+            _give_pipes(len(moved), req["ids"][0], req["ids"][1])
         restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"], req.get("ids"))
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as exc:  # noqa: BLE001 - the result pipe is gone by now
         os.write(2, f"sequester: could not start {req['argv'][0]}: {exc}\n".encode())
     os._exit(127)
+
+
+def _give_pipes(count: int, uid: int, gid: int) -> None:
+    """Descriptors ``0 .. count - 1`` that are pipes (the shell's ``/dev/fd/3``, its
+    output) to the image's ``User``: opened again by path they check the pipe's owner,
+    the caller, whom another user of the namespace is not."""
+    for fd in range(count):
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.fchown(fd, uid, gid)
 
 
 def _set_rlimits(limits: dict[str, Any] | None) -> None:
