@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conditions import VISIBLE_DIR
+from conditions import visible_tempdir
 from serve_harness import EXAMPLES, ROOT, TOKEN, Server, ask, connect, http, pid_alive
 from sequester.sandbox.procs import descendants
 
@@ -116,8 +116,7 @@ def test_a_short_or_odd_token_is_refused(monkeypatch, capsys, tmp_path):
 def test_sigterm_closes_every_session_and_agents_cannot_read_the_token(tmp_path):
     """The CLI itself: its token file (in a folder agents see) hidden from every episode,
     and SIGTERM closing every session before it exits 0, their processes gone."""
-    folder = Path(VISIBLE_DIR or tmp_path) / f"seqserve-{os.getpid()}"
-    folder.mkdir(exist_ok=True)
+    folder = visible_tempdir("serve", tmp_path)
     token_file = folder / "token"
     token_file.write_text(TOKEN + "\n")
     try:

@@ -5,9 +5,11 @@ not, trial folders come back within their limit, and unused tasks are evicted.""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import io
 import os
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +41,29 @@ def test_a_task_travels_whole_and_unpacks_once(tmp_path: Path) -> None:
     marker.write_text("x")
     assert unpack_task(bundle, tmp_path / "cache") == first and marker.exists(), "unpacked once"
     assert not [n for n in os.listdir(tmp_path / "cache") if n.startswith(".unpack-")]
+
+
+def test_a_worker_waits_for_a_task_another_lands_and_holds(tmp_path: Path) -> None:
+    """Two workers of one node: the first lands the task and holds its lock shared for
+    as long as its trials run; the second, which saw the task missing, gets the task as
+    soon as it is there rather than waiting for the first one's trials to end."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    bundle = pack_task(EXAMPLES / "python-csv-stats")
+    cache.mkdir()
+    held = os.open(cache / f".{bundle.digest}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)  # the first worker, unpacking and then using the task
+        got: list[Path] = []
+        second = threading.Thread(target=lambda: got.append(unpack_task(bundle, cache)), daemon=True)
+        second.start()
+        time.sleep(0.3)
+        assert not got, "the task is not there yet"
+        unpack_task(bundle, elsewhere)
+        os.rename(elsewhere / bundle.digest, cache / bundle.digest)  # landed; still held
+        second.join(10)
+        assert got == [cache / bundle.digest / bundle.name], "the second worker is still waiting"
+    finally:
+        os.close(held)
 
 
 def test_two_tasks_of_one_content_under_two_names_are_two_entries(tmp_path: Path) -> None:

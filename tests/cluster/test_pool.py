@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from paths import EXAMPLES
 ray = pytest.importorskip("ray")
 
 import ray_cluster  # noqa: E402 - after the skip: it is only of use with Ray
-from conditions import VISIBLE_DIR  # noqa: E402
+from conditions import visible_tempdir  # noqa: E402
 from procs import pids_with_cmdline, wait_until  # noqa: E402
 
 from sequester.cluster import ClusterError, EpisodePool  # noqa: E402
@@ -204,7 +203,7 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
 @pytest.mark.slow
 def test_tasks_outside_the_tasks_folder_are_refused_and_no_task_is_visible(cluster, tmp_path):
     # The tasks folder where a sandbox would see it if it were not hidden (root: /opt).
-    root = Path(tempfile.mkdtemp(prefix="seq-pool-tasks-", dir=VISIBLE_DIR or tmp_path))
+    root = visible_tempdir("pool-tasks", tmp_path)
     try:
         tasks = root / "tasks"
         ok = "python-csv-stats"  # (a copy under another name collides in the nodes' task cache: bundles.py)

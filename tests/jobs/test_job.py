@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from paths import EXAMPLES
 from sequester import __version__ as SEQUESTER_VERSION
 from sequester.jobs import JobPaths, TrialPaths, run_job
 
-from conditions import VISIBLE_DIR, requires_root
+from conditions import requires_root, visible_tempdir
 
 pytestmark = requires_root
 
@@ -325,7 +324,7 @@ def test_interrupt_stops_trials_and_writes_the_results(tmp_path):
 
 def test_agents_see_no_other_task_and_no_job_output(tmp_path):
     """Where episodes would show them, with a visible control file next to them."""
-    base = Path(tempfile.mkdtemp(dir=VISIBLE_DIR, prefix="sequester-jobs-test-"))
+    base = visible_tempdir("jobs")
     try:
         base.chmod(0o755)
         for name in ("c-word-count", "python-csv-stats"):

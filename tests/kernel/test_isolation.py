@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conditions import VISIBLE_DIR, requires_root
+from conditions import requires_root, visible_tempdir
 from probes import probe
 
 from sequester import Isolation, Kernel, Policy
@@ -33,7 +33,7 @@ def kernel():
 @pytest.fixture
 def secret_dir():
     """A folder with a secret file where a sandbox would otherwise see it."""
-    path = Path(tempfile.mkdtemp(prefix="seq-secret-", dir=VISIBLE_DIR))
+    path = visible_tempdir("secret")
     path.chmod(0o755)  # readable by anyone (a kernel started by root runs as nobody)
     (path / "secret.txt").write_text("top secret")
     yield path

@@ -267,7 +267,8 @@ def test_a_cell_sees_the_same_process_under_either_stage(monkeypatch):
     native stage's timing argument; nothing is mapped at HANDOFF_ADDRESS. A view
     template's kernel is the same but tighter: it holds only the descriptors the host
     sent it (bwrap passes each pipe twice), every mount it did not make itself is
-    read-only (it shows the template's, covered, beneath its own /proc, /tmp, /dev/pts),
+    read-only (it shows the template's, covered, beneath its own /proc, /tmp, /dev/pts; of
+    those only /proc and the workspace are writable, as in a kernel with a bwrap of its own),
     and its own namespace forbids nested user namespaces in either flow."""
     if not native_available():
         pytest.skip("the native stage cannot be built here")
@@ -288,7 +289,7 @@ def test_a_cell_sees_the_same_process_under_either_stage(monkeypatch):
     # namespace above, which reads as the default here), and every port bindable.
     assert template["sysctl"] == ["0", "0"]
     assert template["fds"] == ["/dev/null", "pipe", "pipe", "pipe", "pipe"]  # stdin, in, out, stdout, stderr
-    own = {"/proc", "/tmp", "/dev/shm", "/dev/pts"}
+    own = {"/proc", "/tmp", "/dev/shm"}  # its /dev/pts read-only, as a bwrap kernel's (terminals still open)
     assert {p for p, flags in template["mounts"] if flags.startswith("rw")} == own
     # The same places; its own /proc always gets bwrap's read-only covers (which an
     # ordinary caller's bwrap leaves out).

@@ -51,6 +51,7 @@ MAX_TASK_BYTES = 1 << 30  # a task's files (environment/, tests/, solution/); TB
 MAX_TRIAL_BYTES = 256 << 20  # what one trial folder ships back to the driver
 EVICT_AFTER = 7 * 86400.0  # a node's shipped task not used for this long is removed
 STALE_UNPACK = 3600.0  # an unpacking folder this old was left by a killed worker
+UNPACK_POLL = 0.05  # seconds between looks while another worker unpacks a task
 FIRST_FILES = ("result.json", "config.json", "trial.log")  # shipped before anything else
 
 
@@ -161,8 +162,8 @@ def unpack_task(bundle: TaskBundle, cache: Path) -> Path:
     if final.is_dir():
         return final
     cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with _locked(cache / f".{bundle.digest}.lock"):
-        if final.is_dir():
+    with _unpack_lock(cache / f".{bundle.digest}.lock", final) as landed:
+        if landed or final.is_dir():
             return final
         if (
             bundle_digest(bundle.name, bundle.data) != bundle.digest
@@ -181,11 +182,23 @@ def unpack_task(bundle: TaskBundle, cache: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, kind: int = fcntl.LOCK_EX) -> Iterator[None]:
+def _unpack_lock(path: Path, final: Path) -> Iterator[bool]:
+    """The task's lock held exclusively (yields False), or True as soon as another worker
+    has landed ``final``. The exclusive lock is only waited for while ``final`` is missing:
+    the worker that landed it holds the same lock shared for as long as its trials use the
+    task (:func:`hold_task`), so a blocking wait for it would last as long as they do."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, kind)
-        yield
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if final.is_dir():
+                    yield True
+                    return
+                time.sleep(UNPACK_POLL)
+        yield False
     finally:
         os.close(fd)
 

@@ -57,6 +57,7 @@ _HARBOR_NAMES: dict[str, str] = {
     "SandboxError": "SandboxBuildFailedError",
     "SandboxUnavailableError": "SandboxBuildFailedError",
     "StaleView": "SandboxBuildFailedError",  # a view template outdated twice in one start
+    "TemplateUnavailable": "SandboxBuildFailedError",  # (caught at launch: a bwrap per kernel)
     "FreezeError": "SandboxBuildFailedError",
     # the task's image could not be had or unpacked: its environment could not be built
     "ImageError": "SandboxBuildFailedError",
