@@ -48,6 +48,7 @@ out = {
     "personality linux32": call("personality", 0x0008),
     "personality linux": call("personality", 0),
     "vsock": call("socket", 40, 1, 0),
+    "vsock high bits": call("socket", (1 << 32) | 40, 1, 0),  # the kernel reads an int
     "clone namespace": call("clone", 0x00020000 | 0x00000200, 0, 0, 0, 0),  # NEWNS|FS: EINVAL unless refused first
     "clone3": call("clone3", 0, 0),
     "chroot": call("chroot", ctypes.addressof(ctypes.create_string_buffer(b"/no/such/folder"))),
@@ -74,7 +75,8 @@ def test_the_agent_filter_is_no_wider_than_dockers_default():
         runs[profile] = json.loads(proc.stdout)
     agent = runs["agent"]
     refused = ("set_mempolicy", "get_mempolicy", "mbind", "move_pages", "migrate_pages", "process_madvise",
-               "quotactl_fd", "personality query", "personality no-randomize", "vsock", "clone namespace", "inotify")
+               "quotactl_fd", "personality query", "personality no-randomize", "vsock", "vsock high bits", "clone namespace",
+               "inotify")
     assert {name: agent[name] for name in refused} == {name: "EPERM" for name in refused}, agent
     assert agent["clone3"] == "ENOSYS", agent
     assert agent["personality linux32"] == "ok" and agent["personality linux"] == "ok", agent

@@ -176,3 +176,44 @@ def test_a_store_of_an_earlier_sequester_drops_its_images_once_and_says_so(tmp_p
     assert runs[0].stdout.split() == ["1", "0"] and "earlier sequester" in runs[0].stderr, runs[0]
     assert runs[1].stdout.split() == ["0", "0"] and runs[1].stderr == "", runs[1]
     assert not any((store / "layers").iterdir())  # its layers collected
+
+
+@requires_root
+def test_a_layer_with_negative_owners_gives_no_host_id_outside_the_range(tmp_path):
+    """Red team: tarfile takes negative ids (a pax ``uid=-N``); through the map they named
+    host ids below the range (a real user's, with its setuid bit). They are counted as
+    unmapped and left root's."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("evil")
+        data = b"#!/bin/sh\n"
+        info.size, info.mode = len(data), 0o6755
+        info.pax_headers = {"uid": str(-(MAP.sub_uid - 1002 - 1)), "gid": "-5"}
+        tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "l.tar").write_bytes(buf.getvalue())
+    dest = tmp_path / "layers" / "x"
+    dest.parent.mkdir()
+    stats = unpack_layer(tmp_path / "l.tar", dest, owners=tmp_path / "layers" / "x.owners", ids=MAP)
+    st = os.lstat(dest / "evil")
+    assert (st.st_uid, st.st_gid) == (0, 0) and stats.unmapped_owners == 1 and stats.owned == 0
+    with pytest.raises(ValueError):
+        MAP.host_uid(-1)
+
+
+@requires_root
+def test_a_layer_that_cannot_be_owned_costs_its_images_not_the_store(tmp_path):
+    """Red team: a hostile list applied when the map changed failed every later use of the
+    store. Now that layer's images are removed, with a warning, and the store works."""
+    store = tmp_path / "store"
+    (store / "layers").mkdir(parents=True)
+    blob = _layer(tmp_path / "l.tar", [("home", 0, 0, 0o755, "dir"), ("home/app", 0, 1000, 0o750, "dir")])
+    unpack_layer(blob, store / "layers" / "abc", owners=store / "layers" / "abc.owners", ids=MAP)
+    with open(store / "layers" / "abc.owners", "a") as f:
+        f.write(json.dumps([["home"], -5, 0, None]) + "\n")  # what an older, unchecked list could hold
+    (store / "ids").write_text(map_tag(MAP) + "\n")
+    proc = subprocess.run([sys.executable, "-c", MIGRATE, str(store), "abc", json.dumps([0, 0, 600000, 700000])],
+                          capture_output=True, text=True, timeout=60)
+    assert "could not be given their owners" in proc.stderr, proc.stderr
+    assert not (store / "layers" / "abc").exists()  # collected with its images
+    again = subprocess.run([sys.executable, "-c", LEGACY, str(store)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stderr == "", again  # the store serves on

@@ -81,3 +81,20 @@ def test_a_configured_range_is_roots_alone():
         pytest.skip("an ordinary caller's refusal")
     ids, why = caller_id_map((300000, IDS))
     assert ids is None and "root" in (why or "")
+
+
+def test_a_configured_range_that_gives_away_someone_elses_ids_is_refused():
+    """Red team: ``id_range = "1001:65536"`` made inside uid 2 a real host user; a range
+    over another user's subordinate ids would hand an agent that user's containers' files."""
+    import pwd
+
+    from sequester.sandbox.idmap import check_unused, used_ids
+
+    someone = next(p for p in pwd.getpwall() if p.pw_uid > 1000 and p.pw_uid < 2**31) if any(
+        p.pw_uid > 1000 and p.pw_uid < 2**31 for p in pwd.getpwall()) else None
+    if someone is not None:
+        with pytest.raises(PolicyError, match=f"episodes.id_range.*user {someone.pw_name}"):
+            check_unused(someone.pw_uid - 5, IDS)
+    used = used_ids("alice:300000:65536\nroot:500000:65536\n", "")
+    assert (300000, 365536, "alice's range in /etc/subuid") in used
+    assert not any(who.startswith("root's") for _, _, who in used)  # root's own range is root's to use

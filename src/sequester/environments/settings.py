@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
 from sequester.images.image_settings import ImageSettings
-from sequester.sandbox.idmap import IdMap, caller_id_map, parse_id_range
+from sequester.sandbox.idmap import IdMap, caller_id_map, check_unused, parse_id_range
 
 if TYPE_CHECKING:
     from sequester.images.store import ImageStore
@@ -99,7 +99,7 @@ class EpisodeSettings:
                 "(unix:///PATH, tcp://HOST:PORT, ssh://...)"
             )
         if self.id_range is not None:
-            parse_id_range(self.id_range)  # raises, naming the key
+            check_unused(*parse_id_range(self.id_range))  # raises, naming the key
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))

@@ -224,7 +224,9 @@ def _compile(profile: str) -> bytes:
         for bit in range(32):
             if not PERSONALITY_ALLOWED_BITS & (1 << bit):
                 flt.add_rule(eperm, "personality", sc.Arg(0, sc.MASKED_EQ, 1 << bit, 1 << bit))
-        flt.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_VSOCK))
+        # socket's family is an int: the low 32 bits only (red team: 1 << 32 | AF_VSOCK
+        # passed an EQ rule and made a vsock socket)
+        flt.add_rule(eperm, "socket", sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, AF_VSOCK))
         for flag in CLONE_NAMESPACE_FLAGS:
             flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
         flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # as Docker: libc falls back to clone

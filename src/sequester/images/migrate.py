@@ -100,14 +100,26 @@ def _migrate(store: ImageStore, old: str | None) -> None:
     except ValueError:
         before = None
     lists = sorted((store.root / "layers").glob("*.owners"))
+    failed: dict[str, str] = {}
     for listed in lists:
         folder = listed.with_suffix("")
         if not folder.is_dir():
             continue
         try:
             own_layer(folder, listed, store.ids, current=before)
-        except (OSError, SandboxError) as exc:
-            raise ImageError(f"the image store {store.root}: layer {folder.name} keeps its old owners: {exc}") from None
+        except (OSError, SandboxError, ValueError, OverflowError) as exc:
+            failed[folder.name] = str(exc)
+    if failed:
+        # One layer that cannot be given its owners (a hostile list, a full disk) costs
+        # the images that use it, never the store (red team: one image made every later
+        # use of the store fail).
+        _drop_images_of(store, set(failed))
+        log.warning(
+            "the image store %s: %d layers could not be given their owners; the images using them were removed: %s",
+            store.root,
+            len(failed),
+            "; ".join(f"{name[:12]}: {why}" for name, why in sorted(failed.items())[:5]),
+        )
     if lists:
         log.warning(
             "the image store %s: %d layers given their owners for the ids %s (they had them for %s)",
@@ -116,6 +128,16 @@ def _migrate(store: ImageStore, old: str | None) -> None:
             store.ids.describe() if store.ids else "of the caller alone",
             before.describe() if before else "the caller alone",
         )
+
+
+def _drop_images_of(store: ImageStore, layers: set[str]) -> None:
+    """Remove the images that use any of ``layers`` (by folder name), then what no image
+    needs any more; an image a running episode holds is left as it is."""
+    for record in store.records():
+        if any(hex_of(layer.diff_id) in layers for layer in record.layers):
+            with contextlib.suppress(ImageError):
+                drop_record(store, record)
+    collect_garbage(store)
 
 
 def _legacy_records(store: ImageStore) -> list:

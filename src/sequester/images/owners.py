@@ -57,7 +57,9 @@ class Owners:
         self.unmapped = 0  # owners above 65,535: no map of an episode holds them (left root's)
 
     def note(self, parts: tuple[str, ...], uid: int, gid: int, mode: int | None) -> None:
-        if uid >= IDS or gid >= IDS:
+        # Negative ids too (a pax header's ``uid=-N``, base-256 numbers: tarfile takes
+        # them): through the map they would name host ids below the range (red team).
+        if not (0 <= uid < IDS and 0 <= gid < IDS):
             self.unmapped += 1
             self.entries.pop(parts, None)
         elif uid == 0 and gid == 0:
@@ -81,7 +83,10 @@ def read_owners(path: str | os.PathLike[str]) -> Iterator[Entry]:
     with f:
         for line in f:
             parts, uid, gid, mode = json.loads(line)
-            yield tuple(parts), int(uid), int(gid), (None if mode is None else int(mode))
+            uid, gid = int(uid), int(gid)
+            if not (0 <= uid < IDS and 0 <= gid < IDS):
+                raise ValueError(f"{path}: owner {uid}:{gid} is outside the ids an episode maps")
+            yield tuple(parts), uid, gid, (None if mode is None else int(mode) & 0o7777)
 
 
 def map_tag(ids: IdMap | None) -> str:

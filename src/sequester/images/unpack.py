@@ -263,7 +263,7 @@ def unpack_layer(
         found.write(listed)
         try:
             owned = own_layer(tmp, listed, ids)
-        except (OSError, SandboxError) as exc:
+        except (OSError, SandboxError, ValueError, OverflowError) as exc:
             raise ImageError(f"{label}: cannot give its files their owners: {exc}") from None
         stats = dataclasses.replace(stats, owned=owned, unmapped_owners=found.unmapped)
         if owners is not None:

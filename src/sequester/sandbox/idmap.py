@@ -32,8 +32,10 @@ __all__ = [
     "IdMap",
     "caller_id_map",
     "configured_id_map",
+    "check_unused",
     "covered",
     "free_range",
+    "used_ids",
     "parse_proc_map",
     "root_range_argv",
     "parse_id_range",
@@ -56,10 +58,13 @@ class IdMap:
     sub_gid: int
 
     def host_uid(self, inside: int) -> int:
-        """The host uid of ``inside`` (0 .. 65535)."""
+        """The host uid of ``inside`` (0 .. 65535; anything else is a ValueError, never a
+        host id outside the range)."""
+        _check_inside(inside)
         return self.uid if inside == 0 else self.sub_uid + inside - 1
 
     def host_gid(self, inside: int) -> int:
+        _check_inside(inside)
         return self.gid if inside == 0 else self.sub_gid + inside - 1
 
     def inside_uid(self, host: int) -> int | None:
@@ -82,6 +87,11 @@ class IdMap:
 
     def describe(self) -> str:
         return f"uids 0 -> {self.uid}, 1-{IDS - 1} -> {self.sub_uid}-{self.sub_uid + IDS - 2}"
+
+
+def _check_inside(inside: int) -> None:
+    if not 0 <= inside < IDS:
+        raise ValueError(f"id {inside} is not one an episode maps (0 .. {IDS - 1})")
 
 
 def parse_subid_file(text: str, user: str, uid: int) -> list[tuple[int, int]]:
@@ -158,6 +168,7 @@ def caller_id_map(configured: tuple[int, int] | None = None) -> tuple[IdMap | No
     if configured is not None:
         if uid != 0:
             return None, "[episodes] id_range is root's: an ordinary user's range comes from /etc/subuid"
+        check_unused(*configured)
         ids = IdMap(uid, gid, configured[0], configured[0])
         why = _unmapped_here(ids)
         return (None, f"the episode maps one id: {why}") if why else (ids, None)
@@ -188,6 +199,38 @@ def caller_id_map(configured: tuple[int, int] | None = None) -> tuple[IdMap | No
     ids = IdMap(uid, gid, start_uid, start_gid)
     why = _unmapped_here(ids) if uid == 0 else None  # (newuidmap checks an ordinary user's)
     return (None, f"the episode maps one id: {why}") if why else (ids, None)
+
+
+def used_ids(subuid: str, subgid: str, owner: str = "root") -> list[tuple[int, int, str]]:
+    """Ids the host already gives someone: ``(first, end, who)`` for every user's and
+    group's own id and every subordinate range but ``owner``'s."""
+    import grp
+
+    used = [(p.pw_uid, p.pw_uid + 1, f"user {p.pw_name}") for p in pwd.getpwall()]
+    used += [(g.gr_gid, g.gr_gid + 1, f"group {g.gr_name}") for g in grp.getgrall()]
+    for name, text in (("/etc/subuid", subuid), ("/etc/subgid", subgid)):
+        for line in text.splitlines():
+            parts = line.strip().split(":")
+            if len(parts) == 3 and parts[0] != owner and parts[1].isdigit() and parts[2].isdigit():
+                used.append((int(parts[1]), int(parts[1]) + int(parts[2]), f"{parts[0]}'s range in {name}"))
+    return used
+
+
+def check_unused(base: int, count: int, where: str = "episodes.id_range") -> None:
+    """Refuse a configured range any of whose ids the host gives someone else: an agent's
+    ``chown`` (or an image's owners) would make files of that user (red team)."""
+    texts = []
+    for path in (SUBUID, SUBGID):
+        try:
+            texts.append(path.read_text())
+        except OSError:
+            texts.append("")
+    clash = next(((f, e, who) for f, e, who in used_ids(*texts) if f < base + count and base < e), None)
+    if clash is not None:
+        raise PolicyError(
+            f"{where}: {base}:{count} overlaps ids the host gives {clash[2]} ({clash[0]}-{clash[1] - 1}); "
+            "choose unused ids (`sequester setup ids --dry-run` names a free range)"
+        )
 
 
 def write_id_map(pid: int, ids: IdMap) -> None:

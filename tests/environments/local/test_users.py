@@ -192,7 +192,8 @@ def test_a_debian_image_shows_its_owners_and_users_work(tmp_path):
 @pytest.mark.skipif(not SYSTEM_PYTHON.exists(), reason="needs /usr/bin/python3 (.ci/run installs it)")
 def test_an_ordinary_users_image_shows_its_owners(user_site, tmp_path):
     """The same image unpacked by an ordinary user: the owners are applied in a namespace
-    of its range, and its episode shows them."""
+    of its range, and its episode shows them; what the agent closes to the user (a 0700
+    folder of another of its ids) is still in the tamper report."""
     skip_unless_tools("skopeo", "umoci")
     entry, home, _, site = user_site
     work = Path(site) / "owners-test"
@@ -218,7 +219,9 @@ store.import_source(sys.argv[1], "test/owned:1")
 with Episode(settings) as ep:
     ep.reset(sys.argv[2])
     r = ep.exec("stat -c %u:%g /srv")
-print(json.dumps({{"srv": r.stdout.strip()}}))
+    ep.exec("mkdir -p /usr/x && echo y > /usr/x/f && chmod 700 /usr/x && chown -R 1000:1000 /usr/x")
+    tampering = [str(t) for t in ep.evaluate().tampering]
+print(json.dumps({{"srv": r.stdout.strip(), "tampering": tampering}}))
 ''')
         subprocess.run(["chown", "-R", f"{entry.pw_uid}:{entry.pw_gid}", str(work / "harness.py"), str(task)], check=True)
         out = run_as_user(user_site, "owners-test/harness.py", layout, str(task))
@@ -228,6 +231,8 @@ print(json.dumps({{"srv": r.stdout.strip()}}))
     if "skip" in out:
         pytest.skip("the test user has no subordinate range here")
     assert out["srv"] == "33:44", out
+    # the tamper report (information) reads what the agent closed to the caller, in the range
+    assert any("/usr/x/f" in t for t in out["tampering"]), out["tampering"]
 
 
 def test_setup_ids_is_roots_and_says_what_it_would_do(capsys):
