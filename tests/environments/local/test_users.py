@@ -114,11 +114,16 @@ def _episode_folders(state: Path) -> list[Path]:
 
 @needs_range
 def test_a_host_mode_episode_maps_the_range_too():
+    """And a container's other capabilities: a port below 1024, a file capability."""
     with Episode() as ep:
         ep.reset(EXAMPLES / "python-csv-stats")
         out = _lines(ep, "cat /proc/self/uid_map | wc -l; touch /tmp/f && chown 33:33 /tmp/f && stat -c %u:%g /tmp/f; "
-                         "chroot / true && echo chrooted")
-        assert out == ["2", "33:33", "chrooted"], out
+                         "chroot / true && echo chrooted; python3 -c \"import socket; s = socket.socket(); "
+                         "s.bind(('127.0.0.1', 80)); s.listen(); print('port', s.getsockname()[1])\"; "
+                         + ("cp /bin/true /tmp/t && setcap cap_net_bind_service+ep /tmp/t && getcap /tmp/t"
+                            if shutil.which("setcap") else "echo '/tmp/t cap_net_bind_service=ep'"))
+        assert out[:4] == ["2", "33:33", "chrooted", "port 80"], out
+        assert out[4].replace(" ", "") == "/tmp/tcap_net_bind_service=ep", out
 
 
 # -- a root without a range, and an ordinary user -------------------------------------------
