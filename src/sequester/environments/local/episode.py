@@ -59,6 +59,7 @@ log = logging.getLogger("sequester.environments.local")
 
 _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
+_ENDED = "exited (or did not end a timed-out command) and was restarted (its state was reset)"
 
 
 class _State(enum.Enum):
@@ -271,8 +272,9 @@ class Episode:
         """Run ``command`` in the agent's persistent shell (cwd and exports persist).
 
         ``timeout`` defaults to the settings' ``exec_timeout``; the task's ``[agent]
-        timeout_sec`` bounds the whole episode. A command that runs over is interrupted
-        (^C), then killed; background processes keep running.
+        timeout_sec`` bounds the whole episode. A command that runs over ends whole (see
+        :mod:`.shell`): its foreground job is interrupted (^C), then killed, and the rest
+        of its command line does not run; background jobs and the shell's state stay.
         """
         run = self._running()
         limit = self.settings.exec_timeout if timeout is None else timeout
@@ -297,12 +299,13 @@ class Episode:
                     0.0,
                     f"the agent's shell could not be restarted, so the command did not run: {exc}",
                 )
-            run.notes.append("the agent's shell exited and was restarted (cwd and variables were reset)")
+            run.notes.append(f"the agent's shell {_ENDED}")
         assert run.shell is not None
         result = run.shell.run(command, limit, self.settings.output_bytes)
         if not run.shell.alive:
             try:
                 self._start_shell()
+                run.notes.append(f"the agent's shell {_ENDED}")
             except SandboxError as exc:  # tried again at the next exec
                 log.info("the agent's shell could not be restarted: %s", exc)
         return result
