@@ -29,6 +29,7 @@ from sequester.policy import Policy
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
 from sequester.sandbox.freeze import Freezer, make_freezer
+from sequester.sandbox.gpus import GpuPlan
 from sequester.sandbox.host import HostFacts, gather_host_facts
 from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
@@ -81,6 +82,7 @@ class RunningEpisode:
     # becomes inside when that is not the namespace's root (an image's User).
     id_map: IdMap | None = None
     agent_ids: tuple[int, int] | None = None
+    gpus: GpuPlan | None = None  # the GPUs bound into the view (sequester.sandbox.gpus)
 
     @property
     def agent_cgroups(self) -> list[str]:
@@ -98,8 +100,11 @@ def start_episode(
     settings: EpisodeSettings,
     extra_hidden: tuple[Path, ...],
     limits: LimitGroups | None = None,
+    *,
+    gpus: GpuPlan | None = None,
 ) -> RunningEpisode:
-    """Plan the view, stage the environment's files, start the init under bwrap."""
+    """Plan the view, stage the environment's files, start the init under bwrap (with
+    ``gpus`` bound in after the view's own ``/dev``)."""
     facts = gather_host_facts()
     hidden_top, hidden_deep = hidden_for(task, facts, settings, extra_hidden)
     fresh = {p.name for p in hidden_top}
@@ -167,12 +172,14 @@ def start_episode(
         "TERM": "xterm",
         "PWD": workdir,
         **(task.dockerfile.env_map if task.dockerfile else {}),
+        **dict(gpus.env if gpus else ()),
     }
     ids, why = episode_id_map(settings)
     if why:
         notes.append(why)
+    gpu_ops = gpus.mount_ops() if gpus else ()
     spec = SandboxSpec(
-        mounts=mounts,
+        mounts=(*mounts, *gpu_ops),
         command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT),
         env={"PATH": AGENT_PATH},
         cwd=Path("/"),
@@ -197,7 +204,7 @@ def start_episode(
         notes=notes,
         symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
         runner=runner,
-        view_points=view_points(op.dest for op in mounts),
+        view_points=view_points(op.dest for op in (*mounts, *gpu_ops)),
         id_map=ids,
     )
 
