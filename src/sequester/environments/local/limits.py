@@ -9,9 +9,10 @@ episode's process limit, applied where this machine allows; the rest said in the
   host root): for them the ``pids`` cgroup below is what holds (measured: without it, one
   agent's fork bomb took all 32768 pids of the host);
 * memory, CPUs and processes: cgroups of the episode's own where this process may make
-  them (:mod:`sequester.sandbox.cgroups.limits`: root on a cgroup v1 or hybrid hierarchy). Elsewhere the
-  note says so: an address-space rlimit is not a memory limit (runtimes that reserve
-  address space, Node's and the JVM's, fail under one).
+  them (:mod:`sequester.sandbox.cgroups.limits`: one cgroup v2 in a delegated subtree,
+  shared with the freezer, or root's cgroup v1 hierarchies). Elsewhere the note says
+  so: an address-space rlimit is not a memory limit (runtimes that reserve address
+  space, Node's and the JVM's, fail under one).
 * storage: the writable layer is a folder on the host's disk; local mode cannot cap it
   and says so.
 
@@ -63,16 +64,19 @@ def finish_limits(
         log.warning("the episode's init got no process limit: %s", exc)
     run.limit_groups = group
     applied = group.applied if group is not None else []
+    missing = group.missing if group is not None else {}
     notes = []
     if "pids" not in applied and os.geteuid() == 0:
         notes.append(
-            f"process limit of {max_processes} not applied: {why} (RLIMIT_NPROC does not bind processes "
-            "of the host's root)"
+            f"process limit of {max_processes} not applied: {missing.get('pids', why)} (RLIMIT_NPROC does not "
+            "bind processes of the host's root)"
         )
     if env.memory_mb and "memory" not in applied:
-        notes.append(f"memory limit of {env.memory_mb} MB ([environment] memory) not applied: {why}")
+        notes.append(
+            f"memory limit of {env.memory_mb} MB ([environment] memory) not applied: {missing.get('memory', why)}"
+        )
     if env.cpus and "cpus" not in applied:
-        notes.append(f"CPU limit of {env.cpus} ([environment] cpus) not applied: {why}")
+        notes.append(f"CPU limit of {env.cpus} ([environment] cpus) not applied: {missing.get('cpus', why)}")
     if env.storage_mb:
         notes.append(
             f"storage limit of {env.storage_mb} MB ([environment] storage) not applied: the writable layer "

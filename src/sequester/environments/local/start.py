@@ -87,10 +87,14 @@ class RunningEpisode:
     @property
     def agent_cgroups(self) -> list[str]:
         """The ``cgroup.procs`` files every agent process joins on its way in."""
-        return [
-            *([self.freezer.procs_path] if self.freezer.procs_path else []),
-            *(self.limit_groups.procs if self.limit_groups else []),
-        ]
+        return list(  # (on cgroup v2 the freezer's cgroup is the limits')
+            dict.fromkeys(
+                [
+                    *([self.freezer.procs_path] if self.freezer.procs_path else []),
+                    *(self.limit_groups.procs if self.limit_groups else []),
+                ]
+            )
+        )
 
 
 def start_episode(
@@ -246,7 +250,7 @@ def launch_init(
                 f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
                 + (f" (mounted below the host folders of the view now: {below})" if below else "")
             )
-        freezer = make_freezer(started.pid)
+        freezer = make_freezer(started.pid, cgroup=limits.freezer_cgroup if limits is not None else None)
     except BaseException:
         started.kill()
         raise
