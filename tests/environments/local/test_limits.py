@@ -86,6 +86,9 @@ def test_what_cannot_be_applied_is_in_the_notes(tmp_path):
     with Episode(HOST) as ep:
         ep.reset(_task(tmp_path, "storage_mb = 100\n"))
         assert any("storage limit of 100 MB" in n for n in ep.notes), ep.notes
+        # why, as the host answered (this machine kind: ext4 without prjquota; see tests/sandbox/test_quota.py)
+        said = next(n for n in ep.notes if "storage limit of 100 MB" in n)
+        assert "not applied" in said and ("quota" in said or "filesystem" in said or "memory" in said), said
         if os.geteuid() != 0:
             ep.reset(_task(tmp_path / "u", "memory_mb = 64\n"))
             assert any("memory limit of 64 MB" in n and "not applied" in n for n in ep.notes), ep.notes

@@ -504,6 +504,7 @@ class Episode:
             run.freezer.remove,
             (run.limit_groups.remove if run.limit_groups else None),
             run.dirs.remove,
+            (run.storage_quota.remove if run.storage_quota else None),
             (run.lease.release if run.lease else None),
         ):
             if step is None:

@@ -33,6 +33,7 @@ from sequester.sandbox.gpus import GpuPlan
 from sequester.sandbox.host import HostFacts, gather_host_facts
 from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
+from sequester.sandbox.quota import ProjectQuota
 from sequester.tasks import Task
 from sequester.verifier.tree import runner_tree
 
@@ -83,6 +84,7 @@ class RunningEpisode:
     id_map: IdMap | None = None
     agent_ids: tuple[int, int] | None = None
     gpus: GpuPlan | None = None  # the GPUs bound into the view (sequester.sandbox.gpus)
+    storage_quota: ProjectQuota | None = None  # the writable layers' cap (sequester.sandbox.quota)
 
     @property
     def agent_cgroups(self) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sequester.environments.base import UnsupportedByBackend
 from sequester.environments.local.image_start import image_workdir, start_on_image
-from sequester.environments.local.limits import finish_limits, make_episode_limits
+from sequester.environments.local.limits import finish_limits, make_episode_limits, make_storage_cap
 from sequester.environments.local.start import RunningEpisode, start_episode
 from sequester.environments.local.state import EpisodeDirs, remove_stale
 from sequester.environments.settings import EpisodeSettings, episode_image_store
@@ -65,6 +65,7 @@ def start_system(
             remove_stale_groups()
             _stale_cleaned.add(settings.state_dir)
         dirs = EpisodeDirs.create(settings.state_dir)
+        quota, storage_why = make_storage_cap(task, dirs.root)
         limits, why = make_episode_limits(task, max_processes=settings.max_processes)
         try:
             if lease is not None:
@@ -75,6 +76,8 @@ def start_system(
             if limits is not None:
                 limits.remove()
             dirs.remove()
+            if quota is not None:
+                quota.remove()
             raise
     except BaseException:
         if lease is not None:
@@ -82,6 +85,7 @@ def start_system(
         raise
     run.wheels = wheels
     run.gpus = gpus
+    run.storage_quota = quota
     if gpus is not None:
         env = task.config.environment
         run.notes += [f"{gpus.describe()} bound into the view", *gpus.notes]
@@ -90,5 +94,5 @@ def start_system(
                 f"[environment] gpu_types = {list(env.gpu_types)} not checked: the first {env.gpus} GPUs are bound"
             )
     run.notes[:0] = list(choice.notes)
-    run.notes += finish_limits(task, run, limits, why, max_processes=settings.max_processes)
+    run.notes += finish_limits(task, run, limits, why, max_processes=settings.max_processes, storage_why=storage_why)
     return run
