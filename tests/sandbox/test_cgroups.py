@@ -176,3 +176,47 @@ def test_the_v2_executor_reports_what_it_could_not_do(fake_v2, monkeypatch):
 
 def test_a_v1_group_is_not_the_freezers():
     assert limits.LimitGroups([Path("/sys/fs/cgroup/memory/x")]).freezer_cgroup is None
+
+
+# -- a systemd scope where our own cgroup is not ours to use ----------------------------------
+
+
+def test_the_scope_is_asked_of_systemd_as_systemd_run_does():
+    argv = limits.systemd_scope_argv("sequester-7.scope", 7, user=True)
+    assert argv[:3] == ["busctl", "--user", "call"]
+    assert argv[7:] == ["ssa(sv)a(sa(sv))", "sequester-7.scope", "fail", "3", "PIDs", "au", "1", "7",
+                        "Delegate", "b", "true", "Description", "s", "sequester 7: episodes' cgroups", "0"]
+    assert "--user" not in limits.systemd_scope_argv("sequester-7.scope", 7, user=False)
+
+
+def test_without_a_cgroup_of_ours_systemd_is_asked_for_a_delegated_scope(fake_v2, monkeypatch):
+    """A login session's scope (not ours, other processes in it): where systemd runs, a
+    delegated scope is asked for once, and the episode's cgroup made in it."""
+    (fake_v2 / "cgroup.procs").write_text(f"{os.getpid()}\n1234\n")
+    asked = []
+
+    def enter():
+        asked.append(1)
+        (fake_v2 / "cgroup.procs").write_text(f"{os.getpid()}\n")  # we moved into a scope of our own
+        return None
+
+    monkeypatch.setattr(limits, "systemd_runs", lambda: True)
+    monkeypatch.setattr(limits, "enter_systemd_scope", enter)
+    group, why = limits.make_limit_groups("sequester-1-0", memory_mb=64, cpus=1, pids=60)
+    assert asked == [1] and why is None and group.applied == ["memory", "cpus", "pids"]
+    # without systemd: the note says why, and how to give sequester a cgroup of its own
+    monkeypatch.setattr(limits, "_v2_chosen", [])
+    (fake_v2 / "cgroup.procs").write_text(f"{os.getpid()}\n1234\n")
+    (fake_v2 / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(limits, "systemd_runs", lambda: False)
+    group, why = limits.make_limit_groups("sequester-1-1", memory_mb=64, cpus=1, pids=60)
+    assert group is None and "no-internal-processes" in why and "Delegate=yes" in why, why
+
+
+@pytest.mark.skipif(not limits.systemd_runs(), reason="systemd does not run here (this machine kind has no init of it)")
+def test_the_scope_call_is_understood_by_this_hosts_systemd():
+    import subprocess
+    user = ["--user"] if os.geteuid() != 0 else []
+    done = subprocess.run(["busctl", *user, "introspect", "org.freedesktop.systemd1", "/org/freedesktop/systemd1"],
+                          capture_output=True, text=True, timeout=30)
+    assert "StartTransientUnit" in done.stdout

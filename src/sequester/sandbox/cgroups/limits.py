@@ -6,7 +6,10 @@ we may use it, v2 on a tie: :func:`choose_version`).
   cgroup for the episode, a child of a base cgroup we may use (:func:`v2_bases`): our own
   cgroup when it is ours to use (root, or a subtree *delegated* to an ordinary user:
   systemd's ``user@UID.service``, a ``systemd-run --scope -p Delegate=yes`` scope, a
-  container manager's ``Delegate=yes`` unit), else, for root, the hierarchy's root.
+  container manager's ``Delegate=yes`` unit); where it is not and systemd runs, this
+  process first asks systemd (the system's for root, the user's manager for a user) for
+  a delegated transient scope of its own and moves into it (:func:`enter_systemd_scope`,
+  once); else, for root, the hierarchy's root.
   ``memory.max`` (with ``memory.swap.max`` 0), ``cpu.max``, ``pids.max``. The controllers
   are enabled in the base's ``cgroup.subtree_control``; cgroup v2 refuses that while the
   base itself holds processes (the "no internal processes" rule), so when the only
@@ -53,10 +56,13 @@ __all__ = [
     "V2Base",
     "V2Plan",
     "choose_version",
+    "enter_systemd_scope",
     "limit_plan",
     "make_limit_groups",
     "plan_v2",
     "remove_stale_groups",
+    "systemd_runs",
+    "systemd_scope_argv",
     "v2_bases",
 ]
 
@@ -281,6 +287,74 @@ def v2_bases() -> tuple[Hierarchy, list[V2Base]] | None:
     return hierarchy, bases
 
 
+def systemd_scope_argv(unit: str, pid: int, *, user: bool) -> list[str]:
+    """The ``busctl`` call that asks systemd (the system's, or with ``user`` the user's
+    manager) for a transient scope ``unit`` holding ``pid`` with ``Delegate=yes``: what
+    ``systemd-run --scope -p Delegate=yes`` does for the command it starts. Pure."""
+    return [
+        "busctl",
+        *(["--user"] if user else []),
+        "call",
+        "org.freedesktop.systemd1",
+        "/org/freedesktop/systemd1",
+        "org.freedesktop.systemd1.Manager",
+        "StartTransientUnit",
+        "ssa(sv)a(sa(sv))",
+        unit,
+        "fail",
+        "3",
+        "PIDs",
+        "au",
+        "1",
+        str(pid),
+        "Delegate",
+        "b",
+        "true",
+        "Description",
+        "s",
+        f"sequester {pid}: episodes' cgroups",
+        "0",
+    ]
+
+
+def systemd_runs() -> bool:
+    """systemd is this host's init (``sd_booted``)."""
+    return Path("/run/systemd/system").is_dir()
+
+
+_scope_tried: list[str] = []  # what asking systemd for a scope answered, once per process
+
+
+def enter_systemd_scope() -> str | None:
+    """Move this process into a delegated transient scope of systemd's (the system's for
+    root, the user's manager for an ordinary user), once; None if it worked, else why not.
+    Our own cgroup is then one we may make the episodes' under."""
+    if _scope_tried:
+        return _scope_tried[0] or None
+    pid = os.getpid()
+    unit = f"sequester-{pid}.scope"
+    why = ""
+    try:
+        import subprocess
+
+        done = subprocess.run(
+            systemd_scope_argv(unit, pid, user=os.geteuid() != 0), capture_output=True, text=True, timeout=30
+        )
+        if done.returncode != 0:
+            why = f"systemd gave no delegated scope ({done.stderr.strip()[:200] or done.returncode})"
+        else:
+            deadline = time.monotonic() + 5
+            while not (own_cgroup(None) or "").endswith("/" + unit):
+                if time.monotonic() > deadline:
+                    why = f"systemd made {unit}, but this process is not in it"
+                    break
+                time.sleep(0.01)
+    except (OSError, ImportError) as exc:
+        why = f"systemd could not be asked for a delegated scope ({exc})"
+    _scope_tried.append(why)
+    return why or None
+
+
 def _make_v2(name: str, memory_mb: int | None, cpus: float | None, pids: int | None) -> LimitGroups | str:
     found = v2_bases()
     if found is None:
@@ -372,6 +446,22 @@ def _make_v1(name: str, memory_mb: int | None, cpus: float | None, pids: int | N
     return group
 
 
+def _version(
+    v1: frozenset[str],
+    found: tuple[Hierarchy, list[V2Base]] | None,
+    memory_mb: int | None,
+    cpus: float | None,
+    pids: int | None,
+) -> str | None:
+    """v1 or v2 (:func:`choose_version`), with v2's controllers those of the base its plan would use."""
+    v2: frozenset[str] = frozenset()
+    if found is not None:
+        plan = plan_v2(found[1], own_pids={os.getpid()}, leaf_name="-", memory_mb=memory_mb, cpus=cpus, pids=pids)
+        if isinstance(plan, V2Plan):
+            v2 = next(b.controllers for b in found[1] if b.path == plan.base)
+    return choose_version(v1, v2)
+
+
 def make_limit_groups(
     name: str, *, memory_mb: int | None, cpus: float | None, pids: int | None
 ) -> tuple[LimitGroups | None, str | None]:
@@ -379,10 +469,13 @@ def make_limit_groups(
     applied only some of them: see :attr:`LimitGroups.missing`."""
     v1 = _v1_controllers()
     found = v2_bases()
-    v2: frozenset[str] = frozenset()
-    if found is not None:
-        v2 = next((b.controllers for b in found[1] if b.usable), frozenset())
-    version = choose_version(v1, v2)
+    version = _version(v1, found, memory_mb, cpus, pids)
+    if version != "v2" and found is not None and not _v2_chosen and systemd_runs() and len(v1) < len(_CONTROLLERS):
+        # No cgroup of ours to use on v2 (a login session's scope, not delegated): a
+        # delegated scope of systemd's, as `systemd-run --scope -p Delegate=yes` gives.
+        if enter_systemd_scope() is None:
+            found = v2_bases()
+            version = _version(v1, found, memory_mb, cpus, pids)
     try:
         if version == "v2":
             made = _make_v2(name, memory_mb, cpus, pids)
