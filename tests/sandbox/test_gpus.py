@@ -175,3 +175,20 @@ def test_this_host_without_gpus_says_where_it_looked(tmp_path):
     assert count == 0 and "no CDI specification of nvidia.com/gpu" in why and "/dev/nvidia<N>" in why
     with pytest.raises(GpuUnavailable, match="no /dev/nvidia<N>"):
         find_gpus(1, cdi_dirs=[tmp_path / "none"], dev=tmp_path)
+
+
+def test_a_stand_in_dev_tree_without_a_spec(tmp_path):
+    """find_gpus over a /dev stand-in (no CDI folder): its nodes are bound at /dev/NAME."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("null", "nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    assert available_gpus(cdi_dirs=[tmp_path / "cdi"], dev=dev) == (2, "the host's /dev/nvidia* (no CDI specification)")
+    plan = find_gpus(2, cdi_dirs=[tmp_path / "cdi"], dev=dev)
+    assert plan.devices == tuple((dev / n, Path("/dev") / n) for n in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"))
+    with pytest.raises(GpuUnavailable, match="only 2 GPU devices"):
+        find_gpus(3, cdi_dirs=[tmp_path / "cdi"], dev=dev)
+    (dev / "nvidiactl").unlink()  # the driver is not loaded
+    assert available_gpus(cdi_dirs=[tmp_path / "cdi"], dev=dev)[0] == 0
+    with pytest.raises(GpuUnavailable, match="driver is not loaded"):
+        find_gpus(1, cdi_dirs=[tmp_path / "cdi"], dev=dev)

@@ -248,7 +248,12 @@ def parse_ldconfig(text: str) -> list[Path]:
 
 
 def plan_from_host(
-    dev_names: Iterable[str], libraries: Iterable[Path], programs: Iterable[Path], count: int
+    dev_names: Iterable[str],
+    libraries: Iterable[Path],
+    programs: Iterable[Path],
+    count: int,
+    *,
+    dev: Path = Path("/dev"),
 ) -> GpuPlan:
     """Without a CDI spec: the host's device nodes (``dev_names``: the names in ``/dev``),
     the driver's libraries among ``libraries`` (``ldconfig -p``) and ``programs`` that
@@ -265,7 +270,7 @@ def plan_from_host(
     return GpuPlan(
         count,
         "the host's /dev/nvidia* and driver libraries (no CDI specification)",
-        tuple((Path("/dev") / n, Path("/dev") / n) for n in nodes),
+        tuple((dev / n, Path("/dev") / n) for n in nodes),
         tuple((p, p) for p in [*libs, *programs]),
         ldconfig=tuple(dict.fromkeys(str(p.parent) for p in libs)),
     )
@@ -307,7 +312,7 @@ def find_gpus(count: int, *, cdi_dirs: Sequence[Path] | None = None, dev: Path =
             listing = ""
         libraries = parse_ldconfig(listing)
     programs = [Path("/usr/bin") / p for p in DRIVER_PROGRAMS if (Path("/usr/bin") / p).is_file()]
-    return plan_from_host(names, libraries, programs, count)
+    return plan_from_host(names, libraries, programs, count, dev=dev)
 
 
 def available_gpus(*, cdi_dirs: Sequence[Path] | None = None, dev: Path = Path("/dev")) -> tuple[int, str]:
