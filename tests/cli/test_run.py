@@ -56,3 +56,36 @@ def test_ray_address_without_the_ray_backend_is_bad_input(tmp_path: Path, capsys
                  "--ray-address", "127.0.0.1:1"]) == 2
     assert "--ray-address is for --backend ray" in capsys.readouterr().err
     assert not list(tmp_path.iterdir()), "nothing ran"
+
+
+# -- what a task asks for that no backend here can give: an error for its trial, never a 0 ----------
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_a_task_this_host_cannot_run_is_an_error_of_its_trial(tmp_path, backend):
+    """A task with GPUs (this machine has none) and one with Compose services: each trial
+    is an error (UnsupportedByBackend, naming the gpus or the file), the command fails,
+    and no reward is written. (The docker backend refuses Compose before asking any
+    engine; its GPUs are the engine's to give, asked of it when the container starts.)"""
+    import json
+    import shutil
+
+    from tasks import make_task
+
+    gpu = make_task(tmp_path / "tasks", "gpu", toml="[environment]\ngpus = 1\n")
+    compose = make_task(tmp_path / "tasks", "compose")
+    (compose / "environment" / "docker-compose.yml").write_text("services:\n  db:\n    image: postgres\n")
+    tasks = [compose] if backend == "docker" else [gpu, compose]
+    if backend == "docker":
+        shutil.rmtree(gpu)
+    r = sequester("run", *map(str, tasks), "--agent", "oracle", "-o", str(tmp_path / "jobs"), "--job-name", "j",
+                  "--backend", backend)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "UnsupportedByBackend" in r.stdout + r.stderr
+    results = {json.loads(p.read_text())["task_name"]: json.loads(p.read_text())
+               for p in (tmp_path / "jobs" / "j").glob("*/result.json")}
+    assert sorted(results) == sorted(t.name for t in tasks)
+    for name, result in results.items():
+        assert result["verifier_result"] is None and result["exception_info"]["exception_type"] == "UnsupportedByBackend"
+        said = result["exception_info"]["exception_message"]
+        assert ("gpus = 1" in said) if name == "gpu" else ("docker-compose.yml" in said), said

@@ -124,3 +124,29 @@ def test_the_backend_setting_is_checked():
         EpisodeSettings(backend="kubernetes")
     with pytest.raises(PolicyError, match="episodes.docker_build"):
         EpisodeSettings(docker_build="yes")
+
+
+def test_a_task_with_compose_services_is_refused_before_anything_starts(tmp_path):
+    """Its services would never start and the trial would run anyway (a silent 0)."""
+    env = FakeEnvironment()
+    task = make_task(tmp_path, "t")
+    (task / "environment" / "docker-compose.yaml").write_text("services:\n  db:\n    image: postgres\n")
+    result = run_trial(load_task(task), "fake_agents:WritesDone", tmp_path / "t__1", settings=EpisodeSettings(),
+                       hide=[], open_env=lambda settings, hide=(): env)
+    assert result.exception_info is not None and result.exception_info.exception_type == "UnsupportedByBackend"
+    assert str(task / "environment" / "docker-compose.yaml") in result.exception_info.exception_message
+    assert "start" not in env.calls and result.verifier_result is None
+
+
+def test_a_task_that_asks_for_more_gpus_than_the_backend_has_is_refused(tmp_path):
+    caps = dataclasses.replace(FAKE_CAPABILITIES, gpus=1, gpu_source="two words")
+    env = FakeEnvironment(capabilities=caps)
+    _, record = _trial(tmp_path, env, toml="[environment]\ngpus = 2\n")
+    said = record["exception_info"]["exception_message"]
+    assert record["exception_info"]["exception_type"] == "UnsupportedByBackend" and "start" not in env.calls
+    assert "gpus = 2" in said and "has 1 on this host: two words" in said
+    # control: what it has is enough for a task that asks for one; a backend whose engine decides (None) is asked
+    for given, toml in ((caps, "[environment]\ngpus = 1\n"), (dataclasses.replace(caps, gpus=None), "gpus = 8\n")):
+        env = FakeEnvironment(capabilities=given)
+        _, record = _trial(tmp_path / toml[-2], env, toml=toml if toml.startswith("[") else f"[environment]\n{toml}")
+        assert record["exception_info"] is None, record["exception_info"]

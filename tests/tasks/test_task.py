@@ -100,3 +100,11 @@ def test_loading_leaves_the_task_directory_byte_identical(tmp_path):
     resolve_copies(task.dockerfile, task.environment_dir)
     assert (task.test_script, task.has_solution, task.test_files) != (None, False, ())
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml"])
+def test_a_compose_file_is_found_by_the_names_compose_reads(tmp_path, name):
+    task = load_task(hello_task(tmp_path))
+    assert task.compose_file is None
+    (task.environment_dir / name).write_text("services: {}\n")
+    assert task.compose_file == task.environment_dir / name

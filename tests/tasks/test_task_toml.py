@@ -134,3 +134,14 @@ def test_invalid_toml_names_the_file_and_the_parser_message():
     with pytest.raises(TaskError, match=r"^/x/hello/task.toml: not valid TOML: .*line 2") as err:
         parse_task_config("[verifier]\ntimeout_sec = = 3\n", "/x/hello/task.toml")
     assert isinstance(err.value, SequesterError) and isinstance(err.value, ValueError)
+
+
+def test_gpus_and_their_types_are_read_and_checked():
+    env = parse_task_config('[environment]\ngpus = 2\ngpu_types = ["H100", "A100"]\n', "t").environment
+    assert (env.gpus, env.gpu_types) == (2, ("H100", "A100"))
+    assert parse_task_config("", "t").environment.gpus == 0
+    for bad in ("gpus = -1", "gpus = 1.5", "gpus = true", 'gpus = "1"'):
+        with pytest.raises(TaskError, match="gpus"):
+            parse_task_config(f"[environment]\n{bad}\n", "t")
+    with pytest.raises(TaskError, match="gpu_types"):
+        parse_task_config('[environment]\ngpu_types = "H100"\n', "t")

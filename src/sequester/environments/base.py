@@ -9,7 +9,8 @@ Compared with Harbor's ``BaseEnvironment`` (start/stop, exec, upload/download fi
 dir, plus build and compose plumbing), this keeps the calls an agent and a verifier need
 and adds what Harbor leaves implicit: :class:`Capabilities`, which a backend declares and
 the runner checks *before* anything starts (:func:`missing_capabilities`), so a trial
-that asks for a separate verifier environment or a frozen agent never silently gets less.
+that asks for a separate verifier environment, a frozen agent, GPUs or Docker Compose
+services never silently gets less.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class Capabilities:
     trusted_runner: bool  # the tests' interpreter comes from outside what the agent could write
     network_policies: frozenset[str] = frozenset({"none", "public"})
     default_verifier_env: str = "shared"  # when neither the call, the settings nor the task say
+    compose: bool = False  # starts a task's Docker Compose services (environment/docker-compose.yaml)
+    gpus: int | None = 0  # NVIDIA GPUs it can give a trial here; None: its engine says when the container starts
+    gpu_source: str = ""  # where those GPUs come from, or why there are none
 
 
 class UnsupportedByBackend(SequesterError):
@@ -180,4 +184,16 @@ def missing_capabilities(caps: Capabilities, task: Task, settings: EpisodeSettin
         missing.append(f"the {caps.backend} backend cannot run the verifier in the agent's environment")
     if wants_freeze(task, settings) and not caps.freeze:
         missing.append(f"the {caps.backend} backend cannot freeze the agent while it is scored (freeze_agent)")
+    compose = task.compose_file
+    if compose is not None and not caps.compose:
+        missing.append(
+            f"{task.name}: {compose} asks for Docker Compose services beside the task's container, "
+            f"which the {caps.backend} backend does not start"
+        )
+    gpus = task.config.environment.gpus
+    if gpus and caps.gpus is not None and caps.gpus < gpus:
+        missing.append(
+            f"{task.name} asks for {gpus} GPU{'s' * (gpus != 1)} ([environment] gpus = {gpus}); the "
+            f"{caps.backend} backend has {caps.gpus or 'none'} on this host: {caps.gpu_source}"
+        )
     return missing

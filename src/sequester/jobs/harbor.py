@@ -78,6 +78,10 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     "EpisodeError": _NO_RETRY,  # the agent used its episode out of order (e.g. ran the verifier)
     # the backend (or the cluster) lacks what the trial asks for: the operator's set-up
     "UnsupportedByBackend": _NO_RETRY,
+    # what this host lacks for a task (its GPUs, a project quota): the first is turned into
+    # UnsupportedByBackend, the second into a note, before a trial sees either
+    "GpuUnavailable": _NO_RETRY,
+    "QuotaUnavailable": _NO_RETRY,
     # a file call of the agent's on its container (a missing path, one too large): its own doing
     "ContainerFileError": _NO_RETRY,
     "TooLarge": _NO_RETRY,

@@ -6,7 +6,9 @@ Each trial is handed its task's :class:`~sequester.images.choose.Choice` and sta
 episode on it: nothing is looked up, fetched or built again per trial. A task whose
 image cannot be had gets the error instead, and each of its trials ends with it as an
 environment error; with ``--image-source prebuilt``, an image that cannot be had stops
-the job before any trial runs.
+the job before any trial runs. A task the local backend refuses whatever its system (GPUs
+this host lacks, Docker Compose services) gets nothing fetched or built: its trials end
+with the refusal before anything starts.
 
 Only for episodes of this machine's local backend: a Docker engine pulls and builds its
 own images, and a cluster's nodes choose theirs.
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from sequester.environments.base import missing_capabilities
+from sequester.environments.local.episode import local_capabilities
 from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.errors import BuildError, ImageError
 from sequester.imagebuild import StepReport, ensure_built
@@ -43,9 +47,12 @@ def choose_job_images(
     store = episode_image_store(settings)
     source = settings.images.source
     plans: dict[Path, ImagePlan] = {}
+    caps = local_capabilities()
     for task in tasks:
         if task.path in plans:
             continue
+        if missing_capabilities(caps, task, settings):
+            continue  # refused by its trial before anything starts (GPUs, Compose): nothing to fetch or build
 
         def build(t: Task) -> object:
             step = (lambda report, done: on_step(t.name, report, done)) if on_step else None

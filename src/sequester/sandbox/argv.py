@@ -155,6 +155,8 @@ def _mount_args(op: MountOp, fds: LaunchFds) -> list[str]:
             return ["--dev", str(op.dest)]
         case MountKind.DIR:
             return [*mode, "--dir", str(op.dest)]
+        case MountKind.DEV_BIND:
+            return ["--dev-bind", str(op.source), str(op.dest)]
         case MountKind.DATA:
             if op.dest not in fds.data:
                 raise ValueError(f"no file descriptor for the data of {op.dest}")

@@ -86,6 +86,7 @@ class MountKind(enum.Enum):
     TMPFS = "tmpfs"  # writable tmpfs (size-capped when size is set)
     DIR = "dir"  # a directory created inside the sandbox
     DATA = "data"  # a read-only file whose content comes from the host (fd)
+    DEV_BIND = "dev-bind"  # a host device node, usable (a GPU's: see sandbox.gpus)
 
 
 @dataclass(frozen=True)

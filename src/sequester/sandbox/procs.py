@@ -48,6 +48,7 @@ __all__ = [
     "kill_tree",
     "kill_init",
     "signal_group_in",
+    "signal_in",
     "descendants",
 ]
 
@@ -301,6 +302,21 @@ def open_pidfd(pid: int, namespace: str) -> int | None:
     return fd
 
 
+def signal_in(pid: int, namespace: str | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` through a pidfd, only if it is in the PID namespace
+    ``namespace`` (see :func:`open_pidfd`); whether it was sent."""
+    fd = open_pidfd(pid, namespace) if namespace is not None else None
+    if fd is None:
+        return False
+    try:
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _signal(fd: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, OSError):
         signal.pidfd_send_signal(fd, sig)
@@ -356,16 +372,19 @@ def kill_init(pid: int, namespace: str) -> bool:
     return True
 
 
-def signal_group_in(pid_ns: str | None, group: int, sig: int, *, session: bool = False) -> int:
+def signal_group_in(
+    pid_ns: str | None, group: int, sig: int, *, session: bool = False, spare: int | None = None
+) -> int:
     """Send ``sig`` to the processes of process group ``group`` (``session``: of the
-    session ``group``) that are in the PID namespace ``pid_ns``, each through a pidfd.
-    Returns how many were signalled; none when the namespace is unknown."""
+    session ``group``) that are in the PID namespace ``pid_ns``, each through a pidfd;
+    ``spare``: but not to that (host) pid. Returns how many were signalled; none when
+    the namespace is unknown."""
     if pid_ns is None:
         return 0
     index = 3 if session else 2  # /proc/PID/stat after the command: state ppid pgrp session
     candidates = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or entry == str(spare):
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:

@@ -6,6 +6,9 @@
       instruction.md          required: what the agent is asked to do
       task.toml               required: see :mod:`.task_toml`
       environment/Dockerfile  optional; environment/ is its build context
+      environment/docker-compose.yaml  services beside the main container: no backend of
+                              sequester starts them, so such a task is refused before it
+                              starts (:attr:`Task.compose_file`, ``missing_capabilities``)
       tests/                  required: test.sh and/or test_*.py
       solution/solve.sh       optional: a reference solution
 
@@ -25,7 +28,10 @@ from sequester.errors import TaskError
 from sequester.tasks.dockerfile import DockerfilePlan, parse_dockerfile
 from sequester.tasks.task_toml import TaskConfig, parse_task_config
 
-__all__ = ["Task", "load_task"]
+__all__ = ["COMPOSE_FILES", "Task", "load_task"]
+
+# The names Docker Compose looks for, in its order.
+COMPOSE_FILES = ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,16 @@ class Task:
     def environment_dir(self) -> Path:
         """The Dockerfile's build context (it may not exist)."""
         return self.path / "environment"
+
+    @property
+    def compose_file(self) -> Path | None:
+        """The task's ``environment/docker-compose.yaml`` (or ``.yml``, ``compose.yaml``,
+        ``compose.yml``, the names Docker Compose reads), if it has one."""
+        for name in COMPOSE_FILES:
+            path = self.environment_dir / name
+            if path.is_file() or path.is_symlink():
+                return path
+        return None
 
     @property
     def test_script(self) -> Path | None:

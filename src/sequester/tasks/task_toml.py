@@ -21,6 +21,7 @@ Layout::
     [environment]
     docker_image = "ubuntu:24.04"
     cpus = 1
+    gpus = 0                        # NVIDIA GPUs the task needs; gpu_types = ["H100"]: acceptable models
     memory = "2G"                   # or memory_mb = 2048
     storage = "10G"                 # or storage_mb = 10240
     workdir = "/app"
@@ -150,6 +151,9 @@ class EnvironmentConfig:
 
     docker_image: str | None = None
     cpus: float = 1
+    # NVIDIA GPUs (Harbor's ``gpus``); ``gpu_types``: the acceptable models, None for any.
+    gpus: int = 0
+    gpu_types: tuple[str, ...] | None = None
     memory_mb: int | None = None
     storage_mb: int | None = None
     workdir: str | None = None
@@ -167,6 +171,14 @@ class EnvironmentConfig:
         if self.docker_image is not None and (not isinstance(self.docker_image, str) or not self.docker_image.strip()):
             raise TaskError(f"[environment] docker_image: {self.docker_image!r} is not an image name")
         object.__setattr__(self, "cpus", _positive(self.cpus, "[environment] cpus"))
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
+            raise TaskError(f"[environment] gpus: {self.gpus!r} is not a whole number of GPUs (0 or more)")
+        if self.gpu_types is not None:
+            if not isinstance(self.gpu_types, (list, tuple)) or not all(
+                isinstance(t, str) and t.strip() for t in self.gpu_types
+            ):
+                raise TaskError(f"[environment] gpu_types: {self.gpu_types!r} is not a list of GPU model names")
+            object.__setattr__(self, "gpu_types", tuple(self.gpu_types))
         for name in ("memory_mb", "storage_mb"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), f"[environment] {name}")
@@ -262,6 +274,8 @@ def config_from_mapping(data: Mapping[str, Any]) -> TaskConfig:
     environment = EnvironmentConfig(
         docker_image=env.get("docker_image"),
         cpus=env.get("cpus", 1),
+        gpus=env.get("gpus", 0),
+        gpu_types=env.get("gpu_types"),
         memory_mb=_size(env, "memory", "memory_mb"),
         storage_mb=_size(env, "storage", "storage_mb"),
         workdir=env.get("workdir"),

@@ -324,3 +324,85 @@ def test_agent_seccomp_refuses_kernel_attack_surface(episode, tmp_path):
     episode.write_file("/tmp/probe.py", SYSCALL_PROBE)
     seen = json.loads(episode.exec("python3 /tmp/probe.py").stdout)
     assert seen == {"keyctl": "EPERM", "bpf": "EPERM", "io_uring": "EPERM", "unshare": "EPERM", "mount": "EPERM"}
+
+
+# -- nothing of the task silently ignored: GPUs, Compose services -------------------------------
+
+
+def test_a_task_that_asks_for_gpus_is_refused_on_a_host_without_them(tmp_path, episode):
+    """This machine has no GPU: the task's gpus is refused before anything starts (no
+    image chosen, no view), naming the task's gpus and where the host was looked at."""
+    from sequester.environments.base import UnsupportedByBackend
+    from sequester.sandbox.gpus import available_gpus
+
+    assert available_gpus()[0] == 0, "this test needs a host without GPUs"
+    state = list(EpisodeSettings().state_dir.glob("*")) if EpisodeSettings().state_dir.is_dir() else []
+    with pytest.raises(UnsupportedByBackend, match=r"gpus = 1\).*no CDI specification") as caught:
+        episode.reset(make_task(tmp_path, toml="[environment]\ngpus = 1\n"))
+    assert "/dev/nvidia" in str(caught.value)
+    with pytest.raises(EpisodeError, match="not running"):
+        episode.notes  # nothing started
+    after = list(EpisodeSettings().state_dir.glob("*")) if EpisodeSettings().state_dir.is_dir() else []
+    assert sorted(after) == sorted(state)
+    episode.reset(make_task(tmp_path / "control"))  # control: the same task without gpus starts
+
+
+def test_a_gpu_spec_that_cannot_be_applied_is_refused_at_start(tmp_path, episode, monkeypatch):
+    """The count comes from the spec's device names; its edits are checked when the view is
+    planned: a spec that names a path it cannot bind refuses the task, before anything starts."""
+    from sequester.environments.base import UnsupportedByBackend
+    from sequester.sandbox import gpus
+
+    (tmp_path / "cdi").mkdir()
+    (tmp_path / "cdi" / "nvidia.yaml").write_text(
+        'cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: "0"\n  containerEdits:\n    deviceNodes:\n'
+        "    - path: dev/nvidia0\n")
+    monkeypatch.setattr(gpus, "CDI_DIRS", (tmp_path / "cdi",))
+    with pytest.raises(UnsupportedByBackend, match=r"gpus = 1\).*not an absolute path"):
+        episode.reset(make_task(tmp_path, toml="[environment]\ngpus = 1\n"))
+
+
+def test_gpus_from_a_cdi_spec_are_bound_into_the_view(tmp_path, episode, monkeypatch):
+    """The whole path with a stand-in spec (no GPU here): its device node (``/dev/null``
+    as ``/dev/nvidia0``), a library read-only at its containerPath, its environment, the
+    create-symlinks and update-ldcache hooks."""
+    import shutil
+
+    from sequester.sandbox import gpus
+
+    lib = next(p for p in (Path("/usr/lib/x86_64-linux-gnu"), Path("/lib/x86_64-linux-gnu"))
+               if (p / "libz.so.1").exists()) / "libz.so.1"
+    shutil.copy(lib.resolve(), tmp_path / "libfake.so.1.0")
+    (tmp_path / "cdi").mkdir()
+    (tmp_path / "cdi" / "nvidia.json").write_text(json.dumps({
+        "cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+        "devices": [{"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0", "hostPath": "/dev/null"}]}}],
+        "containerEdits": {
+            "env": ["FAKE_GPU=yes"],
+            "mounts": [{"hostPath": str(tmp_path / "libfake.so.1.0"), "containerPath": "/usr/lib/seq-gpu/libfake.so.1.0",
+                        "options": ["ro", "nosuid", "nodev", "bind"]}],
+            "hooks": [{"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+                       "args": ["nvidia-cdi-hook", "create-symlinks", "--link", "libfake.so.1.0::/usr/lib/seq-gpu/libfake.so"]},
+                      {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+                       "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/lib/seq-gpu"]}]}}))
+    monkeypatch.setattr(gpus, "CDI_DIRS", (tmp_path / "cdi",))
+    episode.reset(make_task(tmp_path, toml="[environment]\ngpus = 1\n"))
+    assert any("1 GPU from the CDI specification" in n for n in episode.notes), episode.notes
+    r = episode.exec("test -c /dev/nvidia0 && echo char; echo $FAKE_GPU; readlink /usr/lib/seq-gpu/libfake.so; "
+                     "sha256sum < /usr/lib/seq-gpu/libfake.so.1.0; ldconfig -p | grep -c /usr/lib/seq-gpu/; "
+                     "echo x >> /usr/lib/seq-gpu/libfake.so.1.0 || echo read-only")
+    digest = hashlib.sha256((tmp_path / "libfake.so.1.0").read_bytes()).hexdigest()
+    assert r.stdout.split() == ["char", "yes", "libfake.so.1.0", digest, "-", "1", "read-only"], r
+    # The view's own mount points and links are not reported as the agent's; what the
+    # update-ldcache hook's ldconfig wrote in the agent's layer is (information only).
+    seen = [t for t in episode.tampering() if "seq-gpu" in t]
+    assert seen == ["added /usr/lib/seq-gpu/libz.so.1 (symlink): a native library or Python's standard library"], seen
+
+
+def test_a_task_with_compose_services_is_refused_naming_the_file(tmp_path, episode):
+    from sequester.environments.base import UnsupportedByBackend
+
+    task = make_task(tmp_path)
+    (task / "environment" / "compose.yaml").write_text("services:\n  redis:\n    image: redis\n")
+    with pytest.raises(UnsupportedByBackend, match=f"{task}/environment/compose.yaml asks for Docker Compose"):
+        episode.reset(task)

@@ -243,3 +243,35 @@ def test_user_episode_on_an_image(user_site, tmp_path):
     assert out["system"] == "image"
     assert out["agent"] == ["0", "installed"], out  # root in its view of the image; it can install there
     assert out["oracle"] == 1.0 and out["nop"] == 0.0
+
+
+def test_gpus_from_a_cdi_spec_are_bound_into_an_image_view(tmp_path, busybox_store, monkeypatch):
+    """On an image (one overlay at /), a stand-in CDI spec's device node (/dev/null as
+    /dev/nvidia0), a library bound read-only, its variable and its symlink; the image has
+    no ldconfig, so the update-ldcache hook's failure is a note, not silence."""
+    from sequester.sandbox import gpus
+
+    settings, ref = busybox_store
+    (tmp_path / "libfake.so.1.0").write_bytes(b"\x7fELF fake driver")
+    (tmp_path / "cdi").mkdir()
+    (tmp_path / "cdi" / "nvidia.json").write_text(json.dumps({
+        "cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+        "devices": [{"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0", "hostPath": "/dev/null"}]}}],
+        "containerEdits": {
+            "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+            "mounts": [{"hostPath": str(tmp_path / "libfake.so.1.0"), "containerPath": "/usr/lib/seq-gpu/libfake.so.1.0"}],
+            "hooks": [{"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+                       "args": ["nvidia-cdi-hook", "create-symlinks", "--link", "libfake.so.1.0::/usr/lib/seq-gpu/libfake.so"]},
+                      {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+                       "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/lib/seq-gpu"]}]}}))
+    monkeypatch.setattr(gpus, "CDI_DIRS", (tmp_path / "cdi",))
+    task = _task(tmp_path / "task", ref, "echo 1 > /logs/verifier/reward.txt\n", environment="gpus = 1\n")
+    with Episode(EpisodeSettings(images=settings)) as ep:
+        ep.reset(task)
+        assert ep.system["mode"] == "image"
+        r = ep.exec("test -c /dev/nvidia0 && echo char; echo $NVIDIA_VISIBLE_DEVICES; readlink /usr/lib/seq-gpu/libfake.so;"
+                    " cat /usr/lib/seq-gpu/libfake.so.1.0; echo; echo x >> /usr/lib/seq-gpu/libfake.so.1.0 || echo ro")
+        assert r.stdout.split("\n")[:4] == ["char", "void", "libfake.so.1.0", "\x7fELF fake driver"], r
+        assert r.stdout.split()[-1] == "ro", r
+        assert any("1 GPU from the CDI specification" in n for n in ep.notes), ep.notes
+        assert any("ldconfig of the GPU driver's folders failed" in n for n in ep.notes), ep.notes

@@ -1,5 +1,5 @@
 """The containers of an episode: which image, and a container made from it with the
-task's limits, network and working directory, kept alive by nothing but ``/bin/sh``.
+task's limits, network, GPUs and working directory, kept alive by nothing but ``/bin/sh``.
 
 Nothing of the task's ``tests/`` or ``solution/`` is ever put in the agent's container:
 an image is built from ``environment/`` only (the Dockerfile's build context, which holds
@@ -29,6 +29,7 @@ __all__ = [
     "create_container",
     "container_workdir",
     "remove_container",
+    "check_gpus",
 ]
 
 # The container's init: only /bin/sh needed (no `sleep infinity`, no tini); TERM ends it
@@ -134,7 +135,16 @@ def create_container(
         options["memswap_limit"] = env.memory_mb << 20  # no swap beyond the limit: the limit is the limit
     if network is not None:
         options["network_mode"] = network
-    container = _engine(f"create a container of {image_id}", client.containers.create, image_id, **options)
+    if env.gpus:  # as `docker run --gpus N` (the engine's NVIDIA runtime or CDI); checked by the caller
+        import docker.types
+
+        options["device_requests"] = [docker.types.DeviceRequest(count=env.gpus, capabilities=[["gpu"]])]
+    try:
+        container = _engine(f"create a container of {image_id}", client.containers.create, image_id, **options)
+    except EngineError as exc:
+        if env.gpus:  # an engine without GPUs refuses the request: the task's, not the engine's failure
+            raise UnsupportedByBackend(f"{task.name} asks for {_gpus(env.gpus)}; {exc}") from exc
+        raise
     try:
         _engine(f"start container {name}", container.start)
         container.reload()
@@ -148,6 +158,23 @@ def create_container(
         remove_container(container)
         raise EngineError(f"container {name} of {image_id} exited at once (does the image have /bin/sh?)")
     return container
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU{'s' * (count != 1)} ([environment] gpus = {count})"
+
+
+def check_gpus(container: Any, task: Task, found: int | None) -> None:
+    """The container got the task's GPUs: ``found`` ``/dev/nvidia<N>`` devices in it (None:
+    they could not be counted). An engine may take a device request and give nothing
+    (podman without CDI devices does): :class:`UnsupportedByBackend`, the container removed."""
+    wanted = task.config.environment.gpus
+    if wanted and (found is None or found < wanted):
+        remove_container(container)
+        raise UnsupportedByBackend(
+            f"{task.name} asks for {_gpus(wanted)}; the engine's container has "
+            f"{'no countable' if found is None else found or 'no'} /dev/nvidia<N> device{'s' * (found != 1)}"
+        )
 
 
 _REMOVE_TRIES = (0.0, 0.5, 2.0, 5.0)  # seconds before each try

@@ -29,12 +29,14 @@ from sequester.environments.base import (
     Capabilities,
     ExecResult,
     UnsupportedByBackend,
+    missing_capabilities,
     wanted_verifier_env,
     wants_freeze,
 )
 from sequester.environments.docker import files
 from sequester.environments.docker.container import (
     ImageChoice,
+    check_gpus,
     container_workdir,
     create_container,
     network_for,
@@ -63,6 +65,7 @@ CAPABILITIES = Capabilities(
     # Nothing the agent touched runs the verdict, unless the task or the
     # settings ask for the agent's own container (live services).
     default_verifier_env="separate",
+    gpus=None,  # requested of the engine (`--gpus N`), and counted in the container once it runs
 )
 _READ_LIMIT = 64 << 20
 
@@ -164,6 +167,9 @@ class DockerEnvironment:
             raise EpisodeError("the episode is closed")
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
+        missing = missing_capabilities(CAPABILITIES, task, self.settings)
+        if missing:  # (Compose services): before anything is made
+            raise UnsupportedByBackend("; ".join(missing))
         network = network_for(task)  # before anything is made: an unsupported network refuses the task
         if self._client is None:
             self._client = connect(self._base_url)
@@ -173,12 +179,19 @@ class DockerEnvironment:
         container = create_container(
             self._client, choice.id, task, self.settings, role="agent", workdir=workdir, network=network
         )
+        if task.config.environment.gpus:
+            check_gpus(container, task, self._count_gpus(container))
         ops = ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=False)
         limit = task.config.agent.timeout_sec
         run = _Run(task, choice, container, ops, workdir, time.monotonic() + limit if limit else None)
         run.notes.append("each exec runs in a fresh sh in the working directory (cd and exports do not persist)")
         if task.config.environment.storage_mb is not None:
             run.notes.append("[environment] storage_mb is not enforced by the docker backend")
+        if task.config.environment.gpus and task.config.environment.gpu_types:
+            run.notes.append(
+                f"[environment] gpu_types = {list(task.config.environment.gpu_types)} not checked: "
+                "the engine chose the GPUs"
+            )
         if ops.namespace is None:
             run.notes.append(
                 "the engine's processes are not visible from this host: a timed-out command is "
@@ -232,6 +245,20 @@ class DockerEnvironment:
             raw.duration,
             "; ".join(raw.notes),
         )
+
+    def _count_gpus(self, container: Any) -> int | None:
+        """How many ``/dev/nvidia<N>`` the container has (None: it could not be asked)."""
+        try:
+            raw = run_exec(
+                self._client,
+                container.id,
+                ["/bin/sh", "-c", 'for d in /dev/nvidia[0-9]*; do [ -e "$d" ] && echo "$d"; done'],
+                timeout=30,
+                output_bytes=65536,
+            )
+        except EngineError:
+            return None
+        return len(raw.stdout.split()) if raw.exit_code is not None else None
 
     def _engine_answers(self) -> bool:
         try:

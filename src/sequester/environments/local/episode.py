@@ -23,6 +23,7 @@ import enum
 import io
 import logging
 import os
+import shlex
 import tarfile
 import threading
 import time
@@ -30,7 +31,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sequester.environments import verdict
-from sequester.environments.base import Capabilities, ExecResult, wanted_verifier_env, wants_freeze
+from sequester.environments.base import (
+    Capabilities,
+    ExecResult,
+    UnsupportedByBackend,
+    missing_capabilities,
+    wanted_verifier_env,
+    wants_freeze,
+)
 from sequester.environments.local.evaluation import run_tests
 from sequester.environments.local.layers import report_episode
 from sequester.environments.local.separate import evaluate_separately
@@ -48,17 +56,19 @@ from sequester.images.choose import Choice, choose_image
 from sequester.images.stack import image_path_kind
 from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
+from sequester.sandbox.gpus import available_gpus
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
 from sequester.tasks import Task, load_task
 
-__all__ = ["Episode", "EpisodeError", "ExecResult"]
+__all__ = ["Episode", "EpisodeError", "ExecResult", "local_capabilities"]
 
 log = logging.getLogger("sequester.environments.local")
 
 _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
+_ENDED = "exited (or did not end a timed-out command) and was restarted (its state was reset)"
 
 
 class _State(enum.Enum):
@@ -72,6 +82,12 @@ class _State(enum.Enum):
 LOCAL_CAPABILITIES = Capabilities(
     backend="local", separate_verifier=True, shared_verifier=True, freeze=True, trusted_runner=True
 )
+
+
+def local_capabilities() -> Capabilities:
+    """:data:`LOCAL_CAPABILITIES` with the GPUs this host has (:mod:`sequester.sandbox.gpus`)."""
+    count, source = available_gpus()
+    return dataclasses.replace(LOCAL_CAPABILITIES, gpus=count, gpu_source=source)
 
 
 class Episode:
@@ -119,8 +135,8 @@ class Episode:
 
     @property
     def capabilities(self) -> Capabilities:
-        """What the local backend can do (see :mod:`sequester.environments.base`)."""
-        return LOCAL_CAPABILITIES
+        """What the local backend can do here (see :mod:`sequester.environments.base`)."""
+        return local_capabilities()
 
     def start(self, task: Task | str | os.PathLike[str], *, image: Choice | None = None) -> Episode:
         """:meth:`reset` on ``task``, as :class:`~sequester.environments.base.Environment`
@@ -164,6 +180,11 @@ class Episode:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
+        # What the task needs of this backend and host (GPUs, Compose services), before
+        # anything is chosen, fetched, built or started.
+        missing = missing_capabilities(self.capabilities, task, self.settings)
+        if missing:
+            raise UnsupportedByBackend("; ".join(missing))
         if choice is not None:
             pass
         elif image is _CHOOSE:
@@ -194,7 +215,19 @@ class Episode:
             except BaseException:  # an episode whose /proc and /dev were not made safe is not used
                 self._stop()
                 raise
+            if run.gpus is not None and run.gpus.ldconfig:
+                self._update_ldcache(run.gpus.ldconfig)
         return self
+
+    def _update_ldcache(self, folders: tuple[str, ...]) -> None:
+        """The GPU driver's libraries in the loader's cache, as the CDI hook
+        ``update-ldcache`` does in a container: ``ldconfig`` of their folders, in the view,
+        before the agent's first command (its output is the trial's note if it fails)."""
+        run = self._running()
+        assert run.shell is not None
+        r = run.shell.run("ldconfig " + " ".join(shlex.quote(f) for f in folders), 60, 4096)
+        if r.exit_code != 0:
+            run.notes.append(f"ldconfig of the GPU driver's folders failed ({r.exit_code}): {r.output.strip()[:300]}")
 
     def _make_dir(self, path: str) -> None:
         """``path`` as a folder in the agent's view (an image without its working directory)."""
@@ -271,8 +304,9 @@ class Episode:
         """Run ``command`` in the agent's persistent shell (cwd and exports persist).
 
         ``timeout`` defaults to the settings' ``exec_timeout``; the task's ``[agent]
-        timeout_sec`` bounds the whole episode. A command that runs over is interrupted
-        (^C), then killed; background processes keep running.
+        timeout_sec`` bounds the whole episode. A command that runs over ends whole (see
+        :mod:`.shell`): its foreground job is interrupted (^C), then killed, and the rest
+        of its command line does not run; background jobs and the shell's state stay.
         """
         run = self._running()
         limit = self.settings.exec_timeout if timeout is None else timeout
@@ -297,12 +331,13 @@ class Episode:
                     0.0,
                     f"the agent's shell could not be restarted, so the command did not run: {exc}",
                 )
-            run.notes.append("the agent's shell exited and was restarted (cwd and variables were reset)")
+            run.notes.append(f"the agent's shell {_ENDED}")
         assert run.shell is not None
         result = run.shell.run(command, limit, self.settings.output_bytes)
         if not run.shell.alive:
             try:
                 self._start_shell()
+                run.notes.append(f"the agent's shell {_ENDED}")
             except SandboxError as exc:  # tried again at the next exec
                 log.info("the agent's shell could not be restarted: %s", exc)
         return result
@@ -469,6 +504,7 @@ class Episode:
             run.freezer.remove,
             (run.limit_groups.remove if run.limit_groups else None),
             run.dirs.remove,
+            (run.storage_quota.remove if run.storage_quota else None),
             (run.lease.release if run.lease else None),
         ):
             if step is None:

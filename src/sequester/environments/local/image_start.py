@@ -29,6 +29,7 @@ from sequester.images.stack import OPAQUE_XATTR, image_path_kind, merge_tops, re
 from sequester.images.synth import DEFAULT_PATH
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.cgroups.limits import LimitGroups
+from sequester.sandbox.gpus import GpuPlan
 from sequester.sandbox.mounts import MountKind
 from sequester.tasks import Task
 from sequester.verifier.layout import RUNNER_MOUNT
@@ -75,6 +76,8 @@ def start_on_image(
     settings: EpisodeSettings,
     lease: ImageLease,
     limits: LimitGroups | None = None,
+    *,
+    gpus: GpuPlan | None = None,
 ) -> RunningEpisode:
     record = lease.record
     runner = runner_tree(settings.toolchain_dir)
@@ -111,11 +114,13 @@ def start_on_image(
     env = {"PATH": DEFAULT_PATH.split("=", 1)[1], "HOME": home or "/root", "TERM": "xterm", **image_env, "PWD": workdir}
     if "HOSTNAME" not in image_env:
         env["HOSTNAME"] = task.name[:63] or "sequester"
+    env.update(gpus.env if gpus else ())
+    gpu_ops = gpus.mount_ops() if gpus else ()
     runner_bin = f"{RUNNER_MOUNT}/bin"
     caps = CONTAINER_CAPS if uid == 0 else ()
     ids, why = episode_id_map(settings)
     spec = SandboxSpec(
-        mounts=mounts,
+        mounts=(*mounts, *gpu_ops),
         command=(f"{runner_bin}/bash", "--noprofile", "--norc", "-c", INIT_SCRIPT),
         env={"PATH": runner_bin},
         cwd=Path("/"),
@@ -147,7 +152,7 @@ def start_on_image(
         time.monotonic() + timeout if timeout else None,
         notes=notes,
         runner=runner,
-        view_points=view_points(op.dest for op in mounts),
+        view_points=view_points(op.dest for op in (*mounts, *gpu_ops)),
         image=record,
         lease=lease,
         shell_argv=image_shell(runner_bin),

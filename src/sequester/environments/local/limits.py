@@ -9,11 +9,14 @@ episode's process limit, applied where this machine allows; the rest said in the
   host root): for them the ``pids`` cgroup below is what holds (measured: without it, one
   agent's fork bomb took all 32768 pids of the host);
 * memory, CPUs and processes: cgroups of the episode's own where this process may make
-  them (:mod:`sequester.sandbox.cgroups.limits`: root on a cgroup v1 or hybrid hierarchy). Elsewhere the
-  note says so: an address-space rlimit is not a memory limit (runtimes that reserve
-  address space, Node's and the JVM's, fail under one).
-* storage: the writable layer is a folder on the host's disk; local mode cannot cap it
-  and says so.
+  them (:mod:`sequester.sandbox.cgroups.limits`: one cgroup v2 in a delegated subtree,
+  shared with the freezer, or root's cgroup v1 hierarchies). Elsewhere the note says
+  so: an address-space rlimit is not a memory limit (runtimes that reserve address
+  space, Node's and the JVM's, fail under one).
+* storage: the episode's writable layers are one folder on the host's disk, capped by a
+  project quota of its own where root may set one and the filesystem enforces them (XFS
+  or ext4 mounted with ``prjquota``: :mod:`sequester.sandbox.quota`); never a RAM-backed
+  layer. Elsewhere the note says why not.
 
 Nothing is silently dropped: each limit the task asks for and this machine cannot apply
 is one line in the trial's notes.
@@ -25,15 +28,17 @@ import itertools
 import logging
 import os
 import resource
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sequester.sandbox.cgroups.limits import LimitGroups, make_limit_groups
+from sequester.sandbox.quota import ProjectQuota, QuotaUnavailable, cap_folder
 from sequester.tasks import Task
 
 if TYPE_CHECKING:
     from sequester.environments.local.start import RunningEpisode
 
-__all__ = ["make_episode_limits", "finish_limits"]
+__all__ = ["make_episode_limits", "make_storage_cap", "finish_limits"]
 
 _serial = itertools.count()
 
@@ -50,8 +55,26 @@ def make_episode_limits(task: Task, *, max_processes: int) -> tuple[LimitGroups 
     )
 
 
+def make_storage_cap(task: Task, folder: Path) -> tuple[ProjectQuota | None, str | None]:
+    """The task's ``storage_mb`` on ``folder`` (the episode's writable layers, just made):
+    ``(quota, None)``, ``(None, why not)``, or ``(None, None)`` when the task sets none."""
+    storage_mb = task.config.environment.storage_mb
+    if not storage_mb:
+        return None, None
+    try:
+        return cap_folder(folder, storage_mb << 20), None
+    except QuotaUnavailable as exc:
+        return None, str(exc)
+
+
 def finish_limits(
-    task: Task, run: RunningEpisode, group: LimitGroups | None, why: str | None, *, max_processes: int
+    task: Task,
+    run: RunningEpisode,
+    group: LimitGroups | None,
+    why: str | None,
+    *,
+    max_processes: int,
+    storage_why: str | None = None,
 ) -> list[str]:
     """Set ``run.rlimits`` and ``run.limit_groups`` (every agent process's start uses
     both); return the notes for what could not be applied."""
@@ -63,19 +86,27 @@ def finish_limits(
         log.warning("the episode's init got no process limit: %s", exc)
     run.limit_groups = group
     applied = group.applied if group is not None else []
+    missing = group.missing if group is not None else {}
     notes = []
     if "pids" not in applied and os.geteuid() == 0:
         notes.append(
-            f"process limit of {max_processes} not applied: {why} (RLIMIT_NPROC does not bind processes "
-            "of the host's root)"
+            f"process limit of {max_processes} not applied: {missing.get('pids', why)} (RLIMIT_NPROC does not "
+            "bind processes of the host's root)"
         )
     if env.memory_mb and "memory" not in applied:
-        notes.append(f"memory limit of {env.memory_mb} MB ([environment] memory) not applied: {why}")
-    if env.cpus and "cpus" not in applied:
-        notes.append(f"CPU limit of {env.cpus} ([environment] cpus) not applied: {why}")
-    if env.storage_mb:
         notes.append(
-            f"storage limit of {env.storage_mb} MB ([environment] storage) not applied: the writable layer "
-            "is a folder on the host's disk, which local mode cannot cap"
+            f"memory limit of {env.memory_mb} MB ([environment] memory) not applied: {missing.get('memory', why)}"
+        )
+    if env.cpus and "cpus" not in applied:
+        notes.append(f"CPU limit of {env.cpus} ([environment] cpus) not applied: {missing.get('cpus', why)}")
+    if env.storage_mb and run.storage_quota is None:
+        notes.append(
+            f"storage limit of {env.storage_mb} MB ([environment] storage) not applied: "
+            f"{storage_why or 'no project quota was set'}"
+        )
+    elif env.storage_mb and run.image is None:
+        notes.append(
+            f"storage limit of {env.storage_mb} MB applied to the writable layers; /tmp, /var/tmp, /run and "
+            "/dev/shm of a host-mode view are in memory (tmpfs), outside it"
         )
     return notes

@@ -1,12 +1,38 @@
 """The agent's persistent shell: one bash per episode, driven over pipes and a pty.
 
 bash reads its commands from a pipe (``/dev/fd/3``); each command is ``eval``'d in the
-shell itself, so ``cd`` and ``export`` persist. The shell's controlling terminal is a pty
-we hold the master of: with job control on (``set -m``), each command runs as the
-terminal's foreground job, so a timeout writes ``^C`` to the pty and interrupts exactly
-that job (background processes the agent started live on), then kills the foreground
-process group if it ignores the interrupt. stdout comes back over a pipe, stderr over
-the pty; a random marker after each command, on both, tells where its output ends.
+shell itself, so its state persists (the list is in docs/running-tasks.md). The shell's
+controlling terminal is a pty we hold the master of, and job control is on (``set -m``,
+asserted before each command), so each command's programs run as the terminal's
+foreground job. stdout comes back over a pipe, stderr over the pty; a random marker after
+each command, on both, tells where its output ends.
+
+**A timeout ends the whole command**, not only the program running at that moment: its
+foreground processes and the rest of its command line, with the shell's state kept.
+bash abandons the rest of a command line and reads on (``DISCARD``) when a foreground
+job it waits for dies of SIGINT and SIGINT is trapped in the shell (the shell's own trap,
+``:``). That alone is not enough: a job that ignores or catches ``^C`` (``trap '' INT``,
+pytest), the ``^C`` reaching the shell before the job took the terminal (a loaded
+machine), a loop of builtins, all let the command line go on. So at the deadline:
+
+1. The shell is sent :data:`ABORT_SIGNAL` (first: pending before the job it waits for
+   ends), then SIGINT goes to the terminal's foreground job, as a ``^C`` would (programs
+   may clean up; never to the shell itself). The shell traps the abort with ``__seq_abort``: while a command runs
+   (``__seq_busy``, set when the command starts, cleared before its marker), that runs a
+   foreground ``bash -c 'kill -INT $$'`` (run once the job it waits for has ended), whose
+   death by SIGINT makes bash abandon the rest of the command line. Between commands it
+   does nothing. Then a fresh *sync* line is written after the command's; its marker is
+   what the host waits for (the abandoned line may have been the command's own marker).
+2. After :data:`_KILL_GRACE`, if the sync marker is not in: once more the abort signal
+   and a sync line, then SIGKILL the foreground job (the shell's own process group but
+   the shell, for a command substitution).
+3. After :data:`_ANSWER_GRACE` more: the shell itself does not answer (the agent replaced the trap,
+   say): its whole session is killed and the episode starts a new shell (state lost,
+   said in the result's note).
+
+Each signal goes through a pidfd of a process checked to be in the episode's PID
+namespace. Jobs the command put in the background (``&``, ``nohup``, ``setsid``) are in
+process groups of their own and keep running.
 """
 
 from __future__ import annotations
@@ -20,15 +46,62 @@ import termios
 import time
 
 from sequester.environments.base import ExecResult
-from sequester.sandbox.procs import pid_namespace, signal_group_in
+from sequester.sandbox.procs import open_pidfd, pid_namespace, signal_group_in, signal_in
 
-__all__ = ["Shell", "SHELL_SETUP"]
+__all__ = ["Shell", "SHELL_SETUP", "ABORT_SIGNAL"]
 
 log = logging.getLogger("sequester.environments.local")
 
-# trap : INT -- a job killed by ^C must not make the (non-interactive) shell exit.
-SHELL_SETUP = "set -m\ntrap : INT\n"
+ABORT_SIGNAL = signal.SIGRTMAX - 2
+"""Sent to the shell at a timeout (a real-time signal: no program of the agent's traps it)."""
+
+# trap : INT -- a job killed by ^C must not make the (non-interactive) shell exit, and
+# with SIGINT trapped bash abandons the command line instead. expand_aliases: the agent's
+# aliases work as in a terminal (the protocol's own words are quoted against them).
+SHELL_SETUP = f"""set -m
+trap : INT
+shopt -s expand_aliases
+__seq_bash=${{BASH:-bash}}
+__seq_abort() {{
+  [[ -n ${{__seq_busy-}} ]] || return 0
+  __seq_busy=
+  case $(trap -p INT) in
+    "") trap : INT ;;
+    "trap -- '' SIGINT") trap : INT; __seq_int_ignored=1 ;;
+  esac
+  "$__seq_bash" -c 'kill -INT $$' || :
+}}
+trap __seq_abort {int(ABORT_SIGNAL)}
+"""
 _KILL_GRACE = 2.0
+# After the kill: the shell needs only to run its trap and print a line. A shell that does
+# not within this long does not answer (its trap replaced), and goes; generous, so that a
+# loaded machine never costs an agent its shell's state.
+_ANSWER_GRACE = 10.0
+
+
+def command_script(command: str, nonce: str) -> str:
+    """What the shell is sent for ``command``: one line that starts it (``__seq_busy``,
+    job control and the abort trap asserted, the command read from a here-document and
+    ``eval``'d), then :func:`marker_line`. Pure."""
+    return (
+        f"__seq_busy=1; [[ $- == *m* ]] || \\set -m; \\trap __seq_abort {int(ABORT_SIGNAL)}; __seq_cmd=; "
+        f"IFS= \\read -r -d '' __seq_cmd <<'__SEQ_{nonce}' || :; \\eval \"$__seq_cmd\" </dev/null\n"
+        f"{command}\n__SEQ_{nonce}\n" + marker_line(nonce)
+    )
+
+
+def marker_line(nonce: str) -> str:
+    """The line that ends a command: its status, then a marker on stdout (with the status)
+    and on stderr. Also a sync line after an abort. Pure."""
+    return (
+        '__seq_rc=$? __seq_busy=; if [[ -n ${__seq_int_ignored-} ]]; then __seq_int_ignored=; \\trap "" INT; fi; '
+        f"\\printf '\\036SEQ{nonce} %d\\036' \"$__seq_rc\"; \\printf '\\036SEQ{nonce}\\036' >&2\n"
+    )
+
+
+def _marks(nonce: str) -> tuple[bytes, bytes]:
+    return f"\x1eSEQ{nonce} ".encode(), f"\x1eSEQ{nonce}\x1e".encode()
 
 
 class Shell:
@@ -43,6 +116,8 @@ class Shell:
         self._master = master
         self.alive = True
         self._pid_ns = pid_ns or pid_namespace(pid)
+        # Readable once the shell has exited (its pipes may stay open: background jobs hold them).
+        self._pidfd = open_pidfd(pid, self._pid_ns) if self._pid_ns else None
 
     @staticmethod
     def make_pty() -> tuple[int, int]:
@@ -56,7 +131,9 @@ class Shell:
         return master, slave
 
     def close(self) -> None:
-        for fd in (self._control, self._stdout, self._master):
+        for fd in (self._control, self._stdout, self._master, self._pidfd):
+            if fd is None:
+                continue
             try:
                 os.close(fd)
             except OSError:
@@ -66,73 +143,128 @@ class Shell:
     def run(self, command: str, timeout: float, output_limit: int) -> ExecResult:
         started = time.monotonic()
         nonce = secrets.token_hex(8)
-        out_mark, err_mark = f"\x1eSEQ{nonce} ".encode(), f"\x1eSEQ{nonce}\x1e".encode()
-        script = (
-            f"IFS= read -r -d '' __seq_cmd <<'__SEQ_{nonce}'\n{command}\n__SEQ_{nonce}\n"
-            'eval "$__seq_cmd" </dev/null\n__seq_rc=$?\n'
-            f"printf '\\036SEQ{nonce} %d\\036' \"$__seq_rc\"\nprintf '\\036SEQ{nonce}\\036' >&2\n"
-        )
         try:
-            _write_all(self._control, script.encode())
+            _write_all(self._control, command_script(command, nonce).encode())
         except OSError:
             self.alive = False
             return ExecResult("", "", None, False, 0.0, "the shell is gone")
         out, err = _Capture(output_limit), _Capture(output_limit)
+        marks = [_marks(nonce)]  # the command's, then one per sync line; the last one ends the wait
         deadline = started + timeout
         stage = "running"  # -> "interrupted" -> "killed"
-        note = ""  # nothing to add yet (the output cap's note comes from the captures)
         while True:
             now = time.monotonic()
             if now >= deadline:
-                if stage == "running":
-                    stage, deadline = "interrupted", now + _KILL_GRACE
-                    self._interrupt()
+                if stage in ("running", "interrupted"):
+                    # The abort first: pending in the shell before the job it waits for ends,
+                    # so the first trap point after that end runs it (see the module).
+                    if not self._sync(marks):
+                        self.alive = False
+                        return self._result(out, err, None, True, started, "the shell is gone")
+                    if stage == "running":
+                        stage, deadline = "interrupted", now + _KILL_GRACE
+                        self._interrupt()
+                    else:
+                        stage, deadline = "killed", now + _ANSWER_GRACE
+                        self._kill_foreground()
                     continue
-                if stage == "interrupted":
-                    stage, deadline = "killed", now + _KILL_GRACE
-                    self._kill_foreground()
-                    continue
-                self.alive = False  # the shell itself does not come back
-                return self._result(out, err, None, True, started, "the shell stopped answering and was restarted")
-            ready, _, _ = select.select([self._stdout, self._master], [], [], deadline - now)
+                # The shell did not answer its sync line: it goes, and the episode starts another.
+                signal_group_in(self._pid_ns, self.pid, signal.SIGKILL, session=True)
+                self.alive = False
+                return self._result(
+                    out,
+                    err,
+                    None,
+                    True,
+                    started,
+                    "the command did not end and the shell was killed and restarted (its state was lost)",
+                )
+            watched = [self._stdout, self._master] + ([self._pidfd] if self._pidfd is not None else [])
+            ready, _, _ = select.select(watched, [], [], deadline - now)
+            gone = self._pidfd is not None and self._pidfd in ready
+            for fd in ready if not gone else self._drain(out, err):
+                try:
+                    data = os.read(fd, 1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    gone = True
+                    break
+                (out if fd == self._stdout else err).add(data)
+            if gone:
+                self.alive = False
+                return self._result(out, err, None, stage != "running", started, "the shell exited")
+            last_out, last_err = marks[-1]
+            code_text = out.after(last_out)
+            if code_text is not None and b"\x1e" in code_text and err.after(last_err) is not None:
+                # The command's own marker if it got to print it, else the first sync line's.
+                for out_mark, err_mark in marks:
+                    found = out.after(out_mark, whole=True)
+                    if found is not None and b"\x1e" in found and err.after(err_mark, whole=True) is not None:
+                        code_text = found
+                        break
+                code_text = code_text.split(b"\x1e", 1)[0]
+                code = int(code_text) if code_text.isdigit() else None
+                return self._result(out, err, code, stage != "running", started, "", (out_mark, err_mark))
+
+    def _drain(self, out: _Capture, err: _Capture) -> list[int]:
+        """The shell has exited: what it wrote before is read (the pipes do not end while a
+        background job holds them, so only what is there now). Returns no descriptor."""
+        open_fds = [self._stdout, self._master]
+        for _ in range(64):
+            ready, _, _ = select.select(open_fds, [], [], 0)
+            if not ready:
+                break
             for fd in ready:
                 try:
                     data = os.read(fd, 1 << 16)
                 except OSError:
                     data = b""
                 if not data:
-                    self.alive = False
-                    return self._result(out, err, None, stage != "running", started, "the shell exited")
+                    open_fds.remove(fd)
                 (out if fd == self._stdout else err).add(data)
-            code_text = out.after(out_mark)
-            if code_text is not None and b"\x1e" in code_text and err.after(err_mark) is not None:
-                code_text = code_text.split(b"\x1e", 1)[0]
-                code = int(code_text) if code_text.isdigit() else None
-                return self._result(out, err, code, stage != "running", started, note, (out_mark, err_mark))
+            if not open_fds:
+                break
+        return []
+
+    def _sync(self, marks: list[tuple[bytes, bytes]]) -> bool:
+        """Send the shell the abort signal, then a sync line after it (see the module)."""
+        signal_in(self.pid, self._pid_ns, ABORT_SIGNAL)
+        nonce = secrets.token_hex(8)
+        try:
+            _write_all(self._control, marker_line(nonce).encode())
+        except OSError:
+            return False
+        marks.append(_marks(nonce))
+        return True
+
+    def _foreground(self) -> int:
+        """The terminal's foreground process group (host pid numbering; 0: none)."""
+        try:
+            return os.tcgetpgrp(self._master)
+        except OSError:
+            return 0
 
     def _interrupt(self) -> None:
-        try:
-            os.write(self._master, b"\x03")
-        except OSError:
-            pass
+        """What ``^C`` does to the foreground job, but never to the shell itself: SIGINT to
+        every process of the terminal's foreground group but the shell. (A ``^C`` through
+        the terminal would reach the shell too while it runs a builtin, such as ``wait``,
+        and bash then loses the abort signal that arrives with it.)"""
+        group = self._foreground()
+        if group > 1:
+            signal_group_in(self._pid_ns, group, signal.SIGINT, spare=self.pid)
 
     def _kill_foreground(self) -> None:
-        """SIGKILL the terminal's foreground job; if that is the shell itself (a builtin
-        loop), the shell goes and is restarted by the episode.
+        """SIGKILL the terminal's foreground job; when that is the shell's own process group
+        (a command substitution, a builtin loop), every process of it but the shell.
 
         Attack: the agent sets its terminal's foreground group to one that has died; a
         ``killpg`` by that number from the host would hit whatever host group reuses it.
         So each process is found in the episode's PID namespace, held by a pidfd (which
         cannot come to mean another process), checked again, and signalled through it."""
-        try:
-            group = os.tcgetpgrp(self._master)
-        except OSError:
-            group = 0
-        if group > 1 and group != self.pid and signal_group_in(self._pid_ns, group, signal.SIGKILL):
-            return
-        # The shell itself, or a foreground group with no process of the episode (a
-        # dead one the agent named): the shell's whole session goes, the shell with it.
-        signal_group_in(self._pid_ns, self.pid, signal.SIGKILL, session=True)
+        group = self._foreground()
+        if group > 1:
+            signal_group_in(self._pid_ns, group, signal.SIGKILL, spare=self.pid)
 
     @staticmethod
     def _result(
@@ -200,9 +332,10 @@ class _Capture:
         if len(self.window) > 2 * keep:  # trimmed in batches: amortised O(1) per byte
             del self.window[: len(self.window) - keep]
 
-    def after(self, mark: bytes) -> bytes | None:
-        """What follows the last ``mark`` in the stream's recent output (None: no mark yet)."""
-        recent = bytes(self.window[-self._SLACK :])
+    def after(self, mark: bytes, *, whole: bool = False) -> bytes | None:
+        """What follows the last ``mark`` in the stream's recent output (``whole``: anywhere
+        in what is kept of its end), or None: no mark yet."""
+        recent = bytes(self.window if whole else self.window[-self._SLACK :])
         i = recent.rfind(mark)
         return None if i < 0 else recent[i + len(mark) :]
 

@@ -29,9 +29,11 @@ from sequester.policy import Policy
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
 from sequester.sandbox.freeze import Freezer, make_freezer
+from sequester.sandbox.gpus import GpuPlan
 from sequester.sandbox.host import HostFacts, gather_host_facts
 from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
+from sequester.sandbox.quota import ProjectQuota
 from sequester.tasks import Task
 from sequester.verifier.tree import runner_tree
 
@@ -81,14 +83,20 @@ class RunningEpisode:
     # becomes inside when that is not the namespace's root (an image's User).
     id_map: IdMap | None = None
     agent_ids: tuple[int, int] | None = None
+    gpus: GpuPlan | None = None  # the GPUs bound into the view (sequester.sandbox.gpus)
+    storage_quota: ProjectQuota | None = None  # the writable layers' cap (sequester.sandbox.quota)
 
     @property
     def agent_cgroups(self) -> list[str]:
         """The ``cgroup.procs`` files every agent process joins on its way in."""
-        return [
-            *([self.freezer.procs_path] if self.freezer.procs_path else []),
-            *(self.limit_groups.procs if self.limit_groups else []),
-        ]
+        return list(  # (on cgroup v2 the freezer's cgroup is the limits')
+            dict.fromkeys(
+                [
+                    *([self.freezer.procs_path] if self.freezer.procs_path else []),
+                    *(self.limit_groups.procs if self.limit_groups else []),
+                ]
+            )
+        )
 
 
 def start_episode(
@@ -98,8 +106,11 @@ def start_episode(
     settings: EpisodeSettings,
     extra_hidden: tuple[Path, ...],
     limits: LimitGroups | None = None,
+    *,
+    gpus: GpuPlan | None = None,
 ) -> RunningEpisode:
-    """Plan the view, stage the environment's files, start the init under bwrap."""
+    """Plan the view, stage the environment's files, start the init under bwrap (with
+    ``gpus`` bound in after the view's own ``/dev``)."""
     facts = gather_host_facts()
     hidden_top, hidden_deep = hidden_for(task, facts, settings, extra_hidden)
     fresh = {p.name for p in hidden_top}
@@ -167,12 +178,14 @@ def start_episode(
         "TERM": "xterm",
         "PWD": workdir,
         **(task.dockerfile.env_map if task.dockerfile else {}),
+        **dict(gpus.env if gpus else ()),
     }
     ids, why = episode_id_map(settings)
     if why:
         notes.append(why)
+    gpu_ops = gpus.mount_ops() if gpus else ()
     spec = SandboxSpec(
-        mounts=mounts,
+        mounts=(*mounts, *gpu_ops),
         command=("/bin/bash", "--noprofile", "--norc", "-c", _INIT),
         env={"PATH": AGENT_PATH},
         cwd=Path("/"),
@@ -197,7 +210,7 @@ def start_episode(
         notes=notes,
         symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
         runner=runner,
-        view_points=view_points(op.dest for op in mounts),
+        view_points=view_points(op.dest for op in (*mounts, *gpu_ops)),
         id_map=ids,
     )
 
@@ -239,7 +252,7 @@ def launch_init(
                 f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
                 + (f" (mounted below the host folders of the view now: {below})" if below else "")
             )
-        freezer = make_freezer(started.pid)
+        freezer = make_freezer(started.pid, cgroup=limits.freezer_cgroup if limits is not None else None)
     except BaseException:
         started.kill()
         raise

@@ -1,23 +1,41 @@
 """Starting an episode's sandbox on the system it runs on: the task's image (held in the
 store for the episode's life, see :mod:`.image_start`) or the host's (:mod:`.start`),
-with its working directory and its limits (:mod:`.limits`). Used by :mod:`.episode`."""
+with its working directory, its limits (:mod:`.limits`) and its GPUs
+(:mod:`sequester.sandbox.gpus`). Used by :mod:`.episode`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from sequester.environments.base import UnsupportedByBackend
 from sequester.environments.local.image_start import image_workdir, start_on_image
-from sequester.environments.local.limits import finish_limits, make_episode_limits
+from sequester.environments.local.limits import finish_limits, make_episode_limits, make_storage_cap
 from sequester.environments.local.start import RunningEpisode, start_episode
 from sequester.environments.local.state import EpisodeDirs, remove_stale
 from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.errors import EpisodeError
 from sequester.images.choose import Choice
 from sequester.sandbox.cgroups.limits import remove_stale_groups
+from sequester.sandbox.gpus import GpuPlan, GpuUnavailable, find_gpus
 from sequester.tasks import Task
 from sequester.verifier.wheels import ensure_task_wheels
 
 __all__ = ["start_system"]
+
+
+def _gpus(task: Task) -> GpuPlan | None:
+    """What the view gets for the task's ``gpus`` (:mod:`sequester.sandbox.gpus`), or None."""
+    count = task.config.environment.gpus
+    if not count:
+        return None
+    try:
+        return find_gpus(count)
+    except GpuUnavailable as exc:
+        raise UnsupportedByBackend(
+            f"{task.name} asks for {count} GPU{'s' * (count != 1)} ([environment] gpus = {count}); "
+            f"the local backend cannot give them here: {exc}"
+        ) from None
+
 
 _stale_cleaned: set[Path] = set()
 
@@ -26,7 +44,10 @@ def start_system(
     task: Task, choice: Choice, settings: EpisodeSettings, extra_hidden: tuple[Path, ...], workdir: str | None
 ) -> RunningEpisode:
     """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
-    ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute)."""
+    ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute).
+    GPUs the task asks for that this host cannot give: :class:`UnsupportedByBackend`,
+    before anything starts."""
+    gpus = _gpus(task)
     # The wheels the test script pins beyond the runner's, fetched once on the host before
     # anything starts: a pin that cannot be had costs no agent run.
     wheels = ensure_task_wheels(task, settings.toolchain_dir)
@@ -44,22 +65,34 @@ def start_system(
             remove_stale_groups()
             _stale_cleaned.add(settings.state_dir)
         dirs = EpisodeDirs.create(settings.state_dir)
+        quota, storage_why = make_storage_cap(task, dirs.root)
         limits, why = make_episode_limits(task, max_processes=settings.max_processes)
         try:
             if lease is not None:
-                run = start_on_image(task, chosen, dirs, settings, lease, limits)
+                run = start_on_image(task, chosen, dirs, settings, lease, limits, gpus=gpus)
             else:
-                run = start_episode(task, chosen, dirs, settings, extra_hidden, limits)
+                run = start_episode(task, chosen, dirs, settings, extra_hidden, limits, gpus=gpus)
         except BaseException:
             if limits is not None:
                 limits.remove()
             dirs.remove()
+            if quota is not None:
+                quota.remove()
             raise
     except BaseException:
         if lease is not None:
             lease.release()
         raise
     run.wheels = wheels
+    run.gpus = gpus
+    run.storage_quota = quota
+    if gpus is not None:
+        env = task.config.environment
+        run.notes += [f"{gpus.describe()} bound into the view", *gpus.notes]
+        if env.gpu_types:
+            run.notes.append(
+                f"[environment] gpu_types = {list(env.gpu_types)} not checked: the first {env.gpus} GPUs are bound"
+            )
     run.notes[:0] = list(choice.notes)
-    run.notes += finish_limits(task, run, limits, why, max_processes=settings.max_processes)
+    run.notes += finish_limits(task, run, limits, why, max_processes=settings.max_processes, storage_why=storage_why)
     return run

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sequester.sandbox.cgroups.hierarchy import CgroupMount, cgroup_mounts, own_cgroup
 
-__all__ = ["Hierarchy", "find_hierarchy", "freezer_mounts"]
+__all__ = ["Hierarchy", "find_hierarchy", "freezer_mounts", "is_delegated", "own_cgroup_dir"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def freezer_mounts() -> list[CgroupMount]:
     return found
 
 
-def _own_cgroup(mount: Path, root: str) -> Path | None:
+def own_cgroup_dir(mount: Path, root: str) -> Path | None:
     """Our own cgroup v2 directory under ``mount``."""
     path = own_cgroup(None)
     if path is None:
@@ -57,7 +57,7 @@ def _own_cgroup(mount: Path, root: str) -> Path | None:
     return mount / rel if rel else mount
 
 
-def _delegated(path: Path) -> bool:
+def is_delegated(path: Path) -> bool:
     """``path`` is a cgroup v2 directory we own and may make children in and move
     processes through. (Writing ``cgroup.subtree_control`` is not needed: freezing is a
     core feature of every non-root v2 cgroup.)"""
@@ -83,7 +83,7 @@ def find_hierarchy() -> Hierarchy | None:
                 return Hierarchy(mount, root, v2, False, mount)
         return None
     for mount, root, v2 in mounts:
-        own = _own_cgroup(mount, root) if v2 else None
-        if own is not None and own != mount and _delegated(own):
+        own = own_cgroup_dir(mount, root) if v2 else None
+        if own is not None and own != mount and is_delegated(own):
             return Hierarchy(mount, root, True, True, own)
     return None

@@ -40,13 +40,24 @@ _SETTLE_S = 2.0
 
 
 class CgroupFreezer(Freezer):
-    def __init__(self, init_pid: int, hierarchy: Hierarchy, *, attempts: int = ATTEMPTS, ns: Namespace | None = None):
+    def __init__(
+        self,
+        init_pid: int,
+        hierarchy: Hierarchy,
+        *,
+        attempts: int = ATTEMPTS,
+        ns: Namespace | None = None,
+        path: Path | None = None,
+    ):
         super().__init__(init_pid, ns)
         self.h, self.attempts = hierarchy, attempts
         self.method = (
             "cgroup v2 (delegated)" if hierarchy.delegated else "cgroup v2" if hierarchy.v2 else "cgroup v1 freezer"
         )
-        self.path: Path | None = None
+        # ``path``: a cgroup v2 the episode's processes are in already, its limits' (see
+        # sequester.sandbox.cgroups.limits): frozen in place, never pooled nor removed here.
+        self.path: Path | None = path
+        self.shared = path is not None
         self.fallback: SignalFreezer | None = None
         self.stopped_init: Identity | None = None  # SIGSTOP'd by the kill path; resumed on thaw
 
@@ -235,12 +246,14 @@ class CgroupFreezer(Freezer):
             except OSError as exc:
                 log.warning("thawing %s failed: %s", self.path, exc)
             path, self.path = self.path, None
-            if path is not None and self.fallback is not None:
+            if path is None or self.shared:
+                return  # (a shared cgroup is removed with the limits it holds)
+            if self.fallback is not None:
                 try:
                     path.rmdir()  # not usable to us: not worth pooling
                 except OSError as exc:
                     log.warning("could not remove %s: %s", path, exc)
-            elif path is not None:
+            else:
                 deadline = time.monotonic() + 5
                 while time.monotonic() < deadline:
                     try:
@@ -255,12 +268,15 @@ class CgroupFreezer(Freezer):
             self.ns.close()
 
 
-def make_freezer(init_pid: int, *, method: str | None = None) -> Freezer:
+def make_freezer(init_pid: int, *, method: str | None = None, cgroup: tuple[Hierarchy, Path] | None = None) -> Freezer:
     """The strongest freezer available: a cgroup if this process may make one (root, or a
     delegated subtree), else SIGSTOP to a fixed point. ``method="signal"`` forces the
-    latter (tests). Costs nothing until the first freeze."""
+    latter (tests). ``cgroup``: the episode's cgroup v2 of its limits, which the freezer
+    must share (a v2 process is in one cgroup only). Costs nothing until the first freeze."""
     if method not in (None, "signal", "cgroup"):
         raise ValueError(f"unknown freeze method {method!r}")
+    if cgroup is not None and method != "signal":
+        return CgroupFreezer(init_pid, cgroup[0], path=cgroup[1])
     hierarchy = None if method == "signal" else find_hierarchy()
     if hierarchy is None:
         if method == "cgroup":
