@@ -52,6 +52,7 @@ _NS_GET_USERNS = 0xB701
 _PR_SET_DUMPABLE = 4
 _MS_NOSUID, _MS_NOEXEC = 2, 8
 _TUN = os.makedev(10, 200)
+_IP_FREEBIND = 15
 
 
 def _setns(fd: int, flag: int, what: str) -> None:
@@ -150,10 +151,14 @@ def _reap(child: int, what: str) -> None:
         raise OSError(errno.EIO, f"could not {what}")
 
 
-def _listen(address: str, port: int, kind: int) -> socket.socket:
+def _listen(address: str, port: int, kind: int, *, freebind: bool = False) -> socket.socket:
+    """``freebind``: the address need not be on a link yet (the router's DNS address comes
+    with the link, after the sockets)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, kind | socket.SOCK_CLOEXEC)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if freebind:
+        sock.setsockopt(socket.SOL_IP, _IP_FREEBIND, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.bind((address, port))
@@ -184,7 +189,7 @@ def op_net_router(req: dict[str, Any], fds: list[int]) -> None:
     with open("/proc/sys/net/ipv4/ip_forward", "w") as f:  # this namespace's (procfs shows the caller's)
         f.write("1")
     run_commands([req["ruleset"]])
-    dns = [_listen(req["dns"], 53, socket.SOCK_DGRAM), _listen(req["dns"], 53, socket.SOCK_STREAM)]
+    dns = [_listen(req["dns"], 53, kind, freebind=True) for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM)]
     socket.send_fds(socket.socket(fileno=channel), [b"+"], [user, net, *(s.fileno() for s in dns)])
     report(result, {"holder": holder})
 
