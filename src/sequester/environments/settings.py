@@ -12,6 +12,8 @@ toolchain_dir = "..."       # the verifier's runner tree (built once; see seques
 backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
 docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
 docker_build = false        # docker: build the task's environment/Dockerfile with the engine
+network = "task"            # or "allowlist" / "none": what the run lets tasks have (see sequester.net.episode)
+allowed_hosts = []          # HOST[:PORT] the agent's phase may reach besides (a model API, a loopback mock)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
 from sequester.images.image_settings import ImageSettings
+from sequester.net.episode.policy import parse_operator_hosts, parse_run_network
 from sequester.sandbox.idmap import IdMap, caller_id_map, parse_id_range
 
 if TYPE_CHECKING:
@@ -80,6 +83,10 @@ class EpisodeSettings:
     # A root caller's range of subordinate ids for its episodes ("BASE:COUNT"; see
     # sequester.sandbox.idmap): else /etc/subuid's root entry (sequester setup ids).
     id_range: str | None = None
+    # The run's network (sequester.net.episode.policy): "task" (each task's own), "allowlist"
+    # (no task gets more than its allowlist) or "none"; and hosts for the agent's phase only.
+    network: str = "task"
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("exec_timeout", "output_bytes", "max_processes"):
@@ -100,6 +107,11 @@ class EpisodeSettings:
             )
         if self.id_range is not None:
             parse_id_range(self.id_range)  # raises, naming the key
+        object.__setattr__(self, "network", parse_run_network(self.network))
+        if isinstance(self.allowed_hosts, str) or not isinstance(self.allowed_hosts, (list, tuple)):
+            raise PolicyError(f"episodes.allowed_hosts: {self.allowed_hosts!r} is not a list of HOST[:PORT]")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        parse_operator_hosts(self.allowed_hosts)  # raises, naming the key and the entry
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))

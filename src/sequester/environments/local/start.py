@@ -37,6 +37,7 @@ from sequester.verifier.tree import runner_tree
 
 if TYPE_CHECKING:
     from sequester.images import ImageLease, ImageRecord
+    from sequester.net.episode.session import EpisodeNetwork
     from sequester.sandbox.cgroups.limits import LimitGroups
 
 __all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "AGENT_PATH", "INIT_SCRIPT", "HOST_SHELL"]
@@ -81,6 +82,7 @@ class RunningEpisode:
     # becomes inside when that is not the namespace's root (an image's User).
     id_map: IdMap | None = None
     agent_ids: tuple[int, int] | None = None
+    network: EpisodeNetwork | None = None  # the episode's network (sequester.net.episode), if it has one
 
     @property
     def agent_cgroups(self) -> list[str]:
@@ -114,8 +116,6 @@ def start_episode(
         if task.dockerfile
         else []
     )
-    if task.config.environment.effective_network_mode != "no-network":
-        notes.append("the task asks for network access; local episodes have none")
     runner = runner_tree(settings.toolchain_dir)
     # Without a WORKDIR the agent works at the task's own path: an empty writable folder
     # there, instead of the read-only one that hides the task.

@@ -97,9 +97,16 @@ class EpisodePolicy:
                 )
         return said
 
+    @property
+    def decided_by(self) -> str:
+        """Who decided the episode's mode: ``task`` (its own), or the operator's ``--network``
+        when it narrowed the task's."""
+        return "task" if self.mode == _TASK_MODES[self.task_mode] else f"operator (--network {self.run_network})"
+
     def to_record(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "decided_by": self.decided_by,
             "agent_mode": self.agent_mode,
             "task_network_mode": self.task_mode,
             "run_network": self.run_network,
