@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from sequester.environments.settings import EpisodeSettings
 from sequester.net.episode.policy import RUN_NETWORKS, parse_operator_hosts, parse_run_network
@@ -36,7 +37,7 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
 def apply_network_arguments(args: argparse.Namespace, settings: EpisodeSettings) -> EpisodeSettings:
     """``settings`` with the flags' values; a bad value raises
     :class:`~sequester.errors.PolicyError` naming the flag (exit status 2)."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if args.network is not None:
         changes["network"] = parse_run_network(args.network, field="--network")
     if args.allow_host is not None:

@@ -14,6 +14,7 @@ docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine
 docker_build = false        # docker: build the task's environment/Dockerfile with the engine
 network = "task"            # or "allowlist" / "none": what the run lets tasks have (see sequester.net.episode)
 allowed_hosts = []          # HOST[:PORT] the agent's phase may reach besides (a model API, a loopback mock)
+dns_servers = []            # IP[:PORT] the episodes' DNS responder asks (default: /etc/resolv.conf's)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
 from sequester.images.image_settings import ImageSettings
 from sequester.net.episode.policy import parse_operator_hosts, parse_run_network
+from sequester.net.episode.upstream import parse_server
 from sequester.sandbox.idmap import IdMap, caller_id_map, parse_id_range
 
 if TYPE_CHECKING:
@@ -87,6 +89,9 @@ class EpisodeSettings:
     # (no task gets more than its allowlist) or "none"; and hosts for the agent's phase only.
     network: str = "task"
     allowed_hosts: tuple[str, ...] = ()
+    # The resolvers the episodes' DNS responder asks on the host ("IP" or "IP:PORT");
+    # empty: the host's own (/etc/resolv.conf).
+    dns_servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("exec_timeout", "output_bytes", "max_processes"):
@@ -112,6 +117,14 @@ class EpisodeSettings:
             raise PolicyError(f"episodes.allowed_hosts: {self.allowed_hosts!r} is not a list of HOST[:PORT]")
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         parse_operator_hosts(self.allowed_hosts)  # raises, naming the key and the entry
+        if isinstance(self.dns_servers, str) or not isinstance(self.dns_servers, (list, tuple)):
+            raise PolicyError(f"episodes.dns_servers: {self.dns_servers!r} is not a list of IP[:PORT]")
+        object.__setattr__(self, "dns_servers", tuple(self.dns_servers))
+        for i, server in enumerate(self.dns_servers):
+            try:
+                parse_server(server)
+            except (TypeError, ValueError, AttributeError):
+                raise PolicyError(f"episodes.dns_servers[{i}]: {server!r} is not IP or IP:PORT") from None
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))

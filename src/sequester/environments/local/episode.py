@@ -48,6 +48,7 @@ from sequester.images.choose import Choice, choose_image
 from sequester.images.stack import image_path_kind
 from sequester.net.episode.policy import EpisodePolicy, episode_policy, parse_operator_hosts
 from sequester.net.episode.session import EpisodeNetwork, network_unavailable
+from sequester.net.episode.upstream import Upstream, parse_server
 from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
@@ -232,7 +233,8 @@ class Episode:
             self._network_record.update(mode="none", agent_mode="none", unavailable=why)
             return
         assert self._nsexec is not None
-        run.network = EpisodeNetwork.start(self._nsexec, run.bwrap.pid, policy)
+        servers = [parse_server(s) for s in self.settings.dns_servers]
+        run.network = EpisodeNetwork.start(self._nsexec, run.bwrap.pid, policy, upstream=Upstream(servers or None))
         # its /etc/resolv.conf (the responder's address) is the network's, not the agent's change
         run.view_points = run.view_points | view_points(["/etc/resolv.conf"])
         if self._verifier_only:

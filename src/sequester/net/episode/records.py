@@ -63,7 +63,7 @@ def traffic_record(listing: str, names: Mapping[str, Sequence[str]] = {}) -> dic
     sent, sent_full = _elements(doc, "sent")
     received, received_full = _elements(doc, "received")
     refused, refused_full = _elements(doc, "refused_hits")
-    destinations = []
+    destinations: list[dict[str, Any]] = []
     for key in sorted(set(sent) | set(received)):
         address, protocol, port = key
         out, back = sent.get(key, (0, 0)), received.get(key, (0, 0))
@@ -80,7 +80,7 @@ def traffic_record(listing: str, names: Mapping[str, Sequence[str]] = {}) -> dic
             }
         )
     destinations.sort(key=lambda d: (-(d["bytes_out"] + d["bytes_in"]), d["address"], d["port"]))
-    refusals = [
+    refusals: list[dict[str, Any]] = [
         {"address": a, "protocol": p, "port": port, "names": list(names.get(a, ())), "packets": n}
         for (a, p, port), (n, _bytes) in refused.items()
     ]

@@ -51,7 +51,7 @@ from sequester.net.episode.stack import STACK_HOST_ID, slirp_argv, stack_support
 from sequester.net.episode.upstream import Upstream
 from sequester.sandbox.nsexec.client import NsExec, Router
 
-__all__ = ["EpisodeNetwork", "NetworkUnavailable", "network_unavailable"]
+__all__ = ["EpisodeNetwork", "NetworkUnavailable", "network_unavailable", "stack_host_id"]
 
 log = logging.getLogger("sequester.net.episode")
 
@@ -96,17 +96,17 @@ class EpisodeNetwork:
         if not support.available:
             raise NetworkUnavailable(f"the episode's network cannot be made here: {support.reason}")
         assert support.binary is not None
-        root = os.geteuid() == 0
+        stack_id = stack_host_id()
         host = read_host_networks()
         refused = host.refused()
         router = nsexec.net_router(
-            {"ruleset": ruleset(policy, refused), "dns": str(DNS_ADDRESS), "stack_id": STACK_HOST_ID if root else None},
+            {"ruleset": ruleset(policy, refused), "dns": str(DNS_ADDRESS), "stack_id": stack_id},
             target=target,
         )
         net: EpisodeNetwork | None = None
         try:
-            net = cls(nsexec, policy, router, _start_stack(nsexec, support.binary, router, root=root))
-            relays = [("127.0.0.1", r.port) for r in policy.relayed]
+            net = cls(nsexec, policy, router, _start_stack(nsexec, support.binary, router, stack_id=stack_id))
+            relays = [("127.0.0.1", int(r.port or 0)) for r in policy.relayed]
             nsexec.net_link(
                 target,
                 router,
@@ -212,7 +212,24 @@ class EpisodeNetwork:
         self.router.close()  # the holder ends with its lifeline; the namespaces with it
 
 
-def _start_stack(nsexec: NsExec, binary: str, router: Router, *, root: bool) -> tuple[int, int, int]:
+def stack_host_id() -> int | None:
+    """The host id the stack runs as: :data:`STACK_HOST_ID` for a root caller of the host
+    (the id is mapped in this process's user namespace), else None (the caller itself; the
+    router is then made in the episode's user namespace)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        with open("/proc/self/uid_map") as f:
+            for line in f:
+                inside, _outside, count = (int(x) for x in line.split())
+                if inside <= STACK_HOST_ID < inside + count:
+                    return STACK_HOST_ID
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _start_stack(nsexec: NsExec, binary: str, router: Router, *, stack_id: int | None) -> tuple[int, int, int]:
     """slirp4netns attached to ``router``, configured (its ready descriptor said so): its
     pid, the write end of its exit descriptor and the read end of its standard error (a
     pipe it writes without blocking: what does not fit is lost, never waited for)."""
@@ -226,8 +243,8 @@ def _start_stack(nsexec: NsExec, binary: str, router: Router, *, root: bool) -> 
         argv = slirp_argv(binary, holder=router.holder, ready=3, exit=4)
         pid = nsexec.net_stack(
             argv,
-            uid=STACK_HOST_ID if root else None,
-            private_tun=root and tun_is_private(),
+            uid=stack_id,
+            private_tun=stack_id is not None and tun_is_private(),
             stderr=err_w,
             fds=[ready_w, exit_r],
         )

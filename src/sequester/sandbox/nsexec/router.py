@@ -246,12 +246,12 @@ def op_net_stack(req: dict[str, Any], fds: list[int]) -> None:
     os.close(fds[0])
     stderr, passed = fds[1], fds[2:]
     uid = req.get("uid")
-    if req.get("private_tun"):
+    if req.get("private_tun") and uid is not None:
         check(libc.unshare(CLONE_NEWNS), "unshare(mount)")
         check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
         check(libc.mount(b"tmpfs", b"/dev/net", b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"mode=0755"), "mount /dev/net")
         os.mknod("/dev/net/tun", 0o600 | stat.S_IFCHR, _TUN)
-        os.chown("/dev/net/tun", uid, uid)
+        os.chown("/dev/net/tun", int(uid), int(uid))
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in (stderr, *passed)]
     for fd in (stderr, *passed):
         os.close(fd)
