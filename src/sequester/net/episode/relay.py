@@ -5,8 +5,8 @@ which joins each connection to the same port of the host's loopback. Nothing els
 host's loopback is reachable (the router never forwards loopback, and the stack's gateway
 does not lead there).
 
-Only in the agent's phase: while the verifier runs, new connections are closed at once
-and open ones are cut. At most :data:`MAX_CONNECTIONS` at a time; the record counts
+Only in the agent's phase: while the verifier runs, the listening sockets do not listen
+(a connection is refused) and open connections are cut. At most :data:`MAX_CONNECTIONS` at a time; the record counts
 connections and bytes each way.
 """
 
@@ -40,6 +40,7 @@ class LoopbackRelay:
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._applied = threading.Event()
         self.counts: collections.Counter[str] = collections.Counter()
 
     def start(self) -> LoopbackRelay:
@@ -49,10 +50,18 @@ class LoopbackRelay:
         return self
 
     def set_agent_phase(self, on: bool) -> None:
-        """Off: open connections are cut, new ones closed at once."""
+        """Off: open connections are cut, and the listening sockets stop listening (a
+        connection is refused); on: they listen again."""
         self.agent_phase = on
         if not on:
             self._cut_all()
+        if self._thread is not None and self._thread.is_alive():
+            self._applied.clear()
+            try:
+                os.write(self._wake_w, b"p")
+            except OSError:
+                return
+            self._applied.wait(5)  # the listeners are as the phase says before the caller goes on
 
     def _cut_all(self) -> None:
         with self._lock:
@@ -80,14 +89,28 @@ class LoopbackRelay:
 
     def _serve(self) -> None:
         with selectors.DefaultSelector() as sel:
-            for sock, address, port in self.listeners:
-                sock.setblocking(False)
-                sel.register(sock, selectors.EVENT_READ, (address, port))
             sel.register(self._wake_r, selectors.EVENT_READ, None)
+            listening = False
             while not self._closed:
+                if self.agent_phase != listening:  # listen only in the agent's phase
+                    listening = self.agent_phase
+                    for sock, address, port in self.listeners:
+                        if listening:
+                            sock.listen(MAX_CONNECTIONS)
+                            sock.setblocking(False)
+                            sel.register(sock, selectors.EVENT_READ, (address, port))
+                        else:
+                            sel.unregister(sock)
+                            try:  # a listening socket shut down stops listening: connections are refused
+                                sock.shutdown(socket.SHUT_RDWR)
+                            except OSError:
+                                pass
+                self._applied.set()
                 for key, _ in sel.select():
                     if key.data is None:
-                        return
+                        if os.read(self._wake_r, 64).endswith(b"x"):
+                            return
+                        continue
                     try:
                         conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
                     except (BlockingIOError, InterruptedError):
