@@ -26,6 +26,7 @@ from tasks import make_task
 import sequester
 
 pytestmark = [
+    pytest.mark.slow,  # an episode each (the ordinary user's first one builds its runner: about a minute)
     pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace of the test's own needs root (CI runs as root)"),
     pytest.mark.skipif(not shutil.which("slirp4netns") or not os.path.exists("/dev/net/tun"),
                        reason="needs slirp4netns and /dev/net/tun"),
@@ -84,10 +85,10 @@ def as_user(user_site) -> dict:
     root = Path(tempfile.mkdtemp(prefix="netns-user-", dir="/var/tmp"))
     try:
         os.chmod(root, 0o755)
-        task = _task(root)
+        config = _config(root, _task(root))
         for path in [root, *root.rglob("*")]:
             os.chown(path, entry.pw_uid, entry.pw_gid)
-        return run_in_private_netns(_config(root, task), python="/usr/bin/python3", pythonpath=str(site),
+        return run_in_private_netns(config, python="/usr/bin/python3", pythonpath=str(site),
                                     user=(entry.pw_uid, entry.pw_gid), home=str(home), cwd=str(site))
     finally:
         shutil.rmtree(root, ignore_errors=True)
