@@ -12,6 +12,7 @@ toolchain_dir = "..."       # the verifier's runner tree (built once; see seques
 backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
 docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
 docker_build = false        # docker: build the task's environment/Dockerfile with the engine
+docker_network = "NAME"     # docker: the engine network public tasks get (default: the engine's default)
 network = "task"            # or "allowlist" / "none": what the run lets tasks have (see sequester.net.episode)
 allowed_hosts = []          # HOST[:PORT] the agent's phase may reach besides (a model API, a loopback mock)
 dns_servers = []            # IP[:PORT] the episodes' DNS responder asks (default: /etc/resolv.conf's)
@@ -82,6 +83,9 @@ class EpisodeSettings:
     backend: str = "local"  # what runs the episodes: "local" (namespaces here) or "docker" (see sequester.environments)
     docker_host: str | None = None
     docker_build: bool = False
+    # docker: the engine network a public task's containers join (one the operator set up,
+    # e.g. with a firewall refusing private and metadata addresses); None: the engine's default.
+    docker_network: str | None = None
     # A root caller's range of subordinate ids for its episodes ("BASE:COUNT"; see
     # sequester.sandbox.idmap): else /etc/subuid's root entry (sequester setup ids).
     id_range: str | None = None
@@ -110,6 +114,8 @@ class EpisodeSettings:
                 f"episodes.docker_host: {self.docker_host!r} is not an engine address "
                 "(unix:///PATH, tcp://HOST:PORT, ssh://...)"
             )
+        if self.docker_network is not None and (not isinstance(self.docker_network, str) or not self.docker_network):
+            raise PolicyError(f"episodes.docker_network: {self.docker_network!r} is not an engine network's name")
         if self.id_range is not None:
             parse_id_range(self.id_range)  # raises, naming the key
         object.__setattr__(self, "network", parse_run_network(self.network))
