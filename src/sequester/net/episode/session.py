@@ -51,16 +51,12 @@ from sequester.net.episode.stack import STACK_HOST_ID, slirp_argv, stack_support
 from sequester.net.episode.upstream import Upstream
 from sequester.sandbox.nsexec.client import NsExec, Router
 
-__all__ = ["EpisodeNetwork", "NetworkUnavailable", "network_unavailable", "stack_host_id"]
+__all__ = ["EpisodeNetwork", "network_unavailable", "stack_host_id"]
 
 log = logging.getLogger("sequester.net.episode")
 
 _STACK_READY_SECONDS = 10.0
 _STDERR_LIMIT = 4096
-
-
-class NetworkUnavailable(SandboxError):
-    """This machine cannot give an episode a network (no stack, no tun device)."""
 
 
 def network_unavailable() -> str | None:
@@ -94,7 +90,7 @@ class EpisodeNetwork:
         network namespace of its own holding only ``lo``)."""
         support = stack_support()
         if not support.available:
-            raise NetworkUnavailable(f"the episode's network cannot be made here: {support.reason}")
+            raise SandboxError(f"the episode's network cannot be made here: {support.reason}")
         assert support.binary is not None
         stack_id = stack_host_id()
         host = read_host_networks()
