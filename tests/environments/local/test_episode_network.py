@@ -120,3 +120,37 @@ print(json.dumps(out))
     assert out["pypi"] == "200", out
     assert out["flush"].endswith("1") and "Operation not permitted" in out["flush"], out
     assert out["network"]["traffic"]["bytes_in"] > 0 and out["network"]["mode"] == "public"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a socket in /opt, a folder the view shows)")
+def test_the_hosts_path_unix_sockets_are_out_of_reach(tmp_path):
+    """A socket of the host's in a folder the view shows (an overlay of it): connecting
+    from the agent reaches nothing (the overlay's inode is not the socket's)."""
+    import socket
+    import threading
+
+    path = f"/opt/seqtest-{os.getpid()}.sock"
+    hits = []
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(4)
+
+    def accept():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            hits.append(1)
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with Episode() as ep:
+            ep.reset(_task(tmp_path, "allow_internet = true\n"), image=None)
+            said = ep.exec(f"python3 -c \"import socket;s=socket.socket(socket.AF_UNIX);s.connect('{path}');"
+                           "print('connected')\" 2>&1 | tail -1").stdout
+    finally:
+        server.close()
+        os.unlink(path)
+    assert "connected" not in said.replace("Connection", "") and not hits, said
