@@ -48,7 +48,7 @@ from sequester.images.choose import Choice, choose_image
 from sequester.images.stack import image_path_kind
 from sequester.net.episode.layout import resolv_conf
 from sequester.net.episode.policy import EpisodePolicy, episode_policy, parse_operator_hosts
-from sequester.net.episode.session import EpisodeNetwork, network_unavailable
+from sequester.net.episode.session import EpisodeNetwork, Preparing, network_unavailable, stack_host_id
 from sequester.net.episode.upstream import Upstream, parse_server
 from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
@@ -191,13 +191,20 @@ class Episode:
         self._nsexec = self._nsexec or shared_nsexec()
         policy = self.network_policy(task)  # (a task's bad allowed_hosts fails before anything starts)
         wanted = policy.has_network and network_unavailable() is None
-        self._run = start_system(
-            task, choice, self.settings, self.extra_hidden, workdir, resolv_conf() if wanted else None
-        )
+        # A root caller's router and stack are made while the sandbox starts (half the cost).
+        early = Preparing(self._nsexec, policy) if wanted and stack_host_id() is not None else None
+        try:
+            self._run = start_system(
+                task, choice, self.settings, self.extra_hidden, workdir, resolv_conf() if wanted else None
+            )
+        except BaseException:
+            if early is not None:
+                early.discard()
+            raise
         run, chosen = self._run, self._run.workdir
         self._state = _State.RUNNING
         try:
-            self._start_network(run, policy)  # before any agent process exists
+            self._start_network(run, policy, early)  # before any agent process exists
             if not shell:  # else the shell's start does it: before any agent process exists
                 self._nsexec.harden(run.bwrap.pid)
             if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
@@ -224,8 +231,9 @@ class Episode:
             agent_hosts=() if self._verifier_only else parse_operator_hosts(self.settings.allowed_hosts),
         )
 
-    def _start_network(self, run: RunningEpisode, policy: EpisodePolicy) -> None:
-        """The episode's network by ``policy``; nothing at all for an episode without one."""
+    def _start_network(self, run: RunningEpisode, policy: EpisodePolicy, early: Preparing | None = None) -> None:
+        """The episode's network by ``policy`` (``early``: its router, being made); nothing
+        at all for an episode without one."""
         self._network_record = {**policy.to_record(), "traffic": None}
         run.notes += policy.notes()
         if not policy.has_network:
@@ -238,13 +246,11 @@ class Episode:
             return
         assert self._nsexec is not None
         servers = [parse_server(s) for s in self.settings.dns_servers]
-        run.network = EpisodeNetwork.start(
-            self._nsexec,
-            run.bwrap.pid,
-            policy,
-            upstream=Upstream(servers or None),
-            write_resolv_conf=not run.resolv_placed,
+        net = (
+            early.result() if early is not None else EpisodeNetwork.prepare(self._nsexec, policy, target=run.bwrap.pid)
         )
+        net.link(run.bwrap.pid, upstream=Upstream(servers or None), write_resolv_conf=not run.resolv_placed)
+        run.network = net
         # its /etc/resolv.conf (the responder's address) is the network's, not the agent's change
         run.view_points = run.view_points | view_points(["/etc/resolv.conf"])
         if self._verifier_only:

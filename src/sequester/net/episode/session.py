@@ -14,10 +14,12 @@ without one pays nothing. Everything privileged is done by the namespace helper
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import select
 import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +53,7 @@ from sequester.net.episode.stack import STACK_HOST_ID, slirp_argv, stack_support
 from sequester.net.episode.upstream import Upstream
 from sequester.sandbox.nsexec.client import NsExec, Router
 
-__all__ = ["EpisodeNetwork", "network_unavailable", "stack_host_id"]
+__all__ = ["EpisodeNetwork", "Preparing", "network_unavailable", "stack_host_id"]
 
 log = logging.getLogger("sequester.net.episode")
 
@@ -75,35 +77,42 @@ class EpisodeNetwork:
         self.in_agent_phase = True
         self._closed = False
         self._last_record: dict[str, Any] | None = None
+        self._refused: list[ipaddress.IPv4Network] = []
 
     @classmethod
-    def start(
-        cls,
-        nsexec: NsExec,
-        target: int,
-        policy: EpisodePolicy,
-        *,
-        upstream: Upstream | None = None,
-        write_resolv_conf: bool = True,
-    ) -> EpisodeNetwork:
-        """The network of the episode whose init is ``target`` (its sandbox up, with a
-        network namespace of its own holding only ``lo``)."""
+    def prepare(cls, nsexec: NsExec, policy: EpisodePolicy, *, target: int | None = None) -> EpisodeNetwork:
+        """The router namespace with its rules, and the stack attached to it; not linked to
+        any episode yet. ``target`` (the episode's init) is needed only when the router is
+        made in the episode's user namespace (:func:`stack_host_id` is None); else this can
+        run while the sandbox starts."""
         support = stack_support()
         if not support.available:
             raise SandboxError(f"the episode's network cannot be made here: {support.reason}")
         assert support.binary is not None
         stack_id = stack_host_id()
-        host = read_host_networks()
-        refused = host.refused()
+        if stack_id is None and target is None:
+            raise ValueError("an ordinary user's router needs the episode's init")
+        refused = read_host_networks().refused()
         router = nsexec.net_router(
             {"ruleset": ruleset(policy, refused), "dns": str(DNS_ADDRESS), "stack_id": stack_id},
             target=target,
         )
-        net: EpisodeNetwork | None = None
         try:
             net = cls(nsexec, policy, router, _start_stack(nsexec, support.binary, router, stack_id=stack_id))
+        except BaseException:
+            router.close()
+            raise
+        net._refused = refused
+        return net
+
+    def link(self, target: int, *, upstream: Upstream | None = None, write_resolv_conf: bool = True) -> None:
+        """Link the prepared router to the episode whose init is ``target`` (its sandbox up,
+        its network namespace holding only ``lo``), and serve its DNS and relays. On failure
+        everything of the network is closed."""
+        policy, router = self.policy, self.router
+        try:
             relays = [("127.0.0.1", int(r.port or 0)) for r in policy.relayed]
-            nsexec.net_link(
+            self.nsexec.net_link(
                 target,
                 router,
                 {
@@ -122,22 +131,33 @@ class EpisodeNetwork:
                     "resolv_conf": resolv_conf() if write_resolv_conf else None,
                 },
             )
-            answers = Answers(policy, local=LocalAddresses(), host_networks=refused)
-            net.responder = DnsResponder(
-                router.dns[0], router.dns[1], answers, upstream or Upstream(), net._grant
+            answers = Answers(policy, local=LocalAddresses(), host_networks=self._refused)
+            self.responder = DnsResponder(
+                router.dns[0], router.dns[1], answers, upstream or Upstream(), self._grant
             ).start()
             router.dns = []  # the responder owns them now
-            net.relay = LoopbackRelay(
+            self.relay = LoopbackRelay(
                 [(sock, address, port) for sock, (address, port) in zip(router.relays, relays, strict=True)]
             ).start()
             router.relays = []
-            return net
         except BaseException:
-            if net is not None:
-                net.close()
-            else:
-                router.close()
+            self.close()
             raise
+
+    @classmethod
+    def start(
+        cls,
+        nsexec: NsExec,
+        target: int,
+        policy: EpisodePolicy,
+        *,
+        upstream: Upstream | None = None,
+        write_resolv_conf: bool = True,
+    ) -> EpisodeNetwork:
+        """:meth:`prepare` and :meth:`link` for the episode whose init is ``target``."""
+        net = cls.prepare(nsexec, policy, target=target)
+        net.link(target, upstream=upstream, write_resolv_conf=write_resolv_conf)
+        return net
 
     # -- while it runs -------------------------------------------------------------------
 
@@ -206,6 +226,35 @@ class EpisodeNetwork:
         except OSError:
             pass
         self.router.close()  # the holder ends with its lifeline; the namespaces with it
+
+
+class Preparing:
+    """:meth:`EpisodeNetwork.prepare` in a thread of its own, while the sandbox starts (a
+    root caller's router needs nothing of the episode): :meth:`result` or :meth:`discard`."""
+
+    def __init__(self, nsexec: NsExec, policy: EpisodePolicy):
+        self._net: EpisodeNetwork | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(nsexec, policy), name="sequester-net", daemon=True)
+        self._thread.start()
+
+    def _run(self, nsexec: NsExec, policy: EpisodePolicy) -> None:
+        try:
+            self._net = EpisodeNetwork.prepare(nsexec, policy)
+        except BaseException as exc:  # noqa: BLE001 - raised again by result()
+            self._error = exc
+
+    def result(self) -> EpisodeNetwork:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._net is not None
+        return self._net
+
+    def discard(self) -> None:
+        self._thread.join()
+        if self._net is not None:
+            self._net.close()
 
 
 def stack_host_id() -> int | None:
