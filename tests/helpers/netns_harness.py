@@ -196,6 +196,10 @@ with Episode(settings) as ep:
         v = ep.evaluate()
         out["reward"] = v.reward
         out["verifier_files"] = {k: bytes(f)[:2000].decode(errors="replace") for k, f in v.files.items()}
+        out["after"] = []  # the agent's phase again, after the verifier's
+        for probe in config.get("after", []):
+            r = ep.exec("python3 /tmp/probe.py " + " ".join(str(x) for x in probe), timeout=30)
+            out["after"].append({"probe": probe, "result": r.stdout.strip()})
     out["notes"] = ep.notes
 time.sleep(0.5)
 out["network"] = ep.network

@@ -167,7 +167,8 @@ def operator_hosts(tmp_path_factory) -> dict:
                "> /logs/verifier/reward.txt\n")
     config = _config(root, _task(root, test_sh), allowed_hosts=["10.1.2.3:8080", "localhost:8090"], evaluate=True,
                      probes=[["tcp", "10.1.2.3", 8080], ["tcp", "10.1.2.3", 8081], ["tcp", "127.0.0.1", 8090],
-                             ["tcp", "127.0.0.1", 8080], ["tcp", "172.16.5.5", 8080]], shell=[])
+                             ["tcp", "127.0.0.1", 8080], ["tcp", "172.16.5.5", 8080]], shell=[],
+                     after=[["tcp", "10.1.2.3", 8080], ["tcp", "127.0.0.1", 8090]])
     return run_in_private_netns(config, pythonpath=_src())
 
 
@@ -177,8 +178,9 @@ def test_the_operators_hosts_are_the_agents_only(operator_hosts):
     assert _probe(r, "tcp", "127.0.0.1", 8090) == "connected"  # relayed to the host's loopback port
     for probe in (["tcp", "10.1.2.3", 8081], ["tcp", "127.0.0.1", 8080], ["tcp", "172.16.5.5", 8080]):
         assert _probe(r, *probe) != "connected", probe
+    assert r["reward"] == 1.0, r["verifier_files"]  # the verifier reached neither
+    assert [a["result"] for a in r["after"]] == ['"connected"', '"connected"']  # the agent's phase is back
     reached = sorted(h["where"] for h in _listener_hits(r))
-    assert reached == ["tcp 10.1.2.3:8080", "tcp 127.0.0.1:8090"], r["hits"]
-    assert r["reward"] == 1.0  # the verifier reached neither
+    assert reached == ["tcp 10.1.2.3:8080", "tcp 10.1.2.3:8080", "tcp 127.0.0.1:8090", "tcp 127.0.0.1:8090"], r["hits"]
     assert r["network"]["agent_hosts"] == ["10.1.2.3:8080", "localhost:8090"]
 
