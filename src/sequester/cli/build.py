@@ -126,11 +126,14 @@ def add_build_command(sub: argparse._SubParsersAction) -> None:
         "none, or the allowlist; never the host's loopback or private addresses",
     )
     p.add_argument(
+        "--allow-host",
         "--allowed-host",
+        dest="allowed_host",
         action="append",
         default=[],
         metavar="HOST[:PORT]",
-        help="a host the allowlist allows (repeatable; default: [images] build_allowed_hosts)",
+        help="a host the allowlist allows (repeatable; the spelling of run's and serve's --allow-host; "
+        "default: [images] build_allowed_hosts)",
     )
     p.add_argument(
         "--logs", metavar="DIR", help="where each task's build log goes (default: build-logs/YYYY-MM-DD__HH-MM-SS)"

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from sequester.cli.backend import add_backend_arguments, apply_backend_arguments, scheduler_for
 from sequester.cli.common import config_of, err, positive
+from sequester.cli.network import add_network_arguments, apply_network_arguments
 from sequester.errors import PolicyError
 from sequester.images.image_settings import IMAGE_SOURCES
 
@@ -45,6 +46,7 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         "system, or auto (the image when it can be had, else host mode); default: [images] source",
     )
     add_backend_arguments(p, cluster=True)
+    add_network_arguments(p)
     p.set_defaults(func=cmd_run)
 
 
@@ -66,6 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.image_source:
         settings = replace(settings, images=replace(settings.images, source=args.image_source))
     settings = apply_backend_arguments(args, settings)
+    settings = apply_network_arguments(args, settings)
     scheduler = scheduler_for(args)  # --backend ray (its nodes fetch and build their own images)
     job_name = args.job_name or default_job_name()
     job_dir = _jobs_dir(args.output) / job_name

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from sequester.cli.backend import add_backend_arguments, apply_backend_arguments
 from sequester.cli.common import positive
+from sequester.cli.network import add_network_arguments, apply_network_arguments
 from sequester.config import load_config
 from sequester.errors import PolicyError, SequesterError
 from sequester.images.image_settings import IMAGE_SOURCES
@@ -79,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.image_source:
         episodes = dataclasses.replace(episodes, images=dataclasses.replace(episodes.images, source=args.image_source))
     episodes = apply_backend_arguments(args, episodes)
+    episodes = apply_network_arguments(args, episodes)
     if settings.tasks_dir is not None and not settings.tasks_dir.is_dir():
         raise PolicyError(f"--tasks-dir {str(settings.tasks_dir)!r}: not a folder")
     if settings.tasks_dir is not None and has_task_toml(settings.tasks_dir):
@@ -138,6 +140,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         "--image-source", choices=list(IMAGE_SOURCES), help="what each episode runs on (default: [images] source)"
     )
     add_backend_arguments(p)
+    add_network_arguments(p)
     p.add_argument(
         "--max-sessions",
         type=positive(int),

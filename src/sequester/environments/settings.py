@@ -12,6 +12,10 @@ toolchain_dir = "..."       # the verifier's runner tree (built once; see seques
 backend = "local"           # or "docker": a Docker-API engine runs the episodes (sequester.environments)
 docker_host = "unix:///..." # the engine (default: $DOCKER_HOST, else the engine's default socket)
 docker_build = false        # docker: build the task's environment/Dockerfile with the engine
+docker_network = "NAME"     # docker: the engine network public tasks get (default: the engine's default)
+network = "task"            # or "allowlist" / "none": what the run lets tasks have (see sequester.net.episode)
+allowed_hosts = []          # HOST[:PORT] the agent's phase may reach besides (a model API, a loopback mock)
+dns_servers = []            # IP[:PORT] the episodes' DNS responder asks (default: /etc/resolv.conf's)
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 from sequester.caches import cache_root, user_cache
 from sequester.errors import PolicyError
 from sequester.images.image_settings import ImageSettings
+from sequester.net.episode.policy import parse_operator_hosts, parse_run_network
+from sequester.net.episode.upstream import parse_server
 from sequester.sandbox.idmap import IdMap, caller_id_map, check_unused, parse_id_range
 
 if TYPE_CHECKING:
@@ -77,9 +83,19 @@ class EpisodeSettings:
     backend: str = "local"  # what runs the episodes: "local" (namespaces here) or "docker" (see sequester.environments)
     docker_host: str | None = None
     docker_build: bool = False
+    # docker: the engine network a public task's containers join (one the operator set up,
+    # e.g. with a firewall refusing private and metadata addresses); None: the engine's default.
+    docker_network: str | None = None
     # A root caller's range of subordinate ids for its episodes ("BASE:COUNT"; see
     # sequester.sandbox.idmap): else /etc/subuid's root entry (sequester setup ids).
     id_range: str | None = None
+    # The run's network (sequester.net.episode.policy): "task" (each task's own), "allowlist"
+    # (no task gets more than its allowlist) or "none"; and hosts for the agent's phase only.
+    network: str = "task"
+    allowed_hosts: tuple[str, ...] = ()
+    # The resolvers the episodes' DNS responder asks on the host ("IP" or "IP:PORT");
+    # empty: the host's own (/etc/resolv.conf).
+    dns_servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("exec_timeout", "output_bytes", "max_processes"):
@@ -98,8 +114,23 @@ class EpisodeSettings:
                 f"episodes.docker_host: {self.docker_host!r} is not an engine address "
                 "(unix:///PATH, tcp://HOST:PORT, ssh://...)"
             )
+        if self.docker_network is not None and (not isinstance(self.docker_network, str) or not self.docker_network):
+            raise PolicyError(f"episodes.docker_network: {self.docker_network!r} is not an engine network's name")
         if self.id_range is not None:
             check_unused(*parse_id_range(self.id_range))  # raises, naming the key
+        object.__setattr__(self, "network", parse_run_network(self.network))
+        if isinstance(self.allowed_hosts, str) or not isinstance(self.allowed_hosts, (list, tuple)):
+            raise PolicyError(f"episodes.allowed_hosts: {self.allowed_hosts!r} is not a list of HOST[:PORT]")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        parse_operator_hosts(self.allowed_hosts)  # raises, naming the key and the entry
+        if isinstance(self.dns_servers, str) or not isinstance(self.dns_servers, (list, tuple)):
+            raise PolicyError(f"episodes.dns_servers: {self.dns_servers!r} is not a list of IP[:PORT]")
+        object.__setattr__(self, "dns_servers", tuple(self.dns_servers))
+        for i, server in enumerate(self.dns_servers):
+            try:
+                parse_server(server)
+            except (TypeError, ValueError, AttributeError):
+                raise PolicyError(f"episodes.dns_servers[{i}]: {server!r} is not IP or IP:PORT") from None
         object.__setattr__(self, "reward_range", _reward_range(self.reward_range))
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "toolchain_dir", Path(self.toolchain_dir))

@@ -124,6 +124,9 @@ class TrialResult:
     verifier_environment_mode: str | None = None
     # What the episode ran on: {"mode": "image", "image": ref, "digest": ..., "id": ...} or {"mode": "host"}.
     system: dict[str, Any] | None = None
+    # The network it had (sequester.net.episode: its mode, what decided it, the destinations
+    # reached with their bytes, bounded); None: the backend says nothing of it.
+    network: dict[str, Any] | None = None
     # Where it ran on a cluster (sequester.cluster: node id, host name, worker pid), and
     # each earlier attempt lost with its node or worker (what failed, where, when).
     node: dict[str, Any] | None = None
@@ -161,6 +164,7 @@ class TrialResult:
             "tampering": list(self.tampering),
             "notes": list(self.notes),
             "system": dict(self.system) if self.system is not None else None,
+            "network": dict(self.network) if self.network is not None else None,
             "node": dict(self.node) if self.node is not None else None,
             "retries": [dict(r) for r in self.retries],
         }

@@ -207,6 +207,7 @@ def run_trial(
     notes: list[str] = []
     episode: Environment | None = None
     system: dict[str, Any] | None = None
+    network: dict[str, Any] | None = None
     mode = wanted_verifier_env(task, settings)  # the backend's default, once it is known (below)
     with trial_log.capture():
         try:
@@ -269,6 +270,7 @@ def run_trial(
                 except Exception as exc:  # noqa: BLE001 - the verdict stands; say so
                     notes.append(f"closing the episode failed: {exc}")
                     log.warning("%s: closing the episode failed: %s", trial_dir.name, exc)
+                network = getattr(episode, "network", None)  # (once closed: all it did)
             result = TrialResult(
                 task_name=task.name,
                 trial_name=trial_dir.name,
@@ -289,6 +291,7 @@ def run_trial(
                 config=config,
                 verifier_environment_mode=mode if "verifier" in phase.timings else None,
                 system=system,
+                network=network,
             )
             write_json(paths.result_path, result.to_dict())
     return result

@@ -215,10 +215,20 @@ def test_network_modes(tmp_path):
     def task(name, env):
         return load_task(make_task(tmp_path, name, toml=f"[environment]\n{env}\n"))
 
-    assert network_for(task("a", "allow_internet = false")) == "none"
-    assert network_for(task("b", "")) is None
+    from sequester.environments.settings import EpisodeSettings
+
+    assert network_for(task("a", "allow_internet = false"))[0] == "none"
+    name, record = network_for(task("b", ""))
+    assert name is None and record["mode"] == "public" and "refuses nothing" in record["guarantee"]
     with pytest.raises(UnsupportedByBackend, match="allowlist"):
         network_for(task("c", 'network_mode = "allowlist"\nallowed_hosts = ["pypi.org"]'))
+    # the run's network narrows it; an engine network of the operator's is used as named
+    assert network_for(task("d", ""), EpisodeSettings(network="none")) == (
+        "none", {"task_network_mode": "public", "run_network": "none", "backend": "docker", "mode": "none",
+                 "decided_by": "operator"})
+    with pytest.raises(UnsupportedByBackend, match="--network allowlist"):
+        network_for(task("e", ""), EpisodeSettings(network="allowlist"))
+    assert network_for(task("f", ""), EpisodeSettings(docker_network="sealed"))[0] == "sealed"
 
 
 def test_no_engine_is_a_clear_error(tmp_path):

@@ -26,6 +26,7 @@ __all__ = [
     "ImageChoice",
     "resolve_image",
     "network_for",
+    "ENGINE_GUARANTEE",
     "create_container",
     "container_workdir",
     "remove_container",
@@ -97,17 +98,32 @@ def container_workdir(task: Task, choice: ImageChoice) -> str:
     return task.config.environment.workdir or choice.workdir or task.default_workdir or "/"
 
 
-def network_for(task: Task) -> str | None:
-    """The engine's ``network_mode``: ``none`` for a task without internet, the engine's
-    default network for a public one; an allowlist cannot be had here."""
+# What docker mode guarantees of a public network (docs/network.md): the engine's, not sequester's.
+ENGINE_GUARANTEE = (
+    "the engine's network: sequester refuses nothing on it (a Docker engine's bridge reaches the host's "
+    "addresses, private networks and cloud metadata unless its operator's firewall refuses them)"
+)
+
+
+def network_for(task: Task, settings: EpisodeSettings | None = None) -> tuple[str | None, dict[str, Any]]:
+    """The engine's ``network_mode`` for ``task`` under the run's network (``settings``:
+    ``[episodes] network``, ``docker_network``), and the record of it: ``none`` for a task
+    without internet (or a run narrowed to none), the operator's engine network
+    (``docker_network``) else the engine's default for a public one, with the weaker
+    guarantee said in the record. An allowlist cannot be enforced here: refused."""
+    run_network = settings.network if settings is not None else "task"
     mode = task.config.environment.effective_network_mode
-    if mode == "no-network":
-        return "none"
-    if mode == "public":
-        return None
-    raise UnsupportedByBackend(
-        f"{task.name}: network_mode = {mode!r} is not supported by the docker backend (only 'no-network' and 'public')"
-    )
+    record: dict[str, Any] = {"task_network_mode": mode, "run_network": run_network, "backend": "docker"}
+    if mode == "no-network" or run_network == "none":
+        return "none", {**record, "mode": "none", "decided_by": "task" if mode == "no-network" else "operator"}
+    if mode == "allowlist" or run_network == "allowlist":
+        raise UnsupportedByBackend(
+            f"{task.name}: an allowlist network ({'the task' if mode == 'allowlist' else '--network allowlist'}) "
+            "cannot be enforced by the docker backend: use the local backend, or --network none"
+        )
+    engine = settings.docker_network if settings is not None else None
+    note = f"the operator's engine network {engine!r}" if engine else "the engine's default network"
+    return engine, {**record, "mode": "public", "decided_by": "task", "network": note, "guarantee": ENGINE_GUARANTEE}
 
 
 def create_container(

@@ -105,6 +105,7 @@ class DockerEnvironment:
         self._client: Any = None
         self._run: _Run | None = None
         self._closed = False
+        self._network_record: dict[str, Any] = {}
         self._aborted = threading.Event()
 
     @property
@@ -155,6 +156,12 @@ class DockerEnvironment:
         return self._running().container
 
     @property
+    def network(self) -> dict[str, Any] | None:
+        """The episode's network for the trial's record (its mode, what decided it, and
+        what the engine's network guarantees); no traffic is counted in docker mode."""
+        return dict(self._network_record) if self._network_record else None
+
+    @property
     def system(self) -> dict[str, object]:
         run = self._running()
         return {"mode": "docker", "image": run.image.reference, "id": run.image.id, "container": run.container.id}
@@ -170,7 +177,8 @@ class DockerEnvironment:
         missing = missing_capabilities(CAPABILITIES, task, self.settings)
         if missing:  # (Compose services): before anything is made
             raise UnsupportedByBackend("; ".join(missing))
-        network = network_for(task)  # before anything is made: an unsupported network refuses the task
+        # before anything is made: an unsupported network refuses the task
+        network, self._network_record = network_for(task, self.settings)
         if self._client is None:
             self._client = connect(self._base_url)
             reap_once(self._client, self._client.api.base_url)
@@ -185,6 +193,10 @@ class DockerEnvironment:
         limit = task.config.agent.timeout_sec
         run = _Run(task, choice, container, ops, workdir, time.monotonic() + limit if limit else None)
         run.notes.append("each exec runs in a fresh sh in the working directory (cd and exports do not persist)")
+        if self._network_record.get("mode") == "public":
+            run.notes.append(f"network: {self._network_record['guarantee']}")
+            if self.settings.allowed_hosts:
+                run.notes.append("--allow-host: the docker backend's public network reaches those hosts and the rest")
         if task.config.environment.storage_mb is not None:
             run.notes.append("[environment] storage_mb is not enforced by the docker backend")
         if task.config.environment.gpus and task.config.environment.gpu_types:
@@ -300,7 +312,7 @@ class DockerEnvironment:
             self.settings,
             role="verifier",
             workdir=run.workdir,
-            network=network_for(run.task),
+            network=network_for(run.task, self.settings)[0],
         )
         return ContainerHandle(self._client, container, self.settings.output_bytes, remove_on_discard=True)
 

@@ -40,7 +40,7 @@ from sequester.environments.base import (
     wants_freeze,
 )
 from sequester.environments.local.evaluation import run_tests
-from sequester.environments.local.layers import report_episode
+from sequester.environments.local.layers import report_episode, view_points
 from sequester.environments.local.separate import evaluate_separately
 from sequester.environments.local.shell import SHELL_SETUP, Shell
 from sequester.environments.local.start import RunningEpisode
@@ -54,6 +54,10 @@ from sequester.imagebuild.task_build import ensure_built
 from sequester.images import ImageRecord
 from sequester.images.choose import Choice, choose_image
 from sequester.images.stack import image_path_kind
+from sequester.net.episode.layout import resolv_conf
+from sequester.net.episode.policy import EpisodePolicy, episode_policy, parse_operator_hosts
+from sequester.net.episode.session import EpisodeNetwork, Preparing, network_unavailable, stack_host_id
+from sequester.net.episode.upstream import Upstream, parse_server
 from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.gpus import available_gpus
@@ -78,9 +82,15 @@ class _State(enum.Enum):
 
 
 # The tests run by the runner tree the agent cannot write, in the agent's view or a fresh
-# one; the agent can be frozen (cgroup freezer, else signals); no network, or public.
+# one; the agent can be frozen (cgroup freezer, else signals); the task's network, narrowed
+# by the operator's (sequester.net.episode).
 LOCAL_CAPABILITIES = Capabilities(
-    backend="local", separate_verifier=True, shared_verifier=True, freeze=True, trusted_runner=True
+    backend="local",
+    separate_verifier=True,
+    shared_verifier=True,
+    freeze=True,
+    trusted_runner=True,
+    network_policies=frozenset({"none", "public", "allowlist"}),
 )
 
 
@@ -108,6 +118,8 @@ class Episode:
         self._state = _State.NEW
         self._run: RunningEpisode | None = None
         self._aborted = threading.Event()
+        self._verifier_only = False  # a separate verifier's environment: never the agent's hosts
+        self._network_record: dict[str, object] | None = None
 
     # -- properties --------------------------------------------------------------------
 
@@ -198,10 +210,22 @@ class Episode:
         else:
             choice = Choice(image, "image" if image is not None else "host")  # type: ignore[arg-type]
         self._nsexec = self._nsexec or shared_nsexec()
-        self._run = start_system(task, choice, self.settings, self.extra_hidden, workdir)
+        policy = self.network_policy(task)  # (a task's bad allowed_hosts fails before anything starts)
+        wanted = policy.has_network and network_unavailable() is None
+        # A root caller's router and stack are made while the sandbox starts (half the cost).
+        early = Preparing(self._nsexec, policy) if wanted and stack_host_id() is not None else None
+        try:
+            self._run = start_system(
+                task, choice, self.settings, self.extra_hidden, workdir, resolv_conf() if wanted else None
+            )
+        except BaseException:
+            if early is not None:
+                early.discard()
+            raise
         run, chosen = self._run, self._run.workdir
         self._state = _State.RUNNING
         try:
+            self._start_network(run, policy, early)  # before any agent process exists
             if not shell:  # else the shell's start does it: before any agent process exists
                 self._nsexec.harden(run.bwrap.pid)
             if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
@@ -228,6 +252,51 @@ class Episode:
         r = run.shell.run("ldconfig " + " ".join(shlex.quote(f) for f in folders), 60, 4096)
         if r.exit_code != 0:
             run.notes.append(f"ldconfig of the GPU driver's folders failed ({r.exit_code}): {r.output.strip()[:300]}")
+
+    def network_policy(self, task: Task) -> EpisodePolicy:
+        """``task``'s network narrowed by the settings' (the operator's); a separate
+        verifier's environment never gets the operator's hosts."""
+        env = task.config.environment
+        return episode_policy(
+            env.effective_network_mode,
+            env.allowed_hosts,
+            run_network=self.settings.network,
+            agent_hosts=() if self._verifier_only else parse_operator_hosts(self.settings.allowed_hosts),
+        )
+
+    def _start_network(self, run: RunningEpisode, policy: EpisodePolicy, early: Preparing | None = None) -> None:
+        """The episode's network by ``policy`` (``early``: its router, being made); nothing
+        at all for an episode without one."""
+        self._network_record = {**policy.to_record(), "traffic": None}
+        run.notes += policy.notes()
+        if not policy.has_network:
+            self._network_record["mode"] = self._network_record["agent_mode"] = "none"
+            return
+        why = network_unavailable()
+        if why is not None:
+            run.notes.append(f"the task's network ({policy.agent_mode}) could not be given: {why}")
+            self._network_record.update(mode="none", agent_mode="none", unavailable=why)
+            return
+        assert self._nsexec is not None
+        servers = [parse_server(s) for s in self.settings.dns_servers]
+        net = (
+            early.result() if early is not None else EpisodeNetwork.prepare(self._nsexec, policy, target=run.bwrap.pid)
+        )
+        net.link(run.bwrap.pid, upstream=Upstream(servers or None), write_resolv_conf=not run.resolv_placed)
+        run.network = net
+        # its /etc/resolv.conf (the responder's address) is the network's, not the agent's change
+        run.view_points = run.view_points | view_points(["/etc/resolv.conf"])
+        if self._verifier_only:
+            run.network.verifier_phase()
+
+    @property
+    def network(self) -> dict[str, object] | None:
+        """The episode's network for the trial's record: its policy and where it came from,
+        and (once the episode is closed, or now) the destinations reached, bounded."""
+        run = self._run
+        if run is not None and run.network is not None:
+            self._network_record = run.network.record()
+        return dict(self._network_record) if self._network_record is not None else None
 
     def _make_dir(self, path: str) -> None:
         """``path`` as a folder in the agent's view (an image without its working directory)."""
@@ -359,7 +428,9 @@ class Episode:
 
     def _fresh(self) -> Episode:
         """A new episode of these settings and this helper: a separate verifier's environment."""
-        return Episode(self.settings, hide=self.extra_hidden, nsexec=self._nsexec)
+        fresh = Episode(self.settings, hide=self.extra_hidden, nsexec=self._nsexec)
+        fresh._verifier_only = True
+        return fresh
 
     @property
     def runner(self) -> Path | None:
@@ -444,6 +515,8 @@ class Episode:
         if wanted:  # first: nothing of the evaluation happens while an agent process runs
             outcome = run.freezer.freeze()
             frozen, notes = outcome.method, (outcome.note,)
+        if run.network is not None:  # the verifier never gets the operator's hosts
+            run.network.verifier_phase()
         try:
             if mode == "separate":
                 ev, more = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid)
@@ -460,6 +533,8 @@ class Episode:
                     max_processes=self.settings.max_processes,
                 )
         finally:
+            if run.network is not None:
+                run.network.agent_phase()
             if wanted:
                 run.freezer.thaw()
                 if not outcome.held and run.shell is not None:
@@ -498,6 +573,7 @@ class Episode:
             return
         errors = []
         for step in (
+            (run.network.close if run.network else None),
             run.freezer.thaw,
             (run.shell.close if run.shell else None),
             run.bwrap.kill,
@@ -513,6 +589,8 @@ class Episode:
                 step()
             except Exception as exc:  # noqa: BLE001 - keep tearing down; report at the end
                 errors.append(f"{getattr(step, '__qualname__', step)}: {exc}")
+        if run.network is not None:
+            self._network_record = run.network.record()  # as it was when closed
         if errors:
             raise SandboxError("the episode was not cleaned up completely: " + "; ".join(errors))
 

@@ -19,6 +19,7 @@ from sequester.environments.local.image_view import (
     upper_folders,
 )
 from sequester.environments.local.layers import view_points
+from sequester.environments.local.resolv import place_resolv_conf
 from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.settings import EpisodeSettings, episode_id_map
@@ -76,9 +77,13 @@ def start_on_image(
     settings: EpisodeSettings,
     lease: ImageLease,
     limits: LimitGroups | None = None,
+    resolv_conf: str | None = None,
     *,
     gpus: GpuPlan | None = None,
 ) -> RunningEpisode:
+    """The episode's init on the image's view; ``resolv_conf``: the agent's
+    ``/etc/resolv.conf`` (an episode with a network), a regular file in the writable layer
+    over whatever the image has there (never followed: an image's link stays as it is)."""
     record = lease.record
     runner = runner_tree(settings.toolchain_dir)
     if runner is None:
@@ -110,6 +115,11 @@ def start_on_image(
                 f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)"
             )
     _make_upper(dirs, lease.layers, runner_top)
+    placed = False
+    if resolv_conf is not None and image_path_kind(lease.layers, "/etc") in ("dir", "none"):
+        lower_etc = [layer / "etc" for layer in reversed(lease.layers) if (layer / "etc").is_dir()]
+        place_resolv_conf(dirs.upper_root / "etc", resolv_conf, like=lower_etc[0] if lower_etc else None)
+        placed = True
     image_env = record.config.env_map()
     env = {"PATH": DEFAULT_PATH.split("=", 1)[1], "HOME": home or "/root", "TERM": "xterm", **image_env, "PWD": workdir}
     if "HOSTNAME" not in image_env:
@@ -159,4 +169,5 @@ def start_on_image(
         agent_caps=caps,
         id_map=ids,
         agent_ids=(uid, gid) if ids is not None and uid != 0 else None,
+        resolv_placed=placed,
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sequester.environments.local.layers import view_points
+from sequester.environments.local.resolv import place_resolv_conf
 from sequester.environments.local.shell import Shell
 from sequester.environments.local.staging import stage_environment, tops_needed
 from sequester.environments.local.state import EpisodeDirs
@@ -39,6 +40,7 @@ from sequester.verifier.tree import runner_tree
 
 if TYPE_CHECKING:
     from sequester.images import ImageLease, ImageRecord
+    from sequester.net.episode.session import EpisodeNetwork
     from sequester.sandbox.cgroups.limits import LimitGroups
 
 __all__ = ["RunningEpisode", "start_episode", "launch_init", "hidden_for", "AGENT_PATH", "INIT_SCRIPT", "HOST_SHELL"]
@@ -85,6 +87,8 @@ class RunningEpisode:
     agent_ids: tuple[int, int] | None = None
     gpus: GpuPlan | None = None  # the GPUs bound into the view (sequester.sandbox.gpus)
     storage_quota: ProjectQuota | None = None  # the writable layers' cap (sequester.sandbox.quota)
+    network: EpisodeNetwork | None = None  # the episode's network (sequester.net.episode), if it has one
+    resolv_placed: bool = False  # its /etc/resolv.conf was put in the view's writable layer before the start
 
     @property
     def agent_cgroups(self) -> list[str]:
@@ -106,11 +110,14 @@ def start_episode(
     settings: EpisodeSettings,
     extra_hidden: tuple[Path, ...],
     limits: LimitGroups | None = None,
+    resolv_conf: str | None = None,
     *,
     gpus: GpuPlan | None = None,
 ) -> RunningEpisode:
     """Plan the view, stage the environment's files, start the init under bwrap (with
-    ``gpus`` bound in after the view's own ``/dev``)."""
+    ``gpus`` bound in after the view's own ``/dev``). ``resolv_conf``: the agent's
+    ``/etc/resolv.conf`` (an episode with a network), put in ``/etc``'s writable layer when
+    ``/etc`` is one overlay (see :attr:`RunningEpisode.resolv_placed`)."""
     facts = gather_host_facts()
     hidden_top, hidden_deep = hidden_for(task, facts, settings, extra_hidden)
     fresh = {p.name for p in hidden_top}
@@ -125,8 +132,6 @@ def start_episode(
         if task.dockerfile
         else []
     )
-    if task.config.environment.effective_network_mode != "no-network":
-        notes.append("the task asks for network access; local episodes have none")
     runner = runner_tree(settings.toolchain_dir)
     # Without a WORKDIR the agent works at the task's own path: an empty writable folder
     # there, instead of the read-only one that hides the task.
@@ -162,6 +167,12 @@ def start_episode(
         for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
             if folder is not None and not os.path.lexists(folder):  # (a staged bind's source may be a file)
                 folder.mkdir(parents=True, exist_ok=True)
+    placed = False
+    if resolv_conf is not None:
+        etc = [op for op in mounts if op.dest == Path("/etc") and op.kind is MountKind.OVERLAY and op.upper]
+        if etc and etc[0].upper is not None:
+            place_resolv_conf(etc[0].upper, resolv_conf, like=Path("/etc"))
+            placed = True
     for c in composites:
         make_skeleton(c)
         if c.hidden:
@@ -212,6 +223,7 @@ def start_episode(
         runner=runner,
         view_points=view_points(op.dest for op in (*mounts, *gpu_ops)),
         id_map=ids,
+        resolv_placed=placed,
     )
 
 

@@ -41,10 +41,16 @@ _stale_cleaned: set[Path] = set()
 
 
 def start_system(
-    task: Task, choice: Choice, settings: EpisodeSettings, extra_hidden: tuple[Path, ...], workdir: str | None
+    task: Task,
+    choice: Choice,
+    settings: EpisodeSettings,
+    extra_hidden: tuple[Path, ...],
+    workdir: str | None,
+    resolv_conf: str | None = None,
 ) -> RunningEpisode:
     """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
-    ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute).
+    ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute);
+    ``resolv_conf``: the agent's ``/etc/resolv.conf`` when the episode has a network.
     GPUs the task asks for that this host cannot give: :class:`UnsupportedByBackend`,
     before anything starts."""
     gpus = _gpus(task)
@@ -69,9 +75,9 @@ def start_system(
         limits, why = make_episode_limits(task, max_processes=settings.max_processes)
         try:
             if lease is not None:
-                run = start_on_image(task, chosen, dirs, settings, lease, limits, gpus=gpus)
+                run = start_on_image(task, chosen, dirs, settings, lease, limits, resolv_conf, gpus=gpus)
             else:
-                run = start_episode(task, chosen, dirs, settings, extra_hidden, limits, gpus=gpus)
+                run = start_episode(task, chosen, dirs, settings, extra_hidden, limits, resolv_conf, gpus=gpus)
         except BaseException:
             if limits is not None:
                 limits.remove()

@@ -15,7 +15,7 @@ import logging
 import ssl
 from typing import TYPE_CHECKING
 
-from sequester.net.build.addresses import IPAddress
+from sequester.net.addresses import IPAddress
 from sequester.net.build.upstream import UpstreamProxy
 from sequester.net.http import Refused, Request, origin_headers, refusal, shorten
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sequester.net.build.addresses import normalize_host
+from sequester.net.addresses import normalize_host
 
 __all__ = ["apt_source_files", "index_hosts", "pip_config_files"]
 

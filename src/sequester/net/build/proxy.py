@@ -32,8 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sequester.errors import SandboxError
-from sequester.net.broker import shared_loop
-from sequester.net.build.addresses import (
+from sequester.net.addresses import (
     HOST_NAME,
     LOOPBACK,
     OWN,
@@ -44,6 +43,7 @@ from sequester.net.build.addresses import (
     literal,
     normalize_host,
 )
+from sequester.net.broker import shared_loop
 from sequester.net.build.forward import HEAD_LIMIT as _HEAD_LIMIT
 from sequester.net.build.forward import (
     body_length,

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from sequester.net.build.addresses import literal
-from sequester.net.build.addresses import network_of as _network
+from sequester.net.addresses import literal
+from sequester.net.addresses import network_of as _network
 
 __all__ = ["Upstream", "UpstreamProxy"]
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from sequester.errors import SandboxError
 from sequester.sandbox.bwrap import read_pending
 
-__all__ = ["NsExec", "Worker", "HeadTail", "shared_nsexec", "write_and_close"]
+__all__ = ["NsExec", "Router", "Worker", "HeadTail", "shared_nsexec", "write_and_close"]
 
 
 class HeadTail:
@@ -118,6 +118,33 @@ class Worker:
             return json.loads(line)
         except ValueError:
             return {"error": "the helper's worker sent an unreadable report"}
+
+
+@dataclass
+class Router:
+    """An episode's router namespace as the host holds it (made by :meth:`NsExec.net_router`):
+    its user and network namespaces (descriptors), the pid of the process that holds them
+    (the stack attaches to it) and the lifeline that keeps that process alive (closing it
+    ends it), the DNS responder's UDP and TCP sockets in it, and the relays' listening
+    sockets in the agent's namespace."""
+
+    userns: int
+    netns: int
+    holder: int
+    lifeline: int
+    dns: list[socket.socket]
+    relays: list[socket.socket]
+
+    def close(self) -> None:
+        for sock in (*self.dns, *self.relays):
+            sock.close()
+        for fd in (self.userns, self.netns, self.lifeline):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.dns, self.relays, self.userns, self.netns, self.lifeline = [], [], -1, -1, -1
 
 
 class NsExec:
@@ -281,6 +308,90 @@ class NsExec:
         report = self._finish(worker, timeout, "pack the artifacts")
         return bytes(data), list(report.get("missing", []))
 
+    # -- an episode's network (see sequester.sandbox.nsexec.router) ------------------
+
+    def net_router(self, plan: dict[str, Any], *, target: int | None = None, timeout: float = 30) -> Router:
+        """Make an episode's router namespace (``plan``: the request's fields, see
+        :func:`~sequester.sandbox.nsexec.router.op_net_router`; ``target``: the episode's
+        init, which an ordinary user's router needs, a root caller's not)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        life_r, life_w = os.pipe()
+        os.set_inheritable(life_w, False)
+        try:
+            with ours:
+                try:
+                    worker = self.request({"op": "net_router", "target": target, **plan}, [theirs.fileno(), life_r])
+                finally:
+                    theirs.close()
+                    os.close(life_r)
+                report = self._finish(worker, timeout, "make the episode's router")
+                fds = _receive_fds(ours, timeout)
+        except BaseException:
+            os.close(life_w)
+            raise
+        if len(fds) != 4:
+            for fd in (*fds, life_w):
+                os.close(fd)
+            raise SandboxError(f"the episode's router came back with {len(fds)} descriptors, not 4")
+        return Router(fds[0], fds[1], int(report["holder"]), life_w, [socket.socket(fileno=fd) for fd in fds[2:]], [])
+
+    def net_link(self, target: int, router: Router, plan: dict[str, Any], *, timeout: float = 30) -> None:
+        """Link ``router`` to the episode of ``target`` (``plan``: see
+        :func:`~sequester.sandbox.nsexec.router.op_net_link`); the relays' listening
+        sockets go to ``router.relays``."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours:
+            try:
+                worker = self.request(
+                    {"op": "net_link", "target": target, **plan}, [theirs.fileno(), router.userns, router.netns]
+                )
+            finally:
+                theirs.close()
+            self._finish(worker, timeout, "link the episode to its router")
+            fds = _receive_fds(ours, timeout)
+        router.relays += [socket.socket(fileno=fd) for fd in fds]
+        if len(fds) != len(plan.get("relays", [])):
+            raise SandboxError(f"the episode's relays came back with {len(fds)} sockets")
+
+    def net_nft(
+        self,
+        router: Router,
+        commands: Sequence[str],
+        *,
+        json: bool = False,
+        tolerate: bool | Sequence[bool] = False,
+        timeout: float = 10,
+    ) -> list[str]:
+        """nftables ``commands`` in the router; their outputs (JSON with ``json``); a
+        command that fails raises, unless ``tolerate`` (all, or one flag per command)."""
+        worker = self.request(
+            {
+                "op": "net_nft",
+                "commands": list(commands),
+                "json": json,
+                "tolerate": tolerate if isinstance(tolerate, bool) else list(tolerate),
+            },
+            [router.userns, router.netns],
+        )
+        return list(self._finish(worker, timeout, "change the episode's network rules")["outputs"])
+
+    def net_stack(
+        self,
+        argv: Sequence[str],
+        *,
+        uid: int | None,
+        private_tun: bool,
+        stderr: int,
+        fds: Sequence[int],
+        timeout: float = 10,
+    ) -> int:
+        """Start the user-mode stack (``argv``, its descriptors 3, 4, ... ``fds``) as ``uid``;
+        its pid. It dies with the helper (so with this process)."""
+        worker = self.request(
+            {"op": "net_stack", "argv": list(argv), "uid": uid, "private_tun": private_tun}, [stderr, *fds]
+        )
+        return int(self._finish(worker, timeout, f"start {argv[0]}")["pid"])
+
     def _with_input(self, target: int, message: dict[str, Any], data: bytes, timeout: float) -> None:
         data_r, data_w = os.pipe()
         try:
@@ -303,6 +414,16 @@ class NsExec:
         if "error" in report:
             raise SandboxError(f"could not {what}: {report['error']}")
         return report
+
+
+def _receive_fds(sock: socket.socket, timeout: float) -> list[int]:
+    """The descriptors a worker sent on ``sock`` (close-on-exec), once."""
+    sock.settimeout(timeout)
+    try:
+        _, fds, _, _ = socket.recv_fds(sock, 16, 64, socket.MSG_CMSG_CLOEXEC)
+    except OSError as exc:
+        raise SandboxError(f"the namespace helper's worker sent nothing back: {exc}") from None
+    return list(fds)
 
 
 def write_and_close(fd: int, data: bytes) -> None:

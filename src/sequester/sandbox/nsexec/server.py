@@ -14,6 +14,7 @@ worker and answers ``{"worker": pid}``; the worker reports on its own result pip
   seccomp filter, keep only the container capabilities, and exec. The child's parent then
   exits, so the episode's init adopts it.
 * ``files``: join the episode and write, read or unpack files in the agent's view.
+* ``net_router``, ``net_link``, ``net_nft``, ``net_stack``: an episode's network (see :mod:`.router`).
 * ``verify``: join the episode's network, IPC and UTS namespaces and a *copy* of its mount
   namespace (as the parent user namespace, so the copy's mounts stay ours to change),
   in a new PID namespace the agent cannot see. There, fresh tmpfs at ``/tests`` and
@@ -60,6 +61,7 @@ from sequester.sandbox.nsexec.ns import (
     restrict,
 )
 from sequester.sandbox.nsexec.root import build_root
+from sequester.sandbox.nsexec.router import op_net_link, op_net_nft, op_net_router, op_net_stack
 
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
@@ -359,7 +361,16 @@ def op_harden(req: dict[str, Any], fds: list[int]) -> None:
     report(fds[0], {"ok": True})
 
 
-_OPS = {"spawn": op_spawn, "files": op_files, "verify": op_verify, "harden": op_harden}
+_OPS = {
+    "spawn": op_spawn,
+    "files": op_files,
+    "verify": op_verify,
+    "harden": op_harden,
+    "net_router": op_net_router,
+    "net_link": op_net_link,
+    "net_nft": op_net_nft,
+    "net_stack": op_net_stack,
+}
 
 
 def serve(sock: socket.socket) -> None:

@@ -1,11 +1,14 @@
-"""The addresses a build may never reach, and the spelling of hosts (for :mod:`.network`).
+"""The addresses a sandbox's network may never reach, and the spelling of hosts: shared
+by the build network (:mod:`sequester.net.build`) and the episode network
+(:mod:`sequester.net.episode`).
 
-Split from the policy because it is a concern of its own: one table of refused ranges
-(:data:`RANGES`, first match wins) and the host's own addresses (:class:`LocalAddresses`),
-read by the policy (an ``allowed_hosts`` entry that is always refused is an error), by the
-build proxy (every address it would connect to) and by :mod:`.upstream` (``no_proxy``
-networks). The host spellings here (:func:`normalize_host`, :func:`literal`) are the one
-form names and addresses are compared in, by all three.
+One table of refused ranges (:data:`RANGES`, first match wins) and the host's own
+addresses (:class:`LocalAddresses`), read by the build policy (an ``allowed_hosts`` entry
+that is always refused is an error), the build proxy (every address it would connect to),
+the build's upstream proxy (``no_proxy`` networks), and an episode's firewall and DNS
+responder. The host spellings here (:func:`normalize_host`, :func:`literal`,
+:func:`parse_host_rule`: ``HOST``, ``HOST:PORT``, ``*.DOMAIN``, IP or CIDR) are the one form
+names and addresses are written and compared in, by all of them.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ import re
 import socket
 import threading
 import time
+from dataclasses import dataclass
+
+from sequester.errors import PolicyError
 
 __all__ = [
     "HOST_NAME",
+    "HostRule",
     "IPAddress",
     "IPNetwork",
     "LOOPBACK",
@@ -32,6 +39,7 @@ __all__ = [
     "literal",
     "network_of",
     "normalize_host",
+    "parse_host_rule",
     "refusal_for_address",
 ]
 
@@ -179,3 +187,71 @@ def network_of(text: str) -> IPNetwork | None:
         return ipaddress.ip_network(text, strict=False)
     except ValueError:
         return None
+
+
+# -- host rules: allowed_hosts entries and index hosts ---------------------------------
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """``name`` (``.example.com`` for ``*.example.com``) or ``network``; ``port`` None: any."""
+
+    name: str | None = None
+    network: IPNetwork | None = None
+    port: int | None = None
+
+    def matches_name(self, host: str, port: int) -> bool:
+        if self.name is None or self.port not in (None, port):
+            return False
+        return host == self.name or (self.name.startswith(".") and host.endswith(self.name))
+
+    def matches_address(self, ip: IPAddress, port: int) -> bool:
+        if self.network is None or self.port not in (None, port):
+            return False
+        inner = embedded(ip)
+        return ip in self.network or (inner is not None and inner in self.network)
+
+    @property
+    def names_loopback(self) -> bool:
+        """The rule itself names loopback (``localhost``, ``127.0.0.1``): not a name that
+        happens to resolve there."""
+        if self.network is not None:
+            return self.network.num_addresses == 1 and self.network.network_address.is_loopback
+        return self.name is not None and (self.name == "localhost" or self.name.endswith(".localhost"))
+
+    def __str__(self) -> str:
+        if self.network is not None:
+            text = str(self.network.network_address) if self.network.num_addresses == 1 else str(self.network)
+            text = f"[{text}]" if self.port is not None and ":" in text else text
+        else:
+            text = f"*{self.name}" if self.name and self.name.startswith(".") else str(self.name)
+        return text if self.port is None else f"{text}:{self.port}"
+
+
+def parse_host_rule(text: str, *, field: str = "allowed_hosts") -> HostRule:
+    """``pypi.org``, ``pypi.org:443``, ``*.example.com``, ``203.0.113.7``, ``[2001:db8::1]:443``, ``203.0.113.0/24``."""
+
+    def bad(why: str) -> PolicyError:
+        return PolicyError(f"{field}: {text!r} {why} (expected HOST, HOST:PORT, *.DOMAIN, IP or CIDR)")
+
+    if not isinstance(text, str) or not text.strip():
+        raise bad("is not a host")
+    body, port = text.strip(), None
+    if "://" in body or "/" in body and not network_of(body):
+        raise bad("is a URL or path, not a host")
+    match = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:\[\]]+):(\d+)", body)
+    if match:
+        body, port_text = (match.group(1), match.group(2)) if match.group(1) else (match.group(3), match.group(4))
+        port = None if port_text is None else int(port_text)
+        if port is not None and not 1 <= port <= 65535:
+            raise bad("has a port outside 1..65535")
+    network = network_of(body)
+    if network is not None:
+        if port is not None and network.num_addresses != 1:
+            raise bad("gives a port to a network")
+        return HostRule(network=network, port=port)
+    wildcard = body.startswith("*.")
+    name = normalize_host(body[2:] if wildcard else body)
+    if len(name) > 253 or not HOST_NAME.fullmatch(name):
+        raise bad("is not a valid host name")
+    return HostRule(name=f".{name}" if wildcard else name, port=port)

@@ -1,0 +1,39 @@
+"""The agent's ``/etc/resolv.conf`` in an episode with a network: put in the writable
+layer of its view before the sandbox starts, as a regular file of the layer's owner.
+
+Nothing is bound over the path and nothing is written through it: an image's
+``/etc/resolv.conf`` is often a link (``../run/systemd/resolve/stub-resolv.conf``), and a
+bind mount or a write would follow it (out of the view, when bwrap resolves it on the
+host). A regular file in the upper layer hides whatever the lower layers have there,
+link or file, and changes nothing of them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["place_resolv_conf"]
+
+
+def place_resolv_conf(upper_etc: Path, text: str, *, like: Path | None = None) -> None:
+    """``upper_etc/resolv.conf`` holding ``text`` (``upper_etc``: the writable layer's
+    ``/etc``, made when missing, with the mode of ``like``, the lower ``/etc``)."""
+    if not upper_etc.is_dir() or upper_etc.is_symlink():
+        if os.path.lexists(upper_etc):
+            raise OSError(f"{upper_etc} is not a folder")
+        upper_etc.mkdir()
+        if like is not None:
+            try:
+                os.chmod(upper_etc, os.lstat(like).st_mode & 0o7777)
+            except OSError:
+                pass
+    target = upper_etc / "resolv.conf"
+    if os.path.lexists(target) and (target.is_symlink() or not target.is_file()):
+        os.unlink(target)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, text.encode())
+        os.fchmod(fd, 0o644)
+    finally:
+        os.close(fd)
