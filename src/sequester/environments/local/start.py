@@ -255,6 +255,8 @@ def launch_init(
         if limits is not None:
             try:
                 limits.enrol(started.pid)
+            except ProcessLookupError:
+                pass  # bwrap is gone already: its own error (below) says why
             except OSError as exc:
                 raise SandboxError(f"the episode's init could not join its cgroups: {exc}") from None
         if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
