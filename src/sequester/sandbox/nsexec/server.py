@@ -157,9 +157,16 @@ def _set_rlimits(limits: dict[str, Any] | None) -> None:
 def _default_signals() -> None:
     """What a container's process starts with: every disposition at its default (Python
     ignores SIGPIPE and SIGXFSZ, and an ignored disposition survives exec: ``yes | head``
-    would print errors instead of ending quietly)."""
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
+    would print errors instead of ending quietly), whatever the host process inherited:
+    every signal, not a list (a sequester started under ``nohup`` ignores SIGHUP, which
+    its agents would inherit)."""
+    for sig in range(1, signal.NSIG):
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):  # numbers the C library reserves (its own real-time signals)
+            pass
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
