@@ -251,3 +251,26 @@ def test_setup_ids_is_roots_and_says_what_it_would_do(capsys):
     assert status == 0, out
     assert ("usermod" in out.out) or ("already" in out.out), out.out
     json.dumps(out.out)
+
+
+IGNORING_HOST = r'''
+import signal, sys
+from pathlib import Path
+for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGPIPE, signal.SIGTTOU):
+    signal.signal(sig, signal.SIG_IGN)  # a host started under nohup, or by a daemon that ignores these
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+from sequester.environments.local.episode import Episode
+with Episode() as ep:
+    ep.reset(Path(sys.argv[1]))
+    print(ep.exec("grep -E '^Sig(Ign|Blk)' /proc/self/status").stdout)
+'''
+
+
+def test_agents_start_with_default_signals_whatever_the_host_ignores():
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", IGNORING_HOST, str(EXAMPLES / "python-csv-stats")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split() for line in proc.stdout.split("\n") if line] == [["SigBlk:", "0" * 16],
+                                                                          ["SigIgn:", "0" * 16]], proc.stdout
