@@ -161,13 +161,23 @@ def operator_hosts(tmp_path_factory) -> dict:
     """--allow-host 10.1.2.3:8080 and localhost:8090 for the agent's phase; the verifier's
     test script then tries both and scores 1 only if neither is reached."""
     root = tmp_path_factory.mktemp("netns-operator")
+    # (The relay's socket keeps listening in the verifier's phase and closes what it
+    # accepts: the host's listener counts what reached it, below.)
     test_sh = ("a=$(python3 /tmp/probe.py tcp 10.1.2.3 8080); b=$(python3 /tmp/probe.py tcp 127.0.0.1 8090); "
                "echo \"$a $b\" > /logs/verifier/seen; "
-               "if [ \"$a\" != '\"connected\"' ] && [ \"$b\" != '\"connected\"' ]; then echo 1; else echo 0; fi "
+               "if [ \"$a\" != '\"connected\"' ]; then echo 1; else echo 0; fi "
                "> /logs/verifier/reward.txt\n")
+    # Red team: an agent process took the relay's port while it did not listen (SO_REUSEADDR)
+    # and answered the verifier itself; a listening socket's port cannot be taken.
+    # A squatter keeps trying through the verifier's phase; had it won, the agent's phase
+    # after it would reach the squatter, not the host (the listener's hits, below).
+    squat = ("nohup python3 -c \"import socket, time\nfor _ in range(400):\n s = socket.socket(); "
+             "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n try:\n  s.bind(('127.0.0.1', 8090)); "
+             "s.listen(); print('squatted', flush=True); time.sleep(60)\n except OSError as e:\n  s.close(); "
+             "time.sleep(0.05)\n\" > /tmp/squat.log 2>&1 & sleep 0.5; cat /tmp/squat.log; echo tried")
     config = _config(root, _task(root, test_sh), allowed_hosts=["10.1.2.3:8080", "localhost:8090"], evaluate=True,
                      probes=[["tcp", "10.1.2.3", 8080], ["tcp", "10.1.2.3", 8081], ["tcp", "127.0.0.1", 8090],
-                             ["tcp", "127.0.0.1", 8080], ["tcp", "172.16.5.5", 8080]], shell=[],
+                             ["tcp", "127.0.0.1", 8080], ["tcp", "172.16.5.5", 8080]], shell=[squat],
                      after=[["tcp", "10.1.2.3", 8080], ["tcp", "127.0.0.1", 8090]])
     return run_in_private_netns(config, pythonpath=_src())
 
@@ -176,6 +186,7 @@ def test_the_operators_hosts_are_the_agents_only(operator_hosts):
     r = operator_hosts
     assert _probe(r, "tcp", "10.1.2.3", 8080) == "connected"
     assert _probe(r, "tcp", "127.0.0.1", 8090) == "connected"  # relayed to the host's loopback port
+    assert "squatted" not in r["shell"][0]["output"] and "tried" in r["shell"][0]["output"], r["shell"]
     for probe in (["tcp", "10.1.2.3", 8081], ["tcp", "127.0.0.1", 8080], ["tcp", "172.16.5.5", 8080]):
         assert _probe(r, *probe) != "connected", probe
     assert r["reward"] == 1.0, r["verifier_files"]  # the verifier reached neither

@@ -111,7 +111,9 @@ try:
     res["closed"] = True
 except Exception as exc:
     res["error"] = f"{type(exc).__name__}: {exc}"
-res["leftover"] = sorted(os.listdir(_STATE)) if _STATE.exists() else []
+# (skeleton-*: the read-only skeletons of host folders with mounts below them, shared by
+# every episode of the state folder and kept: a host running containers has them)
+res["leftover"] = sorted(n for n in os.listdir(_STATE) if not n.startswith("skeleton-")) if _STATE.exists() else []
 emit(res)
 '''
 

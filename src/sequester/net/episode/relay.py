@@ -5,8 +5,9 @@ which joins each connection to the same port of the host's loopback. Nothing els
 host's loopback is reachable (the router never forwards loopback, and the stack's gateway
 does not lead there).
 
-Only in the agent's phase: while the verifier runs, the listening sockets do not listen
-(a connection is refused) and open connections are cut. At most :data:`MAX_CONNECTIONS` at a time; the record counts
+Only in the agent's phase: while the verifier runs, a connection is accepted and closed
+at once (the sockets keep listening, so no agent process can take their ports) and open
+connections are cut. At most :data:`MAX_CONNECTIONS` at a time; the record counts
 connections and bytes each way.
 """
 
@@ -50,8 +51,8 @@ class LoopbackRelay:
         return self
 
     def set_agent_phase(self, on: bool) -> None:
-        """Off: open connections are cut, and the listening sockets stop listening (a
-        connection is refused); on: they listen again."""
+        """Off: open connections are cut, and new ones are closed as soon as they are
+        accepted; on: they are joined to the host's port again."""
         self.agent_phase = on
         if not on:
             self._cut_all()
@@ -90,21 +91,15 @@ class LoopbackRelay:
     def _serve(self) -> None:
         with selectors.DefaultSelector() as sel:
             sel.register(self._wake_r, selectors.EVENT_READ, None)
-            listening = False
+            # The sockets listen in both phases: in the verifier's, a connection is accepted
+            # and closed at once. (Red team: a listening socket shut down for that phase kept
+            # its port, an agent process bound it with SO_REUSEADDR and served the verifier
+            # its own answers, and the relay could not listen there again.)
+            for sock, address, port in self.listeners:
+                sock.listen(MAX_CONNECTIONS)
+                sock.setblocking(False)
+                sel.register(sock, selectors.EVENT_READ, (address, port))
             while not self._closed:
-                if self.agent_phase != listening:  # listen only in the agent's phase
-                    listening = self.agent_phase
-                    for sock, address, port in self.listeners:
-                        if listening:
-                            sock.listen(MAX_CONNECTIONS)
-                            sock.setblocking(False)
-                            sel.register(sock, selectors.EVENT_READ, (address, port))
-                        else:
-                            sel.unregister(sock)
-                            try:  # a listening socket shut down stops listening: connections are refused
-                                sock.shutdown(socket.SHUT_RDWR)
-                            except OSError:
-                                pass
                 self._applied.set()
                 for key, _ in sel.select():
                     if key.data is None:

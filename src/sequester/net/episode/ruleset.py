@@ -76,6 +76,9 @@ def _set(name: str, kind: str, *, flags: str, elements: Iterable[str] = (), extr
     return f"    set {name} {{ {body} }}"
 
 
+MAX_FLOWS = 4096  # connections (TCP, UDP, ICMP flows) an agent may have tracked at once
+
+
 def refused_networks(host: Iterable[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
     """The fixed refused IPv4 ranges and the host's own networks, merged."""
     fixed = [n for n, _c, _w in RANGES if isinstance(n, ipaddress.IPv4Network)]
@@ -138,6 +141,10 @@ def ruleset(policy: EpisodePolicy, host_networks: Iterable[ipaddress.IPv4Network
         f"    set received {{ type {_ADDR_PORT}; {counted} }}",
         f"    set refused_hits {{ type {_ADDR_PORT}; {counted} }}",
         "    counter refused_packets { }",
+        # the agent's connections tracked at once (red team: a UDP spray filled the host's
+        # whole connection-tracking table, 64 MiB of kernel memory, in 3.5 s)
+        "    set flows { type ipv4_addr; flags dynamic; size 16; }",
+        '    counter flow_cap_packets { }',
         "    chain counted {",
         f'        iifname "{ROUTER_IFNAME}" meta l4proto {{ tcp, udp }} '
         "add @sent { ip daddr . meta l4proto . th dport }",
@@ -180,6 +187,8 @@ def ruleset(policy: EpisodePolicy, host_networks: Iterable[ipaddress.IPv4Network
         "        ct state established,related jump counted",
         "        ct state invalid drop",
         f'        iifname != "{ROUTER_IFNAME}" drop',
+        f'        ct state new add @flows {{ ip saddr ct count over {MAX_FLOWS} }} counter name "flow_cap_packets" '
+        "reject with icmpx type admin-prohibited",
         f'        oifname != "{TAP_IFNAME}" jump refuse',
         "        meta nfproto != ipv4 jump refuse",
         "        meta l4proto != { tcp, udp, icmp } jump refuse",
