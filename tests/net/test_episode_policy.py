@@ -234,3 +234,38 @@ def test_the_config_files_network_keys_are_checked(tmp_path):
     config.write_text('[episodes]\nallowed_hosts = ["169.254.169.254"]\n')
     with pytest.raises(PolicyError, match="episodes.allowed_hosts"):
         load_config(config)
+
+
+def test_a_question_whose_labels_are_not_a_host_names_is_malformed():
+    """Red team: the wire label ``allowed.test`` (one label holding a dot) was judged as the
+    allowed name ``allowed.test``: labels are letters, digits, '-' and '_' only."""
+    import struct
+
+    from sequester.net.episode.dns import DnsError, parse_message
+
+    def query(*labels: bytes) -> bytes:
+        name = b"".join(bytes([len(label)]) + label for label in labels) + b"\x00"
+        return struct.pack("!HHHHHH", 1, 0x0100, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1)
+
+    assert parse_message(query(b"pypi", b"org")).questions[0].name == "pypi.org"
+    assert parse_message(query(b"_http", b"_tcp", b"x-y", b"org")).questions[0].name == "_http._tcp.x-y.org"
+    for labels in ((b"allowed.test",), (b"x", b"evil\x00", b"org"), (b"a b", b"org")):
+        with pytest.raises(DnsError):
+            parse_message(query(*labels))
+
+
+def test_the_operators_own_host_port_may_be_a_local_name():
+    """`--allow-host mirror.internal:3141` (docs/network.md) was refused as a local name
+    before the operator's rules were read."""
+    from sequester.net.episode.answers import Answers
+    from sequester.net.episode.dns import parse_message
+    from sequester.net.episode.policy import episode_policy, parse_operator_hosts
+    import struct
+
+    name = b"".join(bytes([len(p)]) + p for p in (b"mirror", b"internal")) + b"\x00"
+    msg = parse_message(struct.pack("!HHHHHH", 1, 0x0100, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1))
+    with_it = Answers(episode_policy("public", (), run_network="task",
+                                     agent_hosts=parse_operator_hosts(["mirror.internal:3141"])))
+    without = Answers(episode_policy("public", (), run_network="task", agent_hosts=()))
+    assert with_it.question(msg) is None
+    assert without.question(msg) is not None

@@ -134,7 +134,8 @@ class Answers:
         if reverse is not None and self.refusal(reverse) is not None:
             return f"{q.name!r} is a reverse name of {reverse}, which may not be reached"
         said = special_name(q.name)
-        if said is not None:
+        explicit = [r for r in self._rules(q.name)[1] if r.port is not None]
+        if said is not None and not explicit:  # the operator's own HOST:PORT (mirror.internal:3141)
             return said
         if self.mode == "allowlist":
             task, agent = self._rules(q.name)

@@ -102,8 +102,14 @@ class Message:
         return tuple(r for r in self.records if r.section == 0)
 
 
-def _name(data: bytes, offset: int) -> tuple[str, int]:
-    """The name at ``offset`` and the offset just past it (in the message, not the pointer target)."""
+_HOST_LABEL = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def _name(data: bytes, offset: int, *, host: bool = False) -> tuple[str, int]:
+    """The name at ``offset`` and the offset just past it (in the message, not the pointer
+    target). ``host``: every label must be a host name's (letters, digits, ``-``, ``_``):
+    a question's name is judged joined with dots, so a label holding a dot or other bytes
+    would be judged as another name than the one asked (red team)."""
     labels: list[str] = []
     end = None
     jumps = 0
@@ -133,6 +139,8 @@ def _name(data: bytes, offset: int) -> tuple[str, int]:
         total += length + 1
         if total > 255:
             raise DnsError("name longer than 255 bytes")
+        if host and not _HOST_LABEL.issuperset(label):
+            raise DnsError("a label of the name is not a host name's")
         labels.append(label.decode("ascii", errors="replace").lower())
         offset += length
     return ".".join(labels), (end if end is not None else offset)
@@ -146,7 +154,7 @@ def parse_message(data: bytes) -> Message:
     offset = 12
     questions = []
     for _ in range(qd):
-        name, offset = _name(data, offset)
+        name, offset = _name(data, offset, host=True)
         if offset + 4 > len(data):
             raise DnsError("question runs past the message")
         qtype, qclass = struct.unpack_from("!HH", data, offset)
