@@ -144,7 +144,7 @@ def ruleset(policy: EpisodePolicy, host_networks: Iterable[ipaddress.IPv4Network
         # the agent's connections tracked at once (red team: a UDP spray filled the host's
         # whole connection-tracking table, 64 MiB of kernel memory, in 3.5 s)
         "    set flows { type ipv4_addr; flags dynamic; size 16; }",
-        '    counter flow_cap_packets { }',
+        "    counter flow_cap_packets { }",
         "    chain counted {",
         f'        iifname "{ROUTER_IFNAME}" meta l4proto {{ tcp, udp }} '
         "add @sent { ip daddr . meta l4proto . th dport }",
