@@ -274,3 +274,19 @@ def test_agents_start_with_default_signals_whatever_the_host_ignores():
     assert proc.returncode == 0, proc.stderr
     assert [line.split() for line in proc.stdout.split("\n") if line] == [["SigBlk:", "0" * 16],
                                                                           ["SigIgn:", "0" * 16]], proc.stdout
+
+
+def test_the_episodes_own_hostname_resolves_as_in_docker(tmp_path, busybox_store):
+    """Docker writes /etc/hosts: loopback names and the container's hostname at its address.
+    Without it a program that looks its own host up (R, Java, sudo) asked DNS (a TB2 sweep:
+    `mcmc-sampling-stan` was refused by the episode's DNS). Not a change of the agent's."""
+    settings, ref = busybox_store
+    with Episode(EpisodeSettings(images=settings)) as ep:
+        ep.reset(_image_task(tmp_path, ref))
+        out = _lines(ep, "grep -w \"$(hostname)\" /etc/hosts | cut -f1; grep -c localhost /etc/hosts")
+        assert out[0] in ("10.0.2.100", "127.0.1.1") and int(out[1]) >= 2, out
+        assert not any("/etc/hosts" in t for t in ep.evaluate().tampering)
+    with Episode() as ep:
+        ep.reset(EXAMPLES / "python-csv-stats")
+        assert _lines(ep, "getent hosts $(hostname) | cut -d' ' -f1") == ["127.0.1.1"]
+        assert not any("/etc/hosts" in t for t in ep.evaluate().tampering)

@@ -19,7 +19,7 @@ from sequester.environments.local.image_view import (
     upper_folders,
 )
 from sequester.environments.local.layers import view_points
-from sequester.environments.local.resolv import place_resolv_conf
+from sequester.environments.local.resolv import place_etc_file, place_resolv_conf
 from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.settings import EpisodeSettings, episode_id_map
@@ -28,6 +28,7 @@ from sequester.guard import seccomp
 from sequester.images import ImageLease
 from sequester.images.stack import OPAQUE_XATTR, image_path_kind, merge_tops, resolve_user
 from sequester.images.synth import DEFAULT_PATH
+from sequester.net.episode.layout import hosts_file
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.cgroups.limits import LimitGroups
 from sequester.sandbox.gpus import GpuPlan
@@ -116,8 +117,16 @@ def start_on_image(
             )
     _make_upper(dirs, lease.layers, runner_top)
     placed = False
-    if resolv_conf is not None and image_path_kind(lease.layers, "/etc") in ("dir", "none"):
-        lower_etc = [layer / "etc" for layer in reversed(lease.layers) if (layer / "etc").is_dir()]
+    etc_here = image_path_kind(lease.layers, "/etc") in ("dir", "none")
+    lower_etc = [layer / "etc" for layer in reversed(lease.layers) if (layer / "etc").is_dir()]
+    if etc_here:  # Docker's /etc/hosts: the episode's hostname resolves without DNS
+        place_etc_file(
+            dirs.upper_root / "etc",
+            "hosts",
+            hosts_file(task.name[:63] or "sequester", resolv_conf is not None),
+            like=lower_etc[0] if lower_etc else None,
+        )
+    if resolv_conf is not None and etc_here:
         place_resolv_conf(dirs.upper_root / "etc", resolv_conf, like=lower_etc[0] if lower_etc else None)
         placed = True
     image_env = record.config.env_map()
@@ -162,7 +171,9 @@ def start_on_image(
         time.monotonic() + timeout if timeout else None,
         notes=notes,
         runner=runner,
-        view_points=view_points(op.dest for op in (*mounts, *gpu_ops)),
+        view_points=view_points(
+            [*(op.dest for op in (*mounts, *gpu_ops)), *([Path("/etc/hosts")] if etc_here else [])]
+        ),
         image=record,
         lease=lease,
         shell_argv=image_shell(runner_bin),

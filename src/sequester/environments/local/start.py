@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sequester.environments.local.layers import view_points
-from sequester.environments.local.resolv import place_resolv_conf
+from sequester.environments.local.resolv import place_etc_file, place_resolv_conf
 from sequester.environments.local.shell import Shell
 from sequester.environments.local.staging import stage_environment, tops_needed
 from sequester.environments.local.state import EpisodeDirs
@@ -26,6 +26,7 @@ from sequester.environments.local.view import plan_episode_layout
 from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, episode_id_map
 from sequester.errors import SandboxError
 from sequester.guard import seccomp
+from sequester.net.episode.layout import hosts_file
 from sequester.policy import Policy
 from sequester.sandbox.argv import CONTAINER_CAPS, Identity, SandboxSpec
 from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_bwrap
@@ -168,11 +169,15 @@ def start_episode(
             if folder is not None and not os.path.lexists(folder):  # (a staged bind's source may be a file)
                 folder.mkdir(parents=True, exist_ok=True)
     placed = False
-    if resolv_conf is not None:
-        etc = [op for op in mounts if op.dest == Path("/etc") and op.kind is MountKind.OVERLAY and op.upper]
-        if etc and etc[0].upper is not None:
-            place_resolv_conf(etc[0].upper, resolv_conf, like=Path("/etc"))
-            placed = True
+    etc = [op for op in mounts if op.dest == Path("/etc") and op.kind is MountKind.OVERLAY and op.upper]
+    etc_upper = etc[0].upper if etc else None
+    if etc_upper is not None:  # Docker's /etc/hosts: the episode's hostname resolves without DNS
+        place_etc_file(
+            etc_upper, "hosts", hosts_file(task.name[:63] or "sequester", resolv_conf is not None), like=Path("/etc")
+        )
+    if resolv_conf is not None and etc_upper is not None:
+        place_resolv_conf(etc_upper, resolv_conf, like=Path("/etc"))
+        placed = True
     for c in composites:
         make_skeleton(c)
         if c.hidden:
@@ -221,7 +226,9 @@ def start_episode(
         notes=notes,
         symlinks=tuple(op for op in mounts if op.kind is MountKind.SYMLINK),
         runner=runner,
-        view_points=view_points(op.dest for op in (*mounts, *gpu_ops)),
+        view_points=view_points(
+            [*(op.dest for op in (*mounts, *gpu_ops)), *([Path("/etc/hosts")] if etc_upper else [])]
+        ),
         id_map=ids,
         resolv_placed=placed,
     )

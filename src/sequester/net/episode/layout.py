@@ -28,6 +28,7 @@ __all__ = [
     "STACK_CIDR",
     "MTU",
     "resolv_conf",
+    "hosts_file",
 ]
 
 AGENT_IFNAME = "eth0"  # the agent's end of the link
@@ -45,3 +46,15 @@ def resolv_conf() -> str:
     """The agent's ``/etc/resolv.conf``: the DNS responder only (the host's resolver is
     private: only sequester's host process asks it)."""
     return f"# sequester: the episode's DNS (answers what its network policy allows)\nnameserver {DNS_ADDRESS}\n"
+
+
+def hosts_file(hostname: str, networked: bool) -> str:
+    """The agent's ``/etc/hosts``, as Docker writes a container's: loopback names, and the
+    episode's hostname at its address (``127.0.1.1``, Debian's, without a network), so a
+    program that looks its own host up (R, Java, ``sudo``) finds it without asking DNS."""
+    address = AGENT_ADDRESS if networked else "127.0.1.1"
+    return (
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
+        "ff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n"
+        f"{address}\t{hostname}\n"
+    )
