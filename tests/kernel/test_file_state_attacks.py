@@ -30,6 +30,12 @@ from sequester.guard import seccomp
 from sequester.kernel.stage0 import stage0_program
 
 ROOT = os.geteuid() == 0
+# An ordinary caller: a user and network namespace of its own, lo brought up with the
+# namespace's capabilities, which are then dropped before the harness starts (an exec as
+# a non-root id keeps none): a guard-only kernel refuses to start holding any.
+USER_NET = ["--user", "--map-current-user", "--keep-caps", "sh", "-c",
+            "ip link set lo up && ip addr add 10.253.0.1/32 dev lo && "
+            'exec setpriv --inh-caps=-all --ambient-caps=-all --bounding-set=-all "$0" "$@"']
 
 # A cell's attempt on a file of a read-only path the caller shares with it (its own, as
 # the lease needs: a root caller's kernel is nobody, so the file is nobody's).
@@ -221,8 +227,10 @@ import json, os, socket, subprocess, sys
 # In a network namespace of the test's own: loopback and a private address on it, each
 # with a UDP listener, so that nothing a kernel sends can leave the machine even without
 # the guard.
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-subprocess.run(["ip", "addr", "add", "10.253.0.1/32", "dev", "lo"], check=True)
+if ",UP" not in subprocess.run(["ip", "-br", "link", "show", "lo"], capture_output=True, text=True).stdout:
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # (an ordinary caller's argv did it)
+if "10.253.0.1" not in subprocess.run(["ip", "-br", "addr", "show", "lo"], capture_output=True, text=True).stdout:
+    subprocess.run(["ip", "addr", "add", "10.253.0.1/32", "dev", "lo"], check=True)
 listeners = {}
 for address in ("127.0.0.1", "10.253.0.1"):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -263,7 +271,7 @@ def test_a_guard_only_kernel_sends_no_datagram(tmp_path):
     switch off). The filter refuses the socket itself: EPERM, and nothing arrives."""
     script = tmp_path / "guard.py"
     script.write_text(GUARD_HARNESS)
-    argv = ["unshare", "--net", *([] if ROOT else ["--user", "--map-current-user"]), sys.executable, str(script)]
+    argv = ["unshare", "--net", *([] if ROOT else USER_NET), sys.executable, str(script)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -425,7 +433,8 @@ def test_agent_fcntl_refusals_hold_with_high_bits_in_cmd(episode):
 
 LISTEN_HARNESS = r'''
 import json, socket, subprocess
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+if ",UP" not in subprocess.run(["ip", "-br", "link", "show", "lo"], capture_output=True, text=True).stdout:
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # (an ordinary caller's argv did it)
 from sequester import Kernel, Policy
 out = {}
 with Kernel(Policy(isolation="guard")) as k:    # the audit hook stays on
@@ -452,7 +461,7 @@ def test_a_guard_only_kernel_serves_nothing(tmp_path):
     in a network namespace of the test's own."""
     script = tmp_path / "listen.py"
     script.write_text(LISTEN_HARNESS)
-    argv = ["unshare", "--net", *([] if ROOT else ["--user", "--map-current-user"]), sys.executable, str(script)]
+    argv = ["unshare", "--net", *([] if ROOT else USER_NET), sys.executable, str(script)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
