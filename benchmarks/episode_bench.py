@@ -66,9 +66,9 @@ def podman_start(root: Path) -> list[str] | None:
                            capture_output=True)
     if built.returncode != 0:
         return None
-    # --ulimit host: podman's default limits may exceed the caller's hard ones
-    argv = ["podman", "run", "--rm", "--network", "none", "--ulimit", "host", "--pids-limit", "0",
-            "--rootfs", str(rootfs), "/true"]
+    # explicit limits: podman's defaults (and "host") may exceed what the caller may set
+    argv = ["podman", "run", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit",
+            "nproc=4096:4096", "--rootfs", str(rootfs), "/true"]
     return argv if subprocess.run(argv, capture_output=True).returncode == 0 else None
 
 
