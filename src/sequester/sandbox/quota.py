@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sequester.errors import SandboxError
+from sequester.sandbox.cgroups.hierarchy import unescape_mountinfo
 
 __all__ = [
     "ProjectQuota",
@@ -62,19 +63,6 @@ _RAM = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 
 class QuotaUnavailable(SandboxError):
     """No project quota can cap this folder (the message says why)."""
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
 
 
 def qcmd(cmd: int, kind: int) -> int:
@@ -132,7 +120,7 @@ def mount_of(path: Path, mountinfo: str) -> Mount | None:
         fields, rest = head.split(), tail.split()
         if len(fields) < 6 or len(rest) < 3:
             continue
-        point = _unescape(fields[4])
+        point = unescape_mountinfo(fields[4])
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and (best is None or len(point) >= len(str(best.point))):
             options = frozenset(fields[5].split(",")) | frozenset(rest[2].split(","))

@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CgroupMount", "cgroup_mounts", "find_v1", "find_v2", "own_cgroup", "parse_mounts", "parse_own"]
+__all__ = [
+    "CgroupMount",
+    "cgroup_mounts",
+    "find_v1",
+    "find_v2",
+    "own_cgroup",
+    "parse_mounts",
+    "parse_own",
+    "unescape_mountinfo",
+]
 
 
 @dataclass(frozen=True)
@@ -27,7 +36,7 @@ class CgroupMount:
     controllers: frozenset[str] = frozenset()
 
 
-def _unescape(field: str) -> str:
+def unescape_mountinfo(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal."""
     out, i = [], 0
     while i < len(field):
@@ -52,7 +61,7 @@ def parse_mounts(mountinfo: str) -> list[CgroupMount]:
             continue
         v2 = rest[0] == "cgroup2"
         controllers = frozenset() if v2 else frozenset(rest[2].split(","))
-        found.append(CgroupMount(Path(_unescape(fields[4])), _unescape(fields[3]), v2, controllers))
+        found.append(CgroupMount(Path(unescape_mountinfo(fields[4])), unescape_mountinfo(fields[3]), v2, controllers))
     return found
 
 
