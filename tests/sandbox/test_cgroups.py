@@ -14,6 +14,7 @@ import pytest
 
 from sequester.sandbox.cgroups import limits
 from sequester.sandbox.cgroups.freezer import Hierarchy
+from sequester.sandbox.cgroups.hierarchy import find_v1
 from sequester.sandbox.cgroups.limits import V2Base, V2Plan, choose_version, limit_plan, plan_v2
 
 ALL = frozenset({"cpuset", "cpu", "io", "memory", "hugetlb", "pids", "rdma", "misc"})
@@ -220,3 +221,39 @@ def test_the_scope_call_is_understood_by_this_hosts_systemd():
     done = subprocess.run(["busctl", *user, "introspect", "org.freedesktop.systemd1", "/org/freedesktop/systemd1"],
                           capture_output=True, text=True, timeout=30)
     assert "StartTransientUnit" in done.stdout
+
+
+def test_the_mount_table_is_parsed_again_when_it_changes_and_a_caller_cannot_change_the_kept_parse(monkeypatch):
+    from sequester.sandbox.cgroups import hierarchy
+
+    real = Path("/proc/self/mountinfo").read_text()
+    assert hierarchy.cgroup_mounts() == hierarchy.parse_mounts(real)
+    hierarchy.cgroup_mounts().clear()  # the list handed out is the caller's own
+    assert hierarchy.cgroup_mounts() == hierarchy.parse_mounts(real)
+    line = "99 1 0:99 / /tmp/seq-test-cg rw - cgroup cgroup rw,pids\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real + line if str(self) == "/proc/self/mountinfo" else "")
+    assert Path("/tmp/seq-test-cg") in [m.mount for m in hierarchy.cgroup_mounts()]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or find_v1("pids") is None, reason="a v1 pids hierarchy root may write")
+def test_a_group_still_busy_is_removed_once_its_last_process_is_gone():
+    """remove_soon does not wait for a process on its way out; the group goes all the same."""
+    import subprocess
+    import time
+
+    group, _ = limits.make_limit_groups(f"sequester-{os.getpid()}-test-soon", memory_mb=None, cpus=None, pids=10)
+    assert group is not None
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        group.enrol(proc.pid)
+        started = time.monotonic()
+        group.remove_soon()
+        assert time.monotonic() - started < 0.5
+        assert all(p.exists() for p in group.paths)  # busy: left to the remover
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while any(p.exists() for p in group.paths) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(p.exists() for p in group.paths)

@@ -8,6 +8,7 @@ names: they are strict xfails (their docstrings say how), which fail the day the
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -92,6 +93,19 @@ def test_a_program_the_tests_run_cannot_fork_past_a_process_limit(tmp_path):
         ep.exec(f"cat > /app/prog.py <<'EOF'\n{prog}EOF")
         result = ep.evaluate()
     assert int(result.files["started.txt"].split()[-1]) < 150, result.files
+
+
+@root_only
+def test_the_tests_first_process_is_already_in_the_verifiers_pids_cgroup(tmp_path):
+    """The move into the verifier's cgroup overlaps its set-up, but ends before its first
+    process: test.sh's first command is counted there."""
+    test_sh = "cat /proc/self/cgroup > /logs/verifier/cg.txt\necho 1 > /logs/verifier/reward.txt\n"
+    with Episode(EpisodeSettings(max_processes=60)) as ep:
+        ep.reset(make_task(tmp_path, test_sh=test_sh))
+        for _ in range(3):
+            lines = ep.evaluate().files["cg.txt"].decode().splitlines()
+            pids = [line for line in lines if line.split(":")[1] == "pids"]
+            assert pids and re.search(r"/sequester-\d+-v\d+$", pids[0]), lines
 
 
 def test_stopped_and_traced_processes_do_not_hang_teardown(tmp_path):

@@ -27,7 +27,7 @@ import shlex
 import tarfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from sequester.environments import verdict
@@ -98,6 +98,10 @@ def local_capabilities() -> Capabilities:
     """:data:`LOCAL_CAPABILITIES` with the GPUs this host has (:mod:`sequester.sandbox.gpus`)."""
     count, source = available_gpus()
     return dataclasses.replace(LOCAL_CAPABILITIES, gpus=count, gpu_source=source)
+
+
+def _nothing() -> None:
+    pass
 
 
 class Episode:
@@ -225,22 +229,23 @@ class Episode:
         run, chosen = self._run, self._run.workdir
         self._state = _State.RUNNING
         try:
-            self._start_network(run, policy, early)  # before any agent process exists
-            if not shell:  # else the shell's start does it: before any agent process exists
-                self._nsexec.harden(run.bwrap.pid)
-            if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
-                self._make_dir(chosen)
-        except BaseException:
+            # The network is linked while the shell starts (the shell is sequester's and runs
+            # nothing of the agent's before this returns): both done before any agent process.
+            linked = self._start_network(run, policy, early)
+            try:
+                if not shell:  # else the shell's start does it
+                    self._nsexec.harden(run.bwrap.pid)
+                if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
+                    self._make_dir(chosen)
+                if shell:
+                    self._start_shell(harden=True)
+            finally:
+                linked()
+        except BaseException:  # (an episode whose /proc and /dev were not made safe is not used)
             self._stop()
             raise
-        if shell:
-            try:
-                self._start_shell(harden=True)
-            except BaseException:  # an episode whose /proc and /dev were not made safe is not used
-                self._stop()
-                raise
-            if run.gpus is not None and run.gpus.ldconfig:
-                self._update_ldcache(run.gpus.ldconfig)
+        if shell and run.gpus is not None and run.gpus.ldconfig:
+            self._update_ldcache(run.gpus.ldconfig)
         return self
 
     def _update_ldcache(self, folders: tuple[str, ...]) -> None:
@@ -264,30 +269,49 @@ class Episode:
             agent_hosts=() if self._verifier_only else parse_operator_hosts(self.settings.allowed_hosts),
         )
 
-    def _start_network(self, run: RunningEpisode, policy: EpisodePolicy, early: Preparing | None = None) -> None:
-        """The episode's network by ``policy`` (``early``: its router, being made); nothing
-        at all for an episode without one."""
+    def _start_network(
+        self, run: RunningEpisode, policy: EpisodePolicy, early: Preparing | None = None
+    ) -> Callable[[], None]:
+        """Start the episode's network by ``policy`` (``early``: its router, being made);
+        nothing at all for an episode without one. Its link into the episode is made in a
+        thread: the returned function waits for it, and raises what made it fail."""
         self._network_record = {**policy.to_record(), "traffic": None}
         run.notes += policy.notes()
         if not policy.has_network:
             self._network_record["mode"] = self._network_record["agent_mode"] = "none"
-            return
+            return _nothing
         why = network_unavailable()
         if why is not None:
             run.notes.append(f"the task's network ({policy.agent_mode}) could not be given: {why}")
             self._network_record.update(mode="none", agent_mode="none", unavailable=why)
-            return
+            return _nothing
         assert self._nsexec is not None
         servers = [parse_server(s) for s in self.settings.dns_servers]
         net = (
             early.result() if early is not None else EpisodeNetwork.prepare(self._nsexec, policy, target=run.bwrap.pid)
         )
-        net.link(run.bwrap.pid, upstream=Upstream(servers or None), write_resolv_conf=not run.resolv_placed)
-        run.network = net
-        # its /etc/resolv.conf (the responder's address) is the network's, not the agent's change
-        run.view_points = run.view_points | view_points(["/etc/resolv.conf"])
-        if self._verifier_only:
-            run.network.verifier_phase()
+        failed: list[BaseException] = []
+
+        def link() -> None:
+            try:
+                net.link(run.bwrap.pid, upstream=Upstream(servers or None), write_resolv_conf=not run.resolv_placed)
+            except BaseException as exc:  # noqa: BLE001 - raised again by linked()
+                failed.append(exc)
+
+        thread = threading.Thread(target=link, name="sequester-net-link", daemon=True)
+        thread.start()
+
+        def linked() -> None:
+            thread.join()
+            if failed:  # (link closed everything of the network)
+                raise failed[0]
+            run.network = net
+            # its /etc/resolv.conf (the responder's address) is the network's, not the agent's change
+            run.view_points = run.view_points | view_points(["/etc/resolv.conf"])
+            if self._verifier_only:
+                net.verifier_phase()
+
+        return linked
 
     @property
     def network(self) -> dict[str, object] | None:

@@ -70,8 +70,8 @@ def run_tests(
             wheels=wheels,
         )
     finally:
-        if group is not None:
-            group.remove()
+        if group is not None:  # (its last process may still be on its way out: not waited for)
+            group.remove_soon()
 
 
 def _run_tests(

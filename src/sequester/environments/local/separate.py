@@ -29,6 +29,7 @@ __all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
 log = logging.getLogger("sequester.environments.local")
 
 ARTIFACT_LIMIT = 256 << 20  # the tar is held in the host's memory while it is copied
+_CLOSE_AFTER = 0.05  # seconds after the tests end that the separate environment is removed
 
 
 def evaluate_separately(
@@ -41,16 +42,35 @@ def evaluate_separately(
     notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
     artifacts, said = separate_artifacts(task, workdir) if with_artifacts else ((), None)
     notes += [said] if said else []
-    try:
-        fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
-        if artifacts:
-            try:
-                tar, missing = nsexec.pack(
+    packed: list[tuple[bytes, list[str]] | BaseException] = []
+
+    def pack() -> None:  # the agent's artifacts are read while the fresh environment starts
+        try:
+            packed.append(
+                nsexec.pack(
                     agent_init,
                     [a.source for a in artifacts],
                     {a.source: list(a.exclude) for a in artifacts},
                     limit=ARTIFACT_LIMIT,
                 )
+            )
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            packed.append(exc)
+
+    packing = threading.Thread(target=pack, name="sequester-artifacts", daemon=True) if artifacts else None
+    try:
+        if packing is not None:
+            packing.start()
+        try:
+            fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
+        finally:
+            if packing is not None:
+                packing.join()
+        if packed:
+            try:
+                if isinstance(packed[0], BaseException):
+                    raise packed[0]  # (the agent's loss if a SequesterError, else what it is)
+                tar, missing = packed[0]
                 nsexec.extract_artifacts(fresh.init_pid, tar)
                 notes += [f"artifact {path} does not exist in the agent's environment" for path in missing]
             except SequesterError as exc:  # the agent's content could not be copied: its loss
@@ -67,10 +87,13 @@ def evaluate_separately(
         )
     finally:
         # Its processes die now; removing its layers (slow on overlayfs: ~1 ms a folder)
-        # need not hold up the verdict. A process that exits first leaves them to the
+        # need not hold up the verdict, nor share this interpreter with it while the verdict
+        # is read: it starts a moment later. A process that exits first leaves them to the
         # next start's stale-state removal.
         fresh.abort()
-        threading.Thread(target=_close, args=(fresh,), name="sequester-separate-close", daemon=True).start()
+        later = threading.Timer(_CLOSE_AFTER, _close, args=(fresh,))
+        later.name, later.daemon = "sequester-separate-close", True
+        later.start()
     return ev, tuple(notes)
 
 

@@ -65,12 +65,23 @@ def parse_mounts(mountinfo: str) -> list[CgroupMount]:
     return found
 
 
+_parsed: tuple[str, list[CgroupMount]] = ("", [])
+
+
 def cgroup_mounts() -> list[CgroupMount]:
-    """Every cgroup mount this process sees (none when ``/proc`` cannot be read)."""
+    """Every cgroup mount this process sees (none when ``/proc`` cannot be read). The
+    table is read each time; its parse is reused while the text is the same (an episode's
+    start and evaluation ask a dozen times)."""
+    global _parsed
     try:
-        return parse_mounts(Path("/proc/self/mountinfo").read_text())
+        text = Path("/proc/self/mountinfo").read_text()
     except OSError:
         return []
+    last_text, last = _parsed
+    if text != last_text:
+        last = parse_mounts(text)
+        _parsed = (text, last)
+    return list(last)
 
 
 def find_v1(controller: str) -> CgroupMount | None:

@@ -99,6 +99,22 @@ class LimitGroups:
             with open(procs, "w") as f:
                 f.write(str(pid))
 
+    def remove_soon(self) -> None:
+        """:meth:`remove` without waiting: what still holds processes on their way out (a
+        cgroup is busy until its last process is reaped, which may come after its report)
+        is removed by a thread of its own (at most :data:`_LATER_LIMIT` waiting, else now);
+        what a process that exits first leaves, the stale-state pass removes."""
+        busy = []
+        for path in self.paths:
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                busy.append(path)
+        if busy:
+            _remover.add(LimitGroups(busy))
+
     def remove(self, timeout: float = 5.0) -> None:
         for path in self.paths:
             deadline = time.monotonic() + timeout
@@ -113,6 +129,40 @@ class LimitGroups:
                         log.warning("cgroup %s still has processes; left for the next start", path)
                         break
                     time.sleep(0.005)
+
+
+_LATER_LIMIT = 256
+
+
+class _Remover:
+    """One thread that removes groups still busy (see :meth:`LimitGroups.remove_soon`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[LimitGroups] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, groups: LimitGroups) -> None:
+        with self._lock:
+            if len(self._waiting) < _LATER_LIMIT:
+                self._waiting.append(groups)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="sequester-cgroups", daemon=True)
+                    self._thread.start()
+                return
+        groups.remove()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._thread = None
+                    return
+                groups = self._waiting.pop(0)
+            groups.remove()
+
+
+_remover = _Remover()
 
 
 def limit_plan(

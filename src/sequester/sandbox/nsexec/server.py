@@ -53,12 +53,14 @@ from sequester.sandbox.nsexec.ns import (
     check,
     die_with_parent,
     enter,
+    finish_joining,
     harden_proc,
     libc,
     read_all,
     remount_readonly,
     report,
     restrict,
+    start_joining,
 )
 from sequester.sandbox.nsexec.root import build_root
 from sequester.sandbox.nsexec.router import op_net_link, op_net_nft, op_net_router, op_net_stack
@@ -73,7 +75,9 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> None:
     result, stdin, stdout, stderr = fds[:4]
     extra = fds[4:]
     host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # host pids, after setns too
-    enter(req["target"], user="agent", pid=True, cgroup=req.get("cgroup"), harden=bool(req.get("harden")))
+    joining = start_joining(req.get("cgroup"))  # (the freezer's, the limits': while it enters)
+    enter(req["target"], user="agent", pid=True, cgroup=None, harden=bool(req.get("harden")))
+    finish_joining(joining)  # before the first fork
     # Fork twice: the process we start must be orphaned *inside* the episode's PID
     # namespace, so that the episode's init adopts and reaps it (an orphan of a process
     # outside it would go to the host's init, and the namespace would die slowly).
@@ -172,7 +176,9 @@ def _default_signals() -> None:
 
 def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     result, tests, output, runner_pipe = fds[:4]
-    enter(req["target"], user="parent", pid=False, cgroup=req.get("cgroup"))  # its own pids cgroup
+    # Its own pids cgroup: joined by a child while the root is made (before the first fork).
+    joining = start_joining(req.get("cgroup"))
+    enter(req["target"], user="parent", pid=False, cgroup=None)
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
@@ -192,6 +198,7 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     os.chmod("/logs/verifier", 0o777)
     extract(read_all(tests), "/tests", "data")
     os.close(tests)
+    finish_joining(joining)
     init = os.fork()
     if init == 0:
         _verifier_init(req, result, output, runner_pipe, notes)
