@@ -154,3 +154,54 @@ def test_the_hosts_path_unix_sockets_are_out_of_reach(tmp_path):
         server.close()
         os.unlink(path)
     assert "connected" not in said.replace("Connection", "") and not hits, said
+
+
+def test_a_reset_interrupted_while_its_network_links_leaves_nothing_running(tmp_path, monkeypatch):
+    """An exception that lands in reset while the link (a thread of its own) is still at
+    work (^C, a caller's timeout): the network the thread finishes afterwards is closed by
+    the thread, not left with its stack, router and DNS responder running."""
+    import signal
+    import threading
+    import time
+
+    from sequester.net.episode.session import EpisodeNetwork
+    from sequester.sandbox.procs import descendants
+
+    real_link = EpisodeNetwork.link
+
+    def slow_link(self, *args, **kwargs):
+        time.sleep(0.6)
+        return real_link(self, *args, **kwargs)
+
+    monkeypatch.setattr(EpisodeNetwork, "link", slow_link)
+
+    def interrupt(*_):
+        raise TimeoutError("the caller's own timeout")
+
+    before = set(descendants(os.getpid()))
+    old = signal.signal(signal.SIGALRM, interrupt)
+    ep = Episode()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(TimeoutError):
+            ep.reset(_task(tmp_path, "allow_internet = true\n"), image=None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        ep.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stacks = [p for p in set(descendants(os.getpid())) - before if b"slirp4netns" in _cmdline(p)]
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("sequester-dns")]
+        if not stacks and not threads:
+            break
+        time.sleep(0.1)
+    assert not stacks and not threads, (stacks, threads)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -91,3 +91,28 @@ def test_unpacking_artifacts_writes_nothing_through_a_link(tmp_path):
         with pytest.raises(SandboxError):
             ep._nsexec_call().extract_artifacts(ep.init_pid, buf.getvalue())
         assert ep.exec("test -e /etc/written-through && echo THROUGH || echo no").stdout.strip() == "no"
+
+
+def test_a_process_that_exits_right_after_a_separate_evaluation_leaves_no_environment(tmp_path):
+    """The separate environment is removed a moment after the verdict (a timer): a process
+    that ends before the timer fires removes it on its way out, not the next start."""
+    import os
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    task = make_task(tmp_path, test_sh="echo 1 > /logs/verifier/reward.txt\n")
+    script = (
+        "import sys\n"
+        "from sequester.environments.local.episode import Episode\n"
+        "from sequester.environments.settings import EpisodeSettings\n"
+        f"ep = Episode(EpisodeSettings(state_dir={str(state)!r}))\n"
+        f"ep.reset({str(task)!r})\n"
+        "print(ep.evaluate(verifier_env='separate').reward)\n"
+        "ep.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout.strip() == "1.0", done.stderr[-2000:]
+    left = [p.name for p in state.iterdir() if not p.name.startswith("skeleton-")] if state.exists() else []
+    assert left == [], left

@@ -291,18 +291,29 @@ class Episode:
             early.result() if early is not None else EpisodeNetwork.prepare(self._nsexec, policy, target=run.bwrap.pid)
         )
         failed: list[BaseException] = []
+        lock, abandoned = threading.Lock(), threading.Event()
 
         def link() -> None:
             try:
                 net.link(run.bwrap.pid, upstream=Upstream(servers or None), write_resolv_conf=not run.resolv_placed)
             except BaseException as exc:  # noqa: BLE001 - raised again by linked()
                 failed.append(exc)
+            with lock:
+                if abandoned.is_set() and not failed:  # nobody waits for it any more
+                    net.close()
 
         thread = threading.Thread(target=link, name="sequester-net-link", daemon=True)
         thread.start()
 
         def linked() -> None:
-            thread.join()
+            try:
+                thread.join()
+            except BaseException:  # interrupted (^C, a timeout's exception): the network is not ours
+                with lock:
+                    abandoned.set()
+                    if not thread.is_alive() and not failed:
+                        net.close()
+                raise
             if failed:  # (link closed everything of the network)
                 raise failed[0]
             run.network = net

@@ -11,6 +11,7 @@ view, where nothing is written through a link; its size is bounded.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -91,6 +92,8 @@ def evaluate_separately(
         # is read: it starts a moment later. A process that exits first leaves them to the
         # next start's stale-state removal.
         fresh.abort()
+        with _pending_lock:
+            _pending.add(fresh)
         later = threading.Timer(_CLOSE_AFTER, _close, args=(fresh,))
         later.name, later.daemon = "sequester-separate-close", True
         later.start()
@@ -98,7 +101,25 @@ def evaluate_separately(
 
 
 def _close(fresh: Episode) -> None:
+    with _pending_lock:
+        if fresh not in _pending:
+            return  # (closed at exit already)
+        _pending.discard(fresh)
     try:
         fresh.close()
     except SequesterError as exc:
         log.warning("the separate verifier environment was not removed completely: %s", exc)
+
+
+# The separate environments whose removal is still to come, removed at once at exit (a
+# timer that has not fired by then never will: its thread is a daemon's).
+_pending: set[Episode] = set()
+_pending_lock = threading.Lock()
+
+
+@atexit.register
+def _close_pending() -> None:
+    with _pending_lock:
+        waiting = list(_pending)
+    for fresh in waiting:
+        _close(fresh)

@@ -32,9 +32,11 @@ trial's notes), never dropped.
 Children of a cgroup we run in (or, for root on v2 without one, of the root), so an
 episode never escapes the limits sequester itself runs under where there are any. The
 episode's init is moved in once it is up; every process the agent starts joins on its way
-in (the namespace helper writes itself into each ``cgroup.procs`` before it enters the
-episode). The verifier's processes do not: what the agent leaves behind cannot starve the
-tests of memory. Removed at teardown, after every process in them is gone.
+in (a child of the namespace helper's worker writes the worker into each ``cgroup.procs``
+while it enters the episode, and the worker waits for it before it forks anything: a v1
+move waits for an RCU grace period). The verifier's processes do not: what the agent
+leaves behind cannot starve the tests of memory. Removed at teardown, after every process
+in them is gone.
 """
 
 from __future__ import annotations

@@ -107,8 +107,12 @@ def start_joining(cgroup: str | list[str] | None) -> int | None:
     if child == 0:  # pragma: no cover - its status is the report
         code = 1
         try:
-            join_cgroups(cgroup, parent)
-            code = 0
+            # Never a pid the parent no longer holds: dead with it, and checked alive first
+            # (its callers wait for this child even when they fail; see finish_joining).
+            check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+            if os.getppid() == parent:
+                join_cgroups(cgroup, parent)
+                code = 0
         finally:
             os._exit(code)
     return child
@@ -120,7 +124,7 @@ def finish_joining(child: int | None) -> None:
         return
     _, status = os.waitpid(child, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise OSError(errno.EIO, "could not join the verifier's cgroup")
+        raise OSError(errno.EIO, "could not join the episode's cgroups")
 
 
 def enter(target: int, *, user: str, pid: bool, cgroup: str | list[str] | None, harden: bool = False) -> None:

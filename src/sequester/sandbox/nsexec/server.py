@@ -76,8 +76,10 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> None:
     extra = fds[4:]
     host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # host pids, after setns too
     joining = start_joining(req.get("cgroup"))  # (the freezer's, the limits': while it enters)
-    enter(req["target"], user="agent", pid=True, cgroup=None, harden=bool(req.get("harden")))
-    finish_joining(joining)  # before the first fork
+    try:
+        enter(req["target"], user="agent", pid=True, cgroup=None, harden=bool(req.get("harden")))
+    finally:
+        finish_joining(joining)  # before the first fork, and before this worker may end
     # Fork twice: the process we start must be orphaned *inside* the episode's PID
     # namespace, so that the episode's init adopts and reaps it (an orphan of a process
     # outside it would go to the host's init, and the namespace would die slowly).
@@ -178,6 +180,22 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     result, tests, output, runner_pipe = fds[:4]
     # Its own pids cgroup: joined by a child while the root is made (before the first fork).
     joining = start_joining(req.get("cgroup"))
+    try:
+        notes = _verifier_root(req, fds, tests)
+    finally:
+        finish_joining(joining)  # before the first fork, and before this worker may end
+    init = os.fork()
+    if init == 0:
+        _verifier_init(req, result, output, runner_pipe, notes)
+    for fd in (output, result, runner_pipe):
+        os.close(fd)
+    _, status = os.waitpid(init, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]:
+    """The verifier's root (see :func:`sequester.sandbox.nsexec.root.build_root`), the
+    runner checked, its scratch folders, the task's wheels and the staged tests."""
     enter(req["target"], user="parent", pid=False, cgroup=None)
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
@@ -198,14 +216,7 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     os.chmod("/logs/verifier", 0o777)
     extract(read_all(tests), "/tests", "data")
     os.close(tests)
-    finish_joining(joining)
-    init = os.fork()
-    if init == 0:
-        _verifier_init(req, result, output, runner_pipe, notes)
-    for fd in (output, result, runner_pipe):
-        os.close(fd)
-    _, status = os.waitpid(init, 0)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    return notes
 
 
 def _check_runner(runner: dict[str, Any]) -> None:
