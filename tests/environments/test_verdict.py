@@ -13,3 +13,30 @@ def test_frozen_evaluation_note():
     assert "freeze_agent = false" in FROZEN_TIMEOUT_NOTE and "live service" in FROZEN_TIMEOUT_NOTE
     assert frozen_evaluation_note("cgroup", timed_out=False, reward=1.0) is None
     assert frozen_evaluation_note(None, timed_out=True) is None  # not frozen: the usual timeout
+
+
+import pytest  # noqa: E402
+
+from sequester.environments.verdict import RewardInvalid, parse_rewards  # noqa: E402
+
+
+@pytest.mark.parametrize("raw, rewards", [
+    (b'{"reward": 1}', {"reward": 1.0}),
+    (b'{"a{[": 1, "reward": 0.5}', {"a{[": 1.0, "reward": 0.5}),  # brackets inside strings
+    (b'{"a\\\\": 1, "reward": 0.5}', {"a\\": 1.0, "reward": 0.5}),  # an escaped backslash ends no string
+    (b'{"a\\"{": 1, "reward": 0.25}', {'a"{': 1.0, "reward": 0.25}),  # an escaped quote ends no string
+])
+def test_a_flat_reward_file_is_read_whatever_its_strings_hold(raw, rewards):
+    assert parse_rewards({"reward.json": raw}) == rewards
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 200_000 + b"]" * 200_000,
+    b'{"reward": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b'{"reward": 1, "x": {}}',
+    b"{" * 1_000_000,
+    b'{"reward": 1, "x": "' + b'\\"' * 100_000,  # never closed: one pass, not one per quote
+])
+def test_a_nested_or_broken_reward_file_is_invalid_never_an_exception_of_the_parser(raw):
+    with pytest.raises(RewardInvalid):
+        parse_rewards({"reward.json": raw})

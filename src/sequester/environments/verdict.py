@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,10 +142,7 @@ def parse_rewards(
     number must be finite, and within ``reward_range`` unless that is ``None`` (Harbor
     accepts any finite number)."""
     if "reward.json" in files:
-        try:
-            data = json.loads(files["reward.json"].decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise RewardInvalid(f"reward.json is not valid JSON: {exc}") from None
+        data = _flat_json(files["reward.json"])
         if not isinstance(data, dict) or not data:
             raise RewardInvalid("reward.json is not a non-empty flat object")
         rewards = {str(k): _number(v, f"reward.json[{k!r}]", reward_range) for k, v in data.items()}
@@ -158,6 +156,48 @@ def parse_rewards(
             raise RewardInvalid(f"reward.txt: {text[:50]!r} is not a number") from None
         return {"reward": _number(value, "reward.txt", reward_range)}
     raise RewardFileMissing("the verifier wrote neither /logs/verifier/reward.json nor reward.txt")
+
+
+_JSON_SPECIAL = re.compile(rb'["{\[\\]')
+
+
+def _nests(raw: bytes) -> bool:
+    """Whether JSON text ``raw`` opens more than one object or array outside its strings.
+    One pass over its quote, bracket and backslash characters (found by the regex engine,
+    which never backtracks on a one-character class): linear in the file's size."""
+    in_string, escaped, opened = False, -1, 0
+    for found in _JSON_SPECIAL.finditer(raw):
+        at = found.start()
+        if at == escaped:
+            continue
+        char = raw[at]
+        if in_string:
+            if char == 0x5C:  # a backslash escapes the next character
+                escaped = at + 1
+            elif char == 0x22:
+                in_string = False
+        elif char == 0x22:
+            in_string = True
+        elif char in (0x7B, 0x5B):
+            opened += 1
+            if opened > 1:
+                return True
+    return False
+
+
+def _flat_json(raw: bytes) -> Any:
+    """``raw`` as JSON, refused (:class:`RewardInvalid`) before it is parsed when it nests
+    anything (a reward file is a flat object: one ``{``, no ``[``, outside its strings), so
+    no file a program under test writes reaches the parser's recursion; and whatever else
+    goes wrong while reading it is :class:`RewardInvalid` too (the agent's 0)."""
+    if _nests(raw):
+        raise RewardInvalid("reward.json is not a flat object (it nests objects or arrays)")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RewardInvalid(f"reward.json is not valid JSON: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - bounded above; whatever is left is the file's fault
+        raise RewardInvalid(f"reward.json could not be read: {type(exc).__name__}") from None
 
 
 def _reject_constant(name: str) -> float:

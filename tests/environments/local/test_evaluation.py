@@ -34,6 +34,16 @@ def test_rewards_are_read_strictly(tmp_path, episode, content, error):
     assert result.zero_reason and ("neither" if error is RewardFileMissing else "") in result.zero_reason
 
 
+def test_a_deeply_nested_reward_file_is_the_agents_zero_not_an_error(tmp_path, episode):
+    """Attack: a program the tests ran writes a reward.json nested deep enough to raise
+    RecursionError out of a JSON parser: refused before it is parsed, the agent's 0."""
+    script = ("python3 -c \"import sys; sys.stdout.write('{\\\"reward\\\": ' + '[' * 200000 + ']' * 200000 + '}')\" "
+              "> /logs/verifier/reward.json\necho 1 > /logs/verifier/reward.txt\necho reward.json > /dev/null\n")
+    episode.reset(make_task(tmp_path, test_sh=script))
+    result = episode.evaluate()
+    assert result.rewards == {"reward": 0.0} and "not a flat object" in (result.zero_reason or ""), result
+
+
 def test_reward_json_wins_and_is_a_flat_dict(tmp_path, episode):
     script = "echo 0 > /logs/verifier/reward.txt\necho '{\"reward\": 0.75, \"style\": 1}' > /logs/verifier/reward.json\n"
     episode.reset(make_task(tmp_path, test_sh=script))

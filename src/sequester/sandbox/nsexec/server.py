@@ -216,6 +216,11 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
     os.chmod("/logs/verifier", 0o777)
     extract(read_all(tests), "/tests", "data")
     os.close(tests)
+    # Attack: a program the tests run rewriting test.sh while bash reads it (bash reads its
+    # script as it goes), or a test file pytest has yet to import. The staged tests are
+    # sealed: a read-only mount, which the tests' programs (no CAP_SYS_ADMIN over it) cannot
+    # make writable. (pytest then keeps no cache in /tests: a warning, not a failure.)
+    remount_readonly("/tests")
     return notes
 
 
