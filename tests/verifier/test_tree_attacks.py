@@ -69,6 +69,7 @@ ATTACKS = {
     "runner-late-plant": ALL,         # 10. a watcher renames fakes into place after the scan
     "runner-operator-output": BASE,   # 11. forged lines and escapes on /proc/1/fd/1 and /proc/1/fd/2
     "runner-rewrite-test-script": ALL,  # 13. a program the tests run rewrites test.sh while bash reads it
+    "runner-shell-memory": ALL,       # 14. ... or traces the shell and patches the script as bash reads it
 }
 CASES = [(hack, task) for hack, tasks in ATTACKS.items() for task in tasks]
 MARKER = "SEQ-OPERATOR-FORGED"

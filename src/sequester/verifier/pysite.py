@@ -41,6 +41,29 @@ sequester/verifier/pysite.py)."""
 
 import os
 import sys
+
+
+def _seal():
+    # Attack: a program the tests run (the agent's) attaching with ptrace to the runner's
+    # Python that started it (pytest, or the python3 running a test file), or opening its
+    # /proc/PID/mem, and changing the outcome. Not dumpable from here on: no process
+    # without CAP_SYS_PTRACE (the tests' programs have none) may attach or open its memory.
+    # One traced already (a program that raced this start) is refused.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+        with open("/proc/self/status") as status:
+            traced = any(line.split()[1:2] != ["0"] for line in status if line.startswith("TracerPid:"))
+    except (ImportError, OSError):
+        return
+    if traced:
+        os.write(2, b"sequester: a program traced the verifier's Python from its start: refused\\n")
+        os._exit(125)
+
+
+_seal()
+del _seal
 from importlib.machinery import PathFinder as _PathFinder
 
 

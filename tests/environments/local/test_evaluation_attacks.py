@@ -51,3 +51,44 @@ def test_nothing_of_the_tests_reaches_the_agent(hack):
         ep.evaluate()
         stolen = ep.exec("cat /tmp/stolen/* /app/stolen* 2>/dev/null; grep -rl EXPECTED /tmp /app /root 2>/dev/null")
         assert "EXPECTED" not in stolen.stdout and "def test" not in stolen.stdout
+
+
+_PROBE = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+parent = os.getppid()
+seen = {"parent": parent}
+if libc.ptrace(16, parent, None, None) == 0:  # PTRACE_ATTACH
+    seen["attach"] = "attached"
+    os.waitpid(parent, 0x40000000)
+    libc.ptrace(17, parent, None, None)
+else:
+    seen["attach"] = os.strerror(ctypes.get_errno())
+try:
+    open(f"/proc/{parent}/mem", "rb").close()
+    seen["mem"] = "opened"
+except OSError as exc:
+    seen["mem"] = exc.strerror
+seen["shell"] = [p for p in os.listdir("/proc") if p.isdigit() and b"/tests/test.sh" in open(f"/proc/{p}/cmdline", "rb").read()]
+with open("/logs/verifier/probe.txt", "w") as f:
+    f.write(repr(seen))
+'''
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_a_program_the_tests_run_cannot_trace_or_read_the_runner_or_see_the_shell(tmp_path, mode):
+    """The runner's Python that starts a program of the agent's (here the python3 running a
+    test) is not dumpable: the program cannot attach to it or open its memory; and the test
+    script's shell is in no namespace the program sees."""
+    from tasks import make_task
+
+    test_sh = ("python3 -c \"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '/app/probe.py']))\"\n"
+               "echo 1 > /logs/verifier/reward.txt\n")
+    task = make_task(tmp_path, test_sh=test_sh, files={"environment/probe.py": _PROBE},
+                     dockerfile="FROM debian:12\nWORKDIR /app\nCOPY probe.py /app/probe.py\n")
+    with Episode() as ep:
+        ep.reset(task)
+        result = ep.evaluate(verifier_env=mode)
+    seen = result.files["probe.txt"].decode()
+    assert "attached" not in seen and "opened" not in seen and "'shell': []" in seen, seen

@@ -39,6 +39,7 @@ import termios
 import time
 from typing import Any
 
+from sequester.guard.privileges import keep_capabilities
 from sequester.sandbox.nsexec.files import extract, op_files
 from sequester.sandbox.nsexec.ns import (
     CLONE_NEWNS,
@@ -65,6 +66,7 @@ from sequester.sandbox.nsexec.ns import (
 from sequester.sandbox.nsexec.root import build_root
 from sequester.sandbox.nsexec.router import op_net_link, op_net_nft, op_net_router, op_net_stack
 
+_PR_SET_DUMPABLE = 4
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
 
@@ -268,6 +270,63 @@ def _copy_wheels(source: int, target: str) -> None:
     remount_readonly(target)
 
 
+def _nest_the_tests() -> None:
+    """Everything the test script starts, in PID and mount namespaces below the script's
+    shell: the shell stays in the verifier's PID namespace, its children are made in a new
+    one (whose init is a reaper of ours) with a ``/proc`` of that namespace only.
+
+    Attack: a program the tests run (the agent's) finding the shell that runs test.sh in
+    /proc, attaching to it with ptrace or opening its /proc/PID/mem (the same user may,
+    the shell being dumpable), and changing the script's text as the shell reads it on
+    after the program ends: the tests' failure wrote 1. Below the shell, no program of
+    the tests can name it: its PID is in no namespace they see, their /proc lists only
+    their own namespace, and ``getppid()`` is 0 for the shell's children."""
+    check(libc.unshare(CLONE_NEWPID | CLONE_NEWNS), "unshare(pid, mount) for the tests")
+    ready_r, ready_w = os.pipe()
+    reaper = os.fork()  # PID 1 of the new namespace; the shell's later children join it
+    if reaper == 0:
+        os.close(ready_r)
+        _tests_reaper(ready_w)
+    os.close(ready_w)
+    try:
+        if os.read(ready_r, 1) != b"r":
+            raise OSError(errno.EIO, "the tests' PID namespace could not be made")
+    finally:
+        os.close(ready_r)
+
+
+def _tests_reaper(ready: int) -> None:  # pragma: no cover - a forked child's life
+    """PID 1 of the tests' namespace: a fresh /proc for it, then only reaping, with no
+    capability and not dumpable (the tests' programs see it as PID 1), until the shell
+    that made it ends (then the kernel ends the namespace)."""
+    try:
+        die_with_parent(None)
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+        check(libc.umount2(b"/proc", MNT_DETACH), "detach the verifier's /proc")
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        harden_proc("/proc")
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in (ready,):
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        keep_capabilities([])
+        os.write(ready, b"r")
+        os.close(ready)
+        while True:
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                    pass
+            except ChildProcessError:
+                pass
+            signal.sigwait([signal.SIGCHLD])
+    finally:
+        os._exit(0)
+
+
 def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int, notes: list[str]) -> None:
     """PID 1 of the verifier's namespace: run the script, reap, read the verdict, report."""
     try:
@@ -292,6 +351,7 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                 except OSError:
                     os.chdir("/")
                 _set_rlimits(req.get("rlimits"))
+                _nest_the_tests()
                 _default_signals()
                 restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
                 os.execvpe(req["argv"][0], req["argv"], req["env"])
