@@ -40,3 +40,31 @@ def test_a_flat_reward_file_is_read_whatever_its_strings_hold(raw, rewards):
 def test_a_nested_or_broken_reward_file_is_invalid_never_an_exception_of_the_parser(raw):
     with pytest.raises(RewardInvalid):
         parse_rewards({"reward.json": raw})
+
+
+def _judged(tmp_path, reward: bytes, said: tuple[str, ...]):
+    import base64
+
+    from tasks import make_task
+
+    from sequester.environments.verdict import Evaluation, judge
+    from sequester.tasks import load_task
+
+    task = load_task(make_task(tmp_path))
+    report = {"exit_code": 0, "files": {"reward.txt": base64.b64encode(reward).decode()}}
+    return judge(task, Evaluation(report, b"", said, 0.1), tampering=(), frozen=None)
+
+
+def test_a_module_the_runner_lacks_makes_a_zero_a_bootstrap_failure_and_a_pass_stays_a_pass(tmp_path):
+    """An optional import that failed (the tests passed all the same) changes nothing; with
+    a 0, the runner falling short is not the agent's verdict until the pristine run says so."""
+    from sequester.environments.verdict import BootstrapFailed
+
+    assert _judged(tmp_path / "a", b"1", ("runner-lacks:readline",)).reward == 1.0
+    with pytest.raises(BootstrapFailed, match="readline"):
+        _judged(tmp_path / "b", b"0", ("runner-lacks:readline",))
+
+
+def test_imports_from_the_agents_folders_are_noted(tmp_path):
+    result = _judged(tmp_path, b"1", ("agent-import:/app/solution.py", "pytest"))
+    assert any("/app/solution.py" in n for n in result.notes), result.notes

@@ -261,6 +261,23 @@ def judge(
             f"test script asks for; the script exited {exit_code})",
             **seen,
         )
+    lacks = runner_lacks(ev)
+    imported = [m.partition(":")[2] for m in ev.runner_said if m.startswith("agent-import:")]
+    if imported:
+        shown = ", ".join(imported[:8]) + (f" and {len(imported) - 8} more" if len(imported) > 8 else "")
+        notes = (
+            *notes,
+            f"the tests imported modules from the agent's folders (they run with the tests' rights): {shown}",
+        )
+
+    def lacking() -> BootstrapFailed:
+        return BootstrapFailed(
+            f"the verifier could not run: the tests import {', '.join(lacks)}, which the verifier's Python lacks "
+            f"(a module of that name in the agent's folders is never imported in its place; the script exited "
+            f"{exit_code})",
+            **seen,
+        )
+
     if "reward.json" in files and not tests_mention(task, b"reward.json"):
         # Attack: a program the tests ran (the agent's) writing reward.json, which wins over
         # the reward.txt the script writes. A task whose tests never name reward.json gets
@@ -270,8 +287,18 @@ def judge(
     try:
         rewards = parse_rewards(files, reward_range)
     except VerifierError as exc:
+        if lacks:  # not a verdict, and the runner fell short: the pristine run decides whose
+            raise lacking() from None
         return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
+    if lacks and primary_reward(rewards) <= 0:
+        raise lacking()
     return VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
+
+
+def runner_lacks(ev: Evaluation) -> list[str]:
+    """The modules the tests imported that the runner must provide and lacks (the
+    standard library's, the test tools')."""
+    return [m.partition(":")[2] for m in ev.runner_said if m.startswith("runner-lacks:")]
 
 
 def runner_works(ev: Evaluation) -> bool:
@@ -280,6 +307,8 @@ def runner_works(ev: Evaluation) -> bool:
     if ev.report is None:
         return True
     if "error" in ev.report:
+        return False
+    if runner_lacks(ev):
         return False
     return not ("uvx" in ev.runner_said and "pytest" not in ev.runner_said)
 

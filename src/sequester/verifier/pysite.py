@@ -64,11 +64,38 @@ def _seal():
 
 _seal()
 del _seal
+import _imp
 from importlib.machinery import PathFinder as _PathFinder
+
+# What this Python tells the host, on a pipe the programs it starts never get (see
+# RUNNER_FD_VAR): "pytest" (the tests' pytest started), "runner-lacks:NAME" (an import of
+# a module the runner must provide and does not), "agent-import:PATH" (the tests imported
+# a module from the agent's folders).
+_said = os.environ.get({RUNNER_FD_VAR!r}, "")
+_said = int(_said) if _said.isdigit() else None
+if _said is not None:
+    try:
+        os.set_inheritable(_said, False)
+    except OSError:
+        _said = None
+
+
+def _say(word):
+    if _said is not None:
+        try:
+            os.write(_said, ("".join("?" if c.isspace() else c for c in word)[:300] + "\\n").encode())
+        except OSError:
+            pass
 
 
 class _TrustedFirst:
     trusted = ({str(RUNNER_MOUNT)!r}, sys.prefix, sys.base_prefix, sys.exec_prefix, "/tests")
+    # Names that only ever come from the runner: the standard library's and the test tools'.
+    # One the runner lacks is an ImportError, never a module of that name in the working
+    # folder, the view or PYTHONPATH.
+    # (Not "test", CPython's own test suite, which runners leave out and no tool imports.)
+    protected = (frozenset(sys.stdlib_module_names) - {{"test"}}) | {{"pytest", "_pytest", "pluggy", "iniconfig", "py"}}
+    seen = set()
 
     @classmethod
     def _ours(cls, entry):
@@ -77,9 +104,25 @@ class _TrustedFirst:
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        if path is not None:
-            return None  # a submodule: its package's own __path__ decides
-        return _PathFinder.find_spec(name, [p for p in sys.path if cls._ours(p)], target)
+        if path is not None or name in sys.builtin_module_names or _imp.is_frozen(name):
+            return None  # a submodule (its package's own __path__ decides), or the interpreter's own
+        spec = _PathFinder.find_spec(name, [p for p in sys.path if cls._ours(p)], target)
+        if spec is not None:
+            return spec
+        if name in cls.protected:
+            if name not in cls.seen:
+                cls.seen.add(name)
+                _say("runner-lacks:" + name)
+            raise ModuleNotFoundError(
+                f"No module named {{name!r}} (the verifier's Python has none, and one of that name in "
+                "the working folder, the view or PYTHONPATH is never imported in its place)",
+                name=name,
+            )
+        spec = _PathFinder.find_spec(name, sys.path, target)  # the tests' own: the agent's folders
+        if spec is not None and name not in cls.seen:
+            cls.seen.add(name)
+            _say("agent-import:" + str(spec.origin or (list(spec.submodule_search_locations or []) or [name])[0]))
+        return spec
 
     @classmethod
     def invalidate_caches(cls):
@@ -107,16 +150,9 @@ if _is_pytest:
                 yield dist
 
     _metadata.distributions = _trusted_distributions
-# Tell the host that the tests' pytest started (its bootstrap worked): written on a pipe
-# the agent's programs can add to but never take back.
-_fd = os.environ.get({RUNNER_FD_VAR!r}, "")
-if _fd.isdigit() and _is_pytest:
-    try:
-        os.write(int(_fd), b"pytest\\n")
-        os.close(int(_fd))  # the programs the tests start get nothing of it
-    except OSError:
-        pass
-del _fd, _argv, _is_pytest
+if _is_pytest:  # the tests' pytest started: its bootstrap worked
+    _say("pytest")
+del _argv, _is_pytest
 '''
 
 

@@ -1,0 +1,137 @@
+"""What the programs the tests run can do to the runner, in every mode: as the caller
+(root in CI), in the fake root and as an ordinary user; shared and separate verifier
+environments. Each case fails without its guard (the test shell's namespaces below it,
+the runner's Pythons not dumpable, imports the runner must provide never from the
+agent's folders)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from fakeroot import attack_env, unavailable  # noqa: F401 - attack_env is a fixture
+from paths import EXAMPLES
+
+_REASON = unavailable()
+
+# The harness: tasks made here, the results emitted (a dict of case -> what was seen).
+SCRIPT = r'''
+import pathlib, tempfile
+from sequester.environments.local.episode import Episode
+
+PROBE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+parent = os.getppid()
+seen = {"parent": parent}
+if libc.ptrace(16, parent, None, None) == 0:
+    seen["attach"] = "attached"
+    os.waitpid(parent, 0x40000000)
+    libc.ptrace(17, parent, None, None)
+else:
+    seen["attach"] = os.strerror(ctypes.get_errno())
+try:
+    open(f"/proc/{parent}/mem", "rb").close()
+    seen["mem"] = "opened"
+except OSError as exc:
+    seen["mem"] = exc.strerror
+seen["shell"] = [p for p in os.listdir("/proc") if p.isdigit()
+                 and b"/tests/test.sh" in open(f"/proc/{p}/cmdline", "rb").read()]
+with open("/logs/verifier/probe.txt", "w") as f:
+    f.write(repr(seen))
+"""
+PLANTED = "open('/logs/verifier/planted.txt', 'w').write('ran')\nraise SystemExit(0)\n"
+
+
+def task(root, test_sh, files):
+    t = pathlib.Path(tempfile.mkdtemp(dir=root))
+    for sub in ("tests", "environment", "solution"):
+        (t / sub).mkdir()
+    (t / "instruction.md").write_text("Do the thing.\n")
+    (t / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n')
+    (t / "environment" / "Dockerfile").write_text(
+        "FROM debian:12\nWORKDIR /app\n" + "".join(f"COPY {n} /app/{n}\n" for n in files))
+    for name, text in files.items():
+        (t / "environment" / name).write_text(text)
+    (t / "tests" / "test.sh").write_text(test_sh)
+    (t / "tests" / "test_x.py").write_text("def test_x():\n    assert False\n")
+    (t / "solution" / "solve.sh").write_text("true\n")
+    return t
+
+
+out = {}
+probe = task(WORK, "python3 -c \"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '/app/probe.py']))\"\n"
+                   "echo 1 > /logs/verifier/reward.txt\n", {"probe.py": PROBE})
+shadow = task(WORK, "cd /app\npython3 -m pytest /tests/test_x.py\n"
+                    "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+              {"pytest.py": PLANTED})
+for mode in ("shared", "separate"):
+    with Episode(settings()) as ep:
+        ep.reset(probe)
+        try:
+            r = ep.evaluate(verifier_env=mode)
+            out["probe-" + mode] = {"error": None, "probe": r.files.get("probe.txt", b"").decode()}
+        except Exception as exc:
+            out["probe-" + mode] = {"error": f"{type(exc).__name__}: {exc}", "probe": ""}
+with Episode(settings()) as ep:
+    ep.reset(shadow)
+    r = verdict(ep)
+    out["shadow"] = {**r, "planted": "planted.txt" in (r.get("files") or [])}
+emit(out)
+'''
+
+MODES = ["caller", "fake-root", "user"]
+
+
+def _run(mode: str, env) -> dict:
+    if mode == "caller":
+        import json
+        import tempfile
+
+        from fakeroot import PRELUDE
+
+        with tempfile.TemporaryDirectory() as work:
+            result = os.path.join(work, "result.json")
+            state = os.path.join(work, "state")
+            os.mkdir(state)
+            from sequester.environments.settings import EpisodeSettings
+
+            environ = {**os.environ, "SEQ_EXAMPLES": str(EXAMPLES.parent), "SEQ_WORK": work, "SEQ_STATE": state,
+                       "SEQ_TOOLCHAIN": str(EpisodeSettings().toolchain_dir),
+                       "SEQ_RESULT": result, "PYTHONPATH": os.pathsep.join(sys.path)}
+            done = subprocess.run([sys.executable, "-c", PRELUDE + SCRIPT], env=environ, capture_output=True,
+                                  text=True, timeout=900)
+            assert done.returncode == 0, done.stderr[-3000:]
+            with open(result) as f:
+                return json.load(f)
+    return env.run_in_fake_root(SCRIPT) if mode == "fake-root" else env.run_as_user(SCRIPT)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def seen(request):
+    if request.param != "caller" and _REASON is not None:
+        pytest.skip(_REASON)
+    env = request.getfixturevalue("attack_env") if request.param != "caller" else None
+    return _run(request.param, env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_the_tests_programs_cannot_see_the_shell_nor_trace_or_read_the_runner(seen, mode):
+    case = seen[f"probe-{mode}"]
+    assert case.get("error") is None and case["probe"], case
+    assert "attached" not in case["probe"] and "opened" not in case["probe"], case["probe"]
+    assert "'shell': []" in case["probe"], case["probe"]
+
+
+@pytest.mark.slow
+def test_a_module_the_runner_lacks_is_never_the_agents(seen):
+    """`python3 -m pytest` with the runner's Python lacking pytest and a pytest.py in the
+    working folder: the agent's module never runs; the trial is an error (the runner fell
+    short in the pristine environment too), never the agent's 1 and never a silent 0."""
+    case = seen["shadow"]
+    assert not case["planted"] and case["reward"] is None, case
+    assert "pytest" in case["error"] and "lacks" in case["error"], case
