@@ -262,6 +262,7 @@ def judge(
             **seen,
         )
     lacks = runner_lacks(ev)
+    setup = setup_failures(ev)
     imported = [m.partition(":")[2] for m in ev.runner_said if m.startswith("agent-import:")]
     if imported:
         shown = ", ".join(imported[:8]) + (f" and {len(imported) - 8} more" if len(imported) > 8 else "")
@@ -271,12 +272,15 @@ def judge(
         )
 
     def lacking() -> BootstrapFailed:
-        return BootstrapFailed(
-            f"the verifier could not run: the tests import {', '.join(lacks)}, which the verifier's Python lacks "
-            f"(a module of that name in the agent's folders is never imported in its place; the script exited "
-            f"{exit_code})",
-            **seen,
-        )
+        said = []
+        if lacks:
+            said.append(
+                f"the tests import {', '.join(lacks)}, which the verifier's Python lacks (a module of that name "
+                "in the agent's folders is never imported in its place)"
+            )
+        if setup:
+            said.append(f"the test script's set-up failed: {'; '.join(setup)}")
+        return BootstrapFailed(f"the verifier could not run: {'; '.join(said)} (the script exited {exit_code})", **seen)
 
     if "reward.json" in files and not tests_mention(task, b"reward.json"):
         # Attack: a program the tests ran (the agent's) writing reward.json, which wins over
@@ -287,12 +291,30 @@ def judge(
     try:
         rewards = parse_rewards(files, reward_range)
     except VerifierError as exc:
-        if lacks:  # not a verdict, and the runner fell short: the pristine run decides whose
+        if lacks or setup:  # not a verdict, and the runner fell short: the pristine run decides whose
             raise lacking() from None
         return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
-    if lacks and primary_reward(rewards) <= 0:
+    if (lacks or setup) and primary_reward(rewards) <= 0:
         raise lacking()
     return VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
+
+
+def setup_failures(ev: Evaluation) -> list[str]:
+    """What of the test script's own set-up failed, as the runner saw it: an install its
+    tools refused or could not make (``setup-failed:``), and a command the script asked to
+    install that was then not found (``installs:`` then ``not-found:`` of the same name)."""
+    failed, installs, missing = [], set(), []
+    for mark in ev.runner_said:
+        kind, _, what = mark.partition(":")
+        if kind == "setup-failed":
+            step, _, item = what.partition(":")
+            failed.append(f"{step.replace('apt-get-', 'apt-get ')} {item}".strip() + " failed")
+        elif kind == "installs":
+            installs.add(what)
+        elif kind == "not-found":
+            missing.append(what)
+    failed += [f"{name} (which it installs) was then not found" for name in dict.fromkeys(missing) if name in installs]
+    return failed[:8]
 
 
 def runner_lacks(ev: Evaluation) -> list[str]:
@@ -308,7 +330,7 @@ def runner_works(ev: Evaluation) -> bool:
         return True
     if "error" in ev.report:
         return False
-    if runner_lacks(ev):
+    if runner_lacks(ev) or setup_failures(ev):
         return False
     return not ("uvx" in ev.runner_said and "pytest" not in ev.runner_said)
 

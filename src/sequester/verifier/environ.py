@@ -92,4 +92,5 @@ def runner_env(
     )
     if runner_fd is not None:
         env[RUNNER_FD_VAR] = str(runner_fd)
+        env["BASH_ENV"] = str(layout.ETC / "bash-env")  # (see shims: set-up failures told to the host)
     return env

@@ -18,13 +18,23 @@ from pathlib import Path
 from sequester.verifier import layout
 from sequester.verifier.pythons import HostPython
 
-__all__ = ["write_shims"]
+__all__ = ["write_shims", "BASH_ENV_TEXT", "FINGERPRINT"]
 
 _HEAD = f"#!{layout.BIN}/bash\n# sequester verifier runner\n"
 _AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUESTER_AGENT_HOME\n'
 
+# Tell the host something on the runner's pipe (see sequester.verifier.pysite): a word per line.
+_SAY = (
+    "__sequester_say() {\n"
+    '  case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;;\n'
+    '    *) printf \'%s\\n\' "$1" >&"$SEQUESTER_RUNNER_FD" ;;\n'
+    "  esac 2>/dev/null\n"
+    "}\n"
+)
+
 _APT = (
     _HEAD
+    + _SAY
     + f'''cmd=; pkgs=()
 for a in "$@"; do
   case "$a" in -*) ;; *) if [ -z "$cmd" ]; then cmd=$a; else pkgs+=("$a"); fi ;; esac
@@ -32,16 +42,32 @@ done
 case "$cmd" in
   update) echo "sequester: apt-get update skipped (the verifier has no package sources)"; exit 0 ;;
   install)
+    for p in "${{pkgs[@]}}"; do __sequester_say "installs:$p"; done
     for p in "${{pkgs[@]}}"; do
       if [ ! -x "{layout.BIN}/$p" ]; then
+        __sequester_say "setup-failed:apt-get-install:$p"
         echo "E: Unable to locate package $p (the verifier installs no packages)" >&2; exit 100
       fi
     done
     echo "sequester: ${{pkgs[*]}} provided by the verifier"; exit 0 ;;
-  *) echo "E: apt-get $cmd is not available in the verifier" >&2; exit 100 ;;
+  *) __sequester_say "setup-failed:apt-get-$cmd"
+     echo "E: apt-get $cmd is not available in the verifier" >&2; exit 100 ;;
 esac
 '''
 )
+
+# BASH_ENV of the runner's shells: a command not found is told to the host (a tool the
+# script installed and then cannot find is its set-up failing, not the agent's 0).
+BASH_ENV_TEXT = (
+    _SAY
+    + "command_not_found_handle() {\n"
+    + '  __sequester_say "not-found:$1"; printf \'%s: command not found\\n\' "$1" >&2; return 127\n'
+    + "}\n"
+)
+
+
+# What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
+FINGERPRINT = _APT + BASH_ENV_TEXT
 
 
 def _script(path: Path, body: str) -> None:
@@ -76,6 +102,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
             # By absolute path: Python finds its standard library next to the binary it
             # was started as, never at the build's compiled-in prefix (a path of the view).
             _script(bin_dir / name, _AGENT_HOME + f'exec {real} -s "$@"\n')
+    (root / "etc" / "bash-env").write_text(BASH_ENV_TEXT)
     (bin_dir / "apt-get").write_text(_APT)
     os.chmod(bin_dir / "apt-get", 0o755)
     os.symlink("apt-get", bin_dir / "apt")

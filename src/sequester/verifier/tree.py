@@ -44,7 +44,7 @@ from sequester.verifier.closure import library_closure
 from sequester.verifier.elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
 from sequester.verifier.pysite import SITECUSTOMIZE, write_sitecustomize
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
-from sequester.verifier.shims import write_shims
+from sequester.verifier.shims import FINGERPRINT, write_shims
 
 __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
@@ -149,7 +149,7 @@ def _host_tools() -> dict[str, Path]:
 
 def _stamp(pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path) -> str:
     digest = hashlib.sha256(BUILD_FORMAT.encode())
-    digest.update(SITECUSTOMIZE.encode())  # (a change of it is a new tree, whatever the format says)
+    digest.update((SITECUSTOMIZE + FINGERPRINT).encode())  # (a change of either is a new tree)
     for item in [*PINNED, *(str(p.executable) + p.version for p in pythons), *map(str, tools.values()), str(uv_bin)]:
         digest.update(item.encode() + b"\0")
         path = Path(item) if item.startswith("/") else None

@@ -67,6 +67,34 @@ def test_a_failed_bootstrap_is_an_error_not_a_zero(tmp_path, episode):
     assert "3.99" in err.value.output  # uv's own message is kept for the host
 
 
+def test_a_tool_the_script_installs_and_cannot_find_is_an_error_not_a_zero(tmp_path, episode):
+    """TB2's `apt-get install -y curl expect` then `expect ...`: the verifier cannot install
+    expect; the script writes 0 and carries on. The runner saw the install fail and the
+    tool then missing: an error (it fails so in the pristine environment too), never the
+    agent's 0."""
+    script = ("apt-get install -y curl expect\nexpect -v; if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; "
+              "else echo 0 > /logs/verifier/reward.txt; fi\n")
+    episode.reset(make_task(tmp_path, test_sh=script))
+    with pytest.raises(VerifierCouldNotRun, match="apt-get install expect failed; expect .which it installs. was then"):
+        episode.evaluate()
+
+
+def test_a_command_the_script_does_not_install_is_the_agents_to_provide(tmp_path, episode):
+    """A tool the agent was to put on PATH and did not: not found, the agent's 0."""
+    episode.reset(make_task(tmp_path, test_sh="agent-tool --version || echo 0 > /logs/verifier/reward.txt\n"))
+    assert episode.evaluate().reward == 0.0
+
+
+def test_an_agents_program_that_forges_a_set_up_failure_gets_a_zero_not_an_error(tmp_path, episode):
+    """Attack: a program the tests run writes "setup-failed" on the runner's pipe to turn
+    its 0 into an error a trainer drops: the pristine environment does not fail so."""
+    script = "bash /app/forge.sh\necho 0 > /logs/verifier/reward.txt\n"
+    episode.reset(make_task(tmp_path, test_sh=script))
+    episode.exec("printf 'printf \"setup-failed:apt-get-install:x\\\\nruntime-lacks:x\\\\n\" >&$SEQUESTER_RUNNER_FD\\n' > /app/forge.sh")
+    result = episode.evaluate()
+    assert result.reward == 0.0 and "does not fail that way" in (result.zero_reason or ""), result
+
+
 def test_an_agent_that_kills_pytest_gets_a_zero_not_an_error(tmp_path, episode):
     """The agent's program, run by the tests, kills pytest: no ctrf.json is written, but
     the runner had said pytest started, so this is the agent's 0, not a void."""
