@@ -128,10 +128,8 @@ def test_the_tests_programs_cannot_see_the_shell_nor_trace_or_read_the_runner(se
 
 
 @pytest.mark.slow
-def test_a_module_the_runner_lacks_is_never_the_agents(seen):
-    """`python3 -m pytest` with the runner's Python lacking pytest and a pytest.py in the
-    working folder: the agent's module never runs; the trial is an error (the runner fell
-    short in the pristine environment too), never the agent's 1 and never a silent 0."""
+def test_a_module_the_runner_provides_is_never_the_agents(seen):
+    """`python3 -m pytest` with a pytest.py in the working folder: the runner's pytest runs
+    the tests (which fail: 0), the agent's module never runs."""
     case = seen["shadow"]
-    assert not case["planted"] and case["reward"] is None, case
-    assert "pytest" in case["error"] and "lacks" in case["error"], case
+    assert not case["planted"] and case["reward"] == 0.0, case

@@ -85,7 +85,7 @@ def test_extra_pins_in_a_tb2_script(extra, pinned):
     ("uvx -p 3.13 ruff check /app", [], ["ruff"], ["3.13"], False),
     # not installs: text in quotes, uvx python, other programs, a here-document's apostrophe
     ("echo 'uvx -w numpy==1.0 pytest'\ncat <<EOF\nit's not\nEOF\nuvx -p 3.13 python -c 'print(1)'\n"
-     "pip install numpy==1.26.4\n", [], [], ["3.13"], False),
+     "conda install numpy==1.26.4\n", [], [], ["3.13"], False),
 ])
 def test_script_variants(script, requirements, unpinned, pythons, default):
     pins = verifier_pins(script)
@@ -226,3 +226,17 @@ def test_the_trial_fetches_before_the_agent_runs(fetched, tmp_path):
     result = run_trial(task, "nop", tmp_path / "trials" / "nopin__x", settings=EpisodeSettings(), hide=[])
     assert result.exception_info is not None and "six==99.0.0" in result.exception_info.exception_message
     assert result.agent_execution.started_at is None and result.verifier_result is None
+
+
+@pytest.mark.parametrize("script, pins", [
+    ("pip install pytest==8.4.1 requests==2.32.5 psutil==7.0.0 pytest-json-ctrf==0.3.5 --break-system-packages\n",
+     ("psutil==7.0.0", "pytest-json-ctrf==0.3.5", "pytest==8.4.1", "requests==2.32.5")),
+    ("pip3 install -q pytest==8.4.2\n", ("pytest==8.4.2",)),
+    ("python3 -m pip install --no-cache-dir pytest==8.4.1 numpy==2.3.1\n", ("numpy==2.3.1", "pytest==8.4.1")),
+    ("pip list\npip show pytest\n", ()),
+])
+def test_pip_installs_are_pinned_for_the_runners_default_python(script, pins):
+    """The runner's pip (a shim over its uv) installs offline: the script's pip pins are
+    fetched when the episode starts, for the runner's default Python."""
+    found = verifier_pins(script)
+    assert found.requirements == pins and found.default_python == bool(pins), found

@@ -23,9 +23,12 @@ __all__ = [
     "RUN_HOME",
     "RUN_CACHE",
     "RUN_TOOLS",
+    "RUN_PIP",
+    "PINNED",
     "TASK_WHEELS",
 ]
 
+PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")  # the runner's own wheels: pytest for TB2's scripts
 RUNNER_MOUNT = PurePosixPath("/opt/sequester-verifier")
 BIN = RUNNER_MOUNT / "bin"  # first on the runner's PATH: shell, core tools, uv, python
 LIB = RUNNER_MOUNT / "lib"  # the loader and every library the tree's programs load
@@ -37,6 +40,7 @@ RUN = RUNNER_MOUNT / "run"  # an empty folder: a private tmpfs at verify time
 RUN_HOME = RUN / "home"  # HOME of the test script's own shell
 RUN_CACHE = RUN / "cache"  # uv's cache (its tool environments)
 RUN_TOOLS = RUN / "tools"
+RUN_PIP = RUN / "pip"  # the environment the runner's pip installs into (and pytest, python3 use)
 # A task's own pinned wheels (sequester.verifier.wheels), copied from the host at verify time
 # into a read-only tmpfs of the verifier's namespace; only when the task needs them.
 TASK_WHEELS = RUN / "task-wheels"

@@ -94,7 +94,8 @@ class _TrustedFirst:
     # One the runner lacks is an ImportError, never a module of that name in the working
     # folder, the view or PYTHONPATH.
     # (Not "test", CPython's own test suite, which runners leave out and no tool imports.)
-    protected = (frozenset(sys.stdlib_module_names) - {{"test"}}) | {{"pytest", "_pytest", "pluggy", "iniconfig", "py"}}
+    tools = frozenset({{"pytest", "_pytest", "pluggy", "iniconfig", "py"}})
+    protected = (frozenset(sys.stdlib_module_names) - {{"test"}}) | tools
     seen = set()
 
     @classmethod
@@ -110,7 +111,7 @@ class _TrustedFirst:
         if spec is not None:
             return spec
         if name in cls.protected:
-            if name not in cls.seen:
+            if name not in cls.seen and name in cls.tools:  # (the standard library's are often probed)
                 cls.seen.add(name)
                 _say("runner-lacks:" + name)
             raise ModuleNotFoundError(

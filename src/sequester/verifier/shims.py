@@ -66,8 +66,54 @@ BASH_ENV_TEXT = (
 )
 
 
+def _pip_env(python: object) -> str:
+    """The shell functions of the runner's pip environment (:data:`layout.RUN_PIP`): made by
+    the runner's uv from ``python``, offline, from the runner's and the task's wheels."""
+    return (
+        f"__sequester_venv() {{ [ -x {layout.RUN_PIP}/bin/python ] || "
+        f"{layout.LIBEXEC}/uv venv -q --python {python} {layout.RUN_PIP}; }}\n"
+        f"__sequester_pytest() {{ [ -x {layout.RUN_PIP}/bin/pytest ] || {layout.LIBEXEC}/uv pip install -q "
+        f"--python {layout.RUN_PIP}/bin/python {' '.join(p for p in layout.PINNED if p.startswith('pytest=='))}; }}\n"
+    )
+
+
+# The script asked for pytest (``pytest``, ``python3 -m pytest``, ``python3 -m pip``): the
+# pip environment, with the runner's pinned pytest unless the script installed one.
+_ENSURE = (
+    "{ __sequester_venv && __sequester_pytest; } >/dev/null 2>&1 || "
+    '{ __sequester_say "setup-failed:pytest-install"; '
+    'echo "sequester: the verifier could not set up pytest" >&2; exit 1; }'
+)
+
+# pip: `pip install` by the runner's uv into its own environment, offline, from the
+# runner's and the task's wheels (the script's pins are fetched when the episode starts);
+# none of the agent's pip, pip.conf or PIP_* is read.
+_PIP = f"""sub=${{1:-}}; [ $# -gt 0 ] && shift
+case "$sub" in
+  install) ;;
+  --version|-V) echo "pip (the sequester verifier's: uv pip)"; exit 0 ;;
+  list|freeze|show) __sequester_venv >/dev/null 2>&1
+    exec {layout.LIBEXEC}/uv pip "$sub" --python {layout.RUN_PIP}/bin/python "$@" ;;
+  *) __sequester_say "setup-failed:pip-$sub"; echo "sequester: pip $sub is not available in the verifier" >&2; exit 1 ;;
+esac
+args=()
+for a in "$@"; do
+  case "$a" in
+    --break-system-packages|--user|--no-cache-dir|--root-user-action=*|--disable-pip-version-check) ;;
+    --no-warn-script-location|-q|--quiet|-U|--upgrade) ;;
+    -*) args+=("$a") ;;
+    *) args+=("$a"); n=${{a%%[=<>!~;[ ]*}}; __sequester_say "installs:$n" ;;
+  esac
+done
+__sequester_venv || {{ __sequester_say "setup-failed:pip-install:environment"; exit 1; }}
+{layout.LIBEXEC}/uv pip install --python {layout.RUN_PIP}/bin/python "${{args[@]}}"
+rc=$?
+[ $rc -eq 0 ] || __sequester_say "setup-failed:pip-install:${{args[*]}}"
+exit $rc
+"""
+
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
-FINGERPRINT = _APT + BASH_ENV_TEXT
+FINGERPRINT = _APT + BASH_ENV_TEXT + _PIP + _ENSURE + _pip_env("")
 
 
 def _script(path: Path, body: str) -> None:
@@ -101,7 +147,22 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         for name in names:
             # By absolute path: Python finds its standard library next to the binary it
             # was started as, never at the build's compiled-in prefix (a path of the view).
-            _script(bin_dir / name, _AGENT_HOME + f'exec {real} -s "$@"\n')
+            # The default one is the pip environment's once the script installed into it.
+            body = f'exec {real} -s "$@"\n'
+            if i == 0:
+                body = (
+                    f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
+                    f'if [ -x "{layout.RUN_PIP}/bin/python" ]; then exec "{layout.RUN_PIP}/bin/python" -s "$@"; fi\n'
+                    + body
+                )
+            _script(bin_dir / name, _SAY + _pip_env(real) + _AGENT_HOME + body)
+        if i == 0:
+            pip = _SAY + _pip_env(real) + _PIP
+            for name in ("pip", "pip3"):
+                _script(bin_dir / name, pip)
+            pytest = _SAY + _pip_env(real) + _ENSURE + "\n" + _AGENT_HOME + f'exec "{layout.RUN_PIP}/bin/pytest" "$@"\n'
+            for name in ("pytest", "py.test"):
+                _script(bin_dir / name, pytest)
     (root / "etc" / "bash-env").write_text(BASH_ENV_TEXT)
     (bin_dir / "apt-get").write_text(_APT)
     os.chmod(bin_dir / "apt-get", 0o755)

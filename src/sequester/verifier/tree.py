@@ -42,6 +42,7 @@ from sequester.errors import SandboxError, SequesterError
 from sequester.verifier import layout
 from sequester.verifier.closure import library_closure
 from sequester.verifier.elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
+from sequester.verifier.layout import PINNED
 from sequester.verifier.pysite import SITECUSTOMIZE, write_sitecustomize
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
 from sequester.verifier.shims import FINGERPRINT, write_shims
@@ -50,7 +51,6 @@ __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
-PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
 BUILD_FORMAT = "8"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (

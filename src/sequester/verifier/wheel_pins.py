@@ -1,7 +1,8 @@
-"""Which wheels a task's test script pins: its ``uvx``/``uv`` invocations, read. Pure.
+"""Which wheels a task's test script pins: its ``uvx``/``uv``/``pip`` invocations, read. Pure.
 
-The requirements of every ``uvx``, ``uv tool run``, ``uv run --with``, ``uv pip install``
-and ``uv add`` of a script, and the Python asked for (``-p 3.13``). Exact pins
+The requirements of every ``uvx``, ``uv tool run``, ``uv run --with``, ``uv pip install``,
+``uv add`` and ``pip install`` (``pip3``, ``python3 -m pip``) of a script, and the Python
+asked for (``-p 3.13``). Exact pins
 (``name==version``) are what :mod:`.wheels` fetches; **unpinned** ones (``-w pandas``,
 ``numpy>=2``, URLs, paths) never are (they cannot be fetched reproducibly).
 """
@@ -173,6 +174,10 @@ def _invocation(words: list[str]) -> Found | None:
     program, args = os.path.basename(words[0]), words[1:]
     if program == "uvx":
         return _tool_run(args, python)
+    if _PYTHON_COMMAND.match(program) and args[:3] == ["-m", "pip", "install"]:
+        program, args = "pip", args[2:]
+    if program in ("pip", "pip3") and args[:1] == ["install"]:  # the runner's pip (see shims): its default Python
+        return _collect(args[1:], python, stop=False)
     scanned = list(_scan(args, stop=True))  # uv's global options, then the subcommand
     if program != "uv" or not scanned or scanned[-1][0] is not None:
         return None

@@ -95,6 +95,37 @@ def test_an_agents_program_that_forges_a_set_up_failure_gets_a_zero_not_an_error
     assert result.reward == 0.0 and "does not fail that way" in (result.zero_reason or ""), result
 
 
+_X_TEST = {"tests/test_x.py": "def test_x():\n    assert open('/app/out.txt').read() == 'ok'\n"}
+_VERDICT = "; if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+
+
+@pytest.mark.parametrize("run", [
+    "pip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\npytest /tests/test_x.py -rA",
+    "pip3 install -q pytest==8.4.1\npython3 -m pytest /tests/test_x.py",
+    "python3 -m pytest /tests/test_x.py",
+    "pytest /tests/test_x.py",
+])
+@pytest.mark.parametrize("solved", [True, False])
+def test_scripts_that_pip_install_pytest_or_call_it_get_the_runners(tmp_path, episode, run, solved):
+    """TB2's `pip install pytest==...` then `pytest` (6 of 89), and `python3 -m pytest`: the
+    runner's pip installs into its own environment, offline, from the runner's and the
+    task's wheels; `pytest` and `python3 -m pytest` are the runner's. 1 solved, 0 not."""
+    episode.reset(make_task(tmp_path, test_sh=f"cd /app\n{run}{_VERDICT}", files=_X_TEST))
+    if solved:
+        episode.exec("printf ok > /app/out.txt")
+    assert episode.evaluate().reward == (1.0 if solved else 0.0)
+
+
+def test_the_agents_pytest_and_pip_are_never_the_runners(tmp_path, episode):
+    """Attack: a pytest that passes everything ahead on the agent's PATH, a pytest.py in the
+    working folder, a pip that writes the reward: none of them runs."""
+    script = "cd /app\npip install -q pytest==8.4.1\npytest /tests/test_x.py" + _VERDICT
+    episode.reset(make_task(tmp_path, test_sh=script, files=_X_TEST))
+    episode.exec("printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/pytest; cp /usr/local/bin/pytest /usr/local/bin/pip; "
+                 "chmod +x /usr/local/bin/pytest /usr/local/bin/pip; printf 'raise SystemExit(0)\\n' > /app/pytest.py")
+    assert episode.evaluate().reward == 0.0
+
+
 def test_an_agent_that_kills_pytest_gets_a_zero_not_an_error(tmp_path, episode):
     """The agent's program, run by the tests, kills pytest: no ctrf.json is written, but
     the runner had said pytest started, so this is the agent's 0, not a void."""
@@ -134,8 +165,9 @@ def test_verifier_environment_is_scrubbed_and_private(tmp_path, episode):
                  "echo 'export INJECTED=1' > /root/.bashrc; sleep 300 &")
     result = episode.evaluate()
     env = result.files["env.txt"].decode()
-    for name in ("PYTEST_ADDOPTS", "PYTHONPATH", "LD_PRELOAD", "BASH_ENV", "INJECTED"):
+    for name in ("PYTEST_ADDOPTS", "PYTHONPATH", "LD_PRELOAD", "INJECTED", "/evil"):
         assert name not in env
+    assert "BASH_ENV=/opt/sequester-verifier/etc/bash-env" in env  # the runner's own (see shims)
     assert "FROM_IMAGE=yes" in env and "UV_OFFLINE=1" in env and "UV_NO_CONFIG=1" in env
     assert "PATH=/opt/sequester-verifier/bin:" in env  # the runner's tools first
     # The verifier's own PID namespace: it sees its processes, not the agent's sleep.
