@@ -37,6 +37,7 @@ __all__ = [
     "BuildError",
     "BuildTimeout",
     "EpisodeError",
+    "TaskNotCalibrated",
 ]
 
 
@@ -104,3 +105,10 @@ class BuildTimeout(BuildError):
 class EpisodeError(SequesterError):
     """An episode was used out of order (exec before reset, after close, ...), or given a
     working directory that is not an absolute path."""
+
+
+class TaskNotCalibrated(SequesterError):
+    """The task, on this machine's system and settings, does not score as it must when
+    calibrated (its oracle below full marks, its nop above 0, or an error), or cannot be
+    calibrated (no solution) where calibration is required: an environment error that
+    retries do not repeat, never an agent's verdict (see :mod:`sequester.calibration`)."""

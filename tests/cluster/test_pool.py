@@ -320,3 +320,27 @@ def test_a_killed_actor_loses_its_episodes_and_leaves_no_process(cluster):
     with pytest.raises(ClusterError, match="shut down"):
         pool.reset("python-csv-stats")
     pool.shutdown()  # idempotent
+
+
+@pytest.mark.slow
+def test_a_task_whose_calibration_fails_is_refused_before_anything_starts(cluster, tmp_path, monkeypatch):
+    """A record (as `sequester calibrate --backend ray` keeps it: the nodes choose their
+    systems, so its key has none) whose oracle scored 0: the pool refuses the reset with
+    TaskNotCalibrated, and no actor starts an episode."""
+    from sequester import __version__
+    from sequester.calibration import CalibrationRecord, calibration_key, default_store, settings_fields
+    from sequester.environments.settings import EpisodeSettings
+    from sequester.errors import TaskNotCalibrated
+    from sequester.tasks.checksum import task_checksum
+
+    monkeypatch.setenv("SEQUESTER_CALIBRATION_DIR", str(tmp_path / "store"))
+    key = calibration_key(task_checksum=task_checksum(EXAMPLES / "python-csv-stats"), system=None,
+                          settings=settings_fields(EpisodeSettings()), version=__version__)
+    default_store().put(CalibrationRecord(key.digest, "python-csv-stats", key.fields,
+                                          {"oracle": [0.0], "nop": [0.0]}, 1, "now"))
+    with EpisodePool(1, EXAMPLES, actor_cpus=0.25, episodes_per_actor=2) as small:
+        with pytest.raises(TaskNotCalibrated, match="oracle scored 0"):
+            small.reset("python-csv-stats")
+        assert [a.episodes for a in small.actors()] == [0]
+    with pytest.raises(PolicyError, match="calibration"):
+        EpisodePool(1, EXAMPLES, calibration="sometimes")

@@ -106,6 +106,7 @@ SYNOPSIS_PAGES = {
     "exec": "kernels.md",
     "check": "kernels.md",
     "run": "running-tasks.md",
+    "calibrate": "running-tasks.md",
     "build": "running-tasks.md",
     "serve": "server.md",
     "image pull": "running-tasks.md",

@@ -10,6 +10,7 @@ tests/cli/test_serve.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import base64
 import json
 import logging
@@ -412,3 +413,35 @@ def test_a_kernel_session_closed_mid_cell_kills_its_kernel_at_once(server):
 
     assert wait_until(lambda: not kernels_left(), timeout=10), kernels_left()
     assert time.monotonic() - before < 20
+
+
+def test_a_task_that_is_not_calibrated_is_refused_at_reset(tmp_path, monkeypatch):
+    """With records in the store (sequester calibrate with the server's settings): a task
+    whose oracle scored 0 is refused (FACTORY_ERROR, TaskNotCalibrated); a calibrated one
+    starts and says so; with `required`, one without a record is refused too."""
+    from sequester.environments.settings import EpisodeSettings
+    from sequester.jobs.job import calibrate_tasks
+
+    monkeypatch.setenv("SEQUESTER_CALIBRATION_DIR", str(tmp_path / "store"))
+    tasks = tmp_path / "tasks"
+    for name in ("good", "broken", "unknown"):
+        shutil.copytree(EXAMPLES / TASK, tasks / name)
+    (tasks / "broken" / "solution" / "solve.sh").write_text("true\n")
+    (tasks / "unknown" / "instruction.md").write_text("A task of its own (a copy of the same files is the same task).\n")
+    settings = dataclasses.replace(EpisodeSettings(), images=dataclasses.replace(EpisodeSettings().images, source="host"))
+    calibrate_tasks([tasks / "good", tasks / "broken"], jobs_dir=tmp_path / "jobs", settings=settings)
+
+    async def resets(server):
+        async with connect(server) as ws:
+            return {name: await ask(ws, {"type": "reset", "data": {"task": name}}) for name in ("good", "broken", "unknown")}
+
+    with Server(tasks_dir=tasks) as server:
+        auto = run(resets(server))
+    with Server(tasks_dir=tasks, calibration="required") as server:
+        required = run(resets(server))
+    assert auto["good"]["data"]["observation"]["calibration"]["state"] == "calibrated"
+    assert auto["broken"]["type"] == "error" and auto["broken"]["data"]["code"] == "FACTORY_ERROR"
+    assert "not calibrated" in auto["broken"]["data"]["message"] and "oracle scored 0" in auto["broken"]["data"]["message"]
+    assert auto["unknown"]["data"]["observation"]["calibration"]["state"] == "uncalibrated"
+    assert required["good"]["type"] != "error" and required["unknown"]["type"] == "error"
+    assert required["unknown"]["data"]["code"] == "FACTORY_ERROR", required["unknown"]

@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from sequester import __version__
 from sequester.cli.build import add_build_command
+from sequester.cli.calibrate import add_calibrate_command
 from sequester.cli.check import add_check_command
 from sequester.cli.common import err
 from sequester.cli.exec import add_exec_command
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_exec_command(sub)
     add_check_command(sub)
     add_run_command(sub)
+    add_calibrate_command(sub)
     add_image_commands(sub)
     add_build_command(sub)
     add_serve_command(sub)

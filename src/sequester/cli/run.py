@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,7 +16,7 @@ from sequester.cli.network import add_network_arguments, apply_network_arguments
 from sequester.errors import PolicyError
 from sequester.images.image_settings import IMAGE_SOURCES
 
-__all__ = ["add_run_command"]
+__all__ = ["add_run_command", "run_settings", "build_lines", "jobs_dir"]
 
 
 def add_run_command(sub: argparse._SubParsersAction) -> None:
@@ -45,33 +46,46 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         help="what each episode runs on: the task's prebuilt docker_image, its Dockerfile, the host's "
         "system, or auto (the image when it can be had, else host mode); default: [images] source",
     )
+    p.add_argument(
+        "--calibration",
+        choices=["auto", "required", "off"],
+        default="auto",
+        help="auto: a task whose calibration (sequester calibrate) fails ends its trials with TaskNotCalibrated, "
+        "one without any runs uncalibrated and says so; required: calibrate the tasks without one first; "
+        "off: ask nothing (default: auto)",
+    )
     add_backend_arguments(p, cluster=True)
     add_network_arguments(p)
     p.set_defaults(func=cmd_run)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def run_settings(args: argparse.Namespace):  # -> EpisodeSettings
+    """The run's settings: the config file's ``[episodes]``, then the command line's."""
     from dataclasses import replace
 
-    from sequester.cli.image import image_bars
-    from sequester.jobs import TrialResult, default_job_name
-    from sequester.jobs.job import prepare_job
-    from sequester.jobs.render import print_summary, trial_progress
-
     settings = config_of(args).episodes  # the whole file is checked, [runtime] and [limits] too
-    overrides = {
-        "exec_timeout": args.exec_timeout,
-        "freeze_agent": args.freeze_agent or None,
-        "verifier_env": args.verifier_env,
+    overrides: dict[str, Any] = {
+        "exec_timeout": getattr(args, "exec_timeout", None),
+        "freeze_agent": getattr(args, "freeze_agent", False) or None,
+        "verifier_env": getattr(args, "verifier_env", None),
     }
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.image_source:
         settings = replace(settings, images=replace(settings.images, source=args.image_source))
     settings = apply_backend_arguments(args, settings)
-    settings = apply_network_arguments(args, settings)
+    return apply_network_arguments(args, settings)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from sequester.cli.image import image_bars
+    from sequester.jobs import TrialResult, default_job_name
+    from sequester.jobs.job import prepare_job
+    from sequester.jobs.render import print_summary, trial_progress
+
+    settings = run_settings(args)
     scheduler = scheduler_for(args)  # --backend ray (its nodes fetch and build their own images)
     job_name = args.job_name or default_job_name()
-    job_dir = _jobs_dir(args.output) / job_name
+    job_dir = jobs_dir(args.output) / job_name
     with image_bars() as bars:  # the images first (fetched or built once), with their own progress
         prepared = prepare_job(
             args.tasks,
@@ -82,7 +96,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             settings=settings,
             scheduler=scheduler,
             image_progress=bars,
-            build_progress=_build_lines,
+            build_progress=build_lines,
+            calibration=args.calibration,
         )
     total = len(prepared.trials)
     finished: list[TrialResult] = []
@@ -102,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
 
 
-def _build_lines(task: str, report, done: bool) -> None:
+def build_lines(task: str, report, done: bool) -> None:
     """A Dockerfile build before the trials: each step as docker build shows it."""
     if not done:
         err.print(f"[bold]{escape(task)}[/] #{report.number} {escape(report.title())}", highlight=False, soft_wrap=True)
@@ -110,7 +125,7 @@ def _build_lines(task: str, report, done: bool) -> None:
         err.print(f"[bold]{escape(task)}[/] #{report.number} [green]DONE[/] {report.seconds:.1f}s", highlight=False)
 
 
-def _jobs_dir(output: str) -> Path:
+def jobs_dir(output: str) -> Path:
     """``-o``: a folder, or a path where one can be made; anything else is exit 2."""
     path = Path(output).absolute()
     for existing in (path, *path.parents):

@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "kernel_pool": args.kernel_pool,
         "idle_timeout": args.idle_timeout,
         "tasks_dir": Path(args.tasks_dir) if args.tasks_dir else None,
+        "calibration": args.calibration,
     }
     settings = dataclasses.replace(config.serve, **{k: v for k, v in overrides.items() if v is not None})
     episodes = config.episodes
@@ -146,6 +147,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         type=positive(int),
         metavar="N",
         help="live sessions at once; a reset beyond is refused (default: [serve] max_sessions, 16)",
+    )
+    p.add_argument(
+        "--calibration",
+        choices=["auto", "required", "off"],
+        help="a task whose calibration (sequester calibrate, with this server's settings) fails is refused at "
+        "reset; required: one without a calibration too (default: [serve] calibration, auto)",
     )
     p.add_argument(
         "--kernel-pool",

@@ -89,8 +89,12 @@ class EpisodePool:
         start_timeout: float = 120.0,
         read_cap: int = READ_CAP,
         close_grace: float = CLOSE_GRACE,
+        calibration: str = "auto",
     ):
         _positive_int("n_actors", n_actors)
+        if calibration not in ("auto", "required", "off"):
+            raise PolicyError(f"calibration: {calibration!r} is not auto, required or off")
+        self.calibration = calibration
         self.episodes_per_actor = _positive_int("episodes_per_actor", episodes_per_actor)
         self.read_cap = _positive_int("read_cap", read_cap)
         if (
@@ -264,6 +268,24 @@ class EpisodePool:
             raise self._failure(exc, episode_id, slot, what) from None
 
     # -- tasks ------------------------------------------------------------------------------
+    def _check_calibration(self, folder: Path) -> None:
+        if self.calibration == "off":
+            return
+        from sequester import __version__
+        from sequester.calibration import lookup
+        from sequester.errors import TaskNotCalibrated
+        from sequester.tasks.checksum import task_checksum
+
+        state = lookup(
+            task_checksum=task_checksum(folder),
+            system=None,
+            settings=self.settings,
+            version=__version__,
+            mode=self.calibration,
+        )
+        if state.state == "not-calibrated" or (self.calibration == "required" and state.state != "calibrated"):
+            raise TaskNotCalibrated(f"task {folder.name} is not calibrated: {state.reason}")
+
     def _folder(self, task_id: str) -> Path:
         from sequester.serve import protocol
         from sequester.serve.sessions import resolve_task
@@ -323,8 +345,14 @@ class EpisodePool:
 
     # -- sync API ---------------------------------------------------------------------------
     def reset(self, task_id: str) -> EpisodeHandle:
-        """A new episode on task ``task_id`` (a folder of ``tasks_dir``), started."""
-        ref, episode_id, slot = self._send_reset(task_id, self._bundle(self._folder(task_id)))
+        """A new episode on task ``task_id`` (a folder of ``tasks_dir``), started. A task whose
+        calibration (sequester.calibration, with the pool's settings: the nodes choose their
+        systems, so the key has none) does not calibrate it is refused with
+        :class:`~sequester.errors.TaskNotCalibrated` before anything starts; with
+        ``calibration="required"``, one without a calibrated record too."""
+        folder = self._folder(task_id)
+        self._check_calibration(folder)
+        ref, episode_id, slot = self._send_reset(task_id, self._bundle(folder))
         try:
             started: tuple[str, str] = self._get(ref, episode_id, slot, "reset")  # instruction, workdir
         except BaseException:
@@ -361,6 +389,7 @@ class EpisodePool:
     # -- async API (Ray's object refs are awaitable) ----------------------------------------
     async def areset(self, task_id: str) -> EpisodeHandle:
         folder = self._folder(task_id)
+        await asyncio.to_thread(self._check_calibration, folder)  # (reads the task's files)
         cached = self._bundles.get(folder)
         bundle = cached if cached is not None else await asyncio.to_thread(self._bundle, folder)
         ref, episode_id, slot = self._send_reset(task_id, bundle)

@@ -11,13 +11,12 @@ Nothing here imports Harbor: tests check these documents against Harbor's own mo
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sequester import __version__
+from sequester.tasks.checksum import task_checksum
 
 if TYPE_CHECKING:
     from sequester.jobs.results import TrialResult
@@ -78,6 +77,7 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     "EpisodeError": _NO_RETRY,  # the agent used its episode out of order (e.g. ran the verifier)
     # the backend (or the cluster) lacks what the trial asks for: the operator's set-up
     "UnsupportedByBackend": _NO_RETRY,
+    "TaskNotCalibrated": _NO_RETRY,  # the task scores wrongly here: running it again changes nothing
     # what this host lacks for a task (its GPUs, a project quota): the first is turned into
     # UnsupportedByBackend, the second into a note, before a trial sees either
     "GpuUnavailable": _NO_RETRY,
@@ -108,24 +108,6 @@ def harbor_exception(exception_type: str, message: str) -> tuple[str, dict[str, 
     if exception_type in _HARBOR_NAMES:
         return _HARBOR_NAMES[exception_type], None
     return exception_type, _OVERRIDES.get(exception_type)
-
-
-def task_checksum(task_dir: Path) -> str:
-    """A SHA-256 over the task folder: every file's and link's relative path, kind and
-    content, in sorted order (stable across machines; not Harbor's dirhash bytes, which
-    Harbor never recomputes from a result)."""
-    digest = hashlib.sha256()
-    root = Path(task_dir)
-    for current, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in sorted(files) + [d for d in dirs if Path(current, d).is_symlink()]:
-            path = Path(current, name)
-            rel = path.relative_to(root).as_posix().encode()
-            if path.is_symlink():
-                digest.update(b"L\0" + rel + b"\0" + os.readlink(path).encode() + b"\0")
-            elif path.is_file():
-                digest.update(b"F\0" + rel + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def _model_info(model_name: object) -> dict[str, str | None] | None:

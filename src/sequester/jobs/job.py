@@ -8,30 +8,35 @@ solution, nor any verifier's output or result.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from sequester.agents import load_agent
+from sequester.calibration import MODES as CALIBRATION_MODES
+from sequester.calibration import CalibrationKey, CalibrationRecord, CalibrationState, CalibrationStore, default_store
+from sequester.calibration import state_for as calibration_state_for
 from sequester.environments.settings import EpisodeSettings
-from sequester.errors import PolicyError
+from sequester.errors import PolicyError, TaskNotCalibrated
 from sequester.imagebuild import StepReport
 from sequester.images.progress import NO_PROGRESS, Progress
+from sequester.jobs.calibrate import calibration_states, record_of, task_key
 from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_config
 from sequester.jobs.images import ImagePlan, choose_job_images
 from sequester.jobs.paths import JobPaths, check_name
 from sequester.jobs.results import JobResult, TrialResult, utc_now
 from sequester.jobs.schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
-from sequester.jobs.trial import new_trial_name, settings_to_dict, write_json
+from sequester.jobs.trial import new_trial_name, run_trial, settings_to_dict, write_json
 from sequester.sandbox.remove import remove_tree
 from sequester.tasks import Task, find_tasks
 from sequester.tasks.finder import looks_like_task
 
-__all__ = ["PreparedJob", "default_job_name", "job_config", "prepare_job", "run_job"]
+__all__ = ["PreparedJob", "calibrate_tasks", "default_job_name", "job_config", "prepare_job", "run_job"]
 
 
 def default_job_name() -> str:
@@ -51,6 +56,8 @@ def run_job(
     image_progress: Progress = NO_PROGRESS,
     build_progress: Callable[[str, StepReport, bool], None] | None = None,
     scheduler: TrialScheduler | None = None,
+    calibration: str = "auto",
+    calibration_store: CalibrationStore | None = None,
 ) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
@@ -61,7 +68,8 @@ def run_job(
     what finished, and the interrupt propagates. ``scheduler``: where the trials run
     (:class:`~.schedule.LocalScheduler` of ``concurrency`` threads by default; a
     :class:`sequester.cluster.RayScheduler` for a Ray cluster). The same as
-    :func:`prepare_job`, then :meth:`PreparedJob.run`.
+    :func:`prepare_job`, then :meth:`PreparedJob.run`. ``calibration``: see
+    :mod:`.calibrate` (``auto``, ``required`` or ``off``).
     """
     job = prepare_job(
         task_paths,
@@ -73,6 +81,8 @@ def run_job(
         image_progress=image_progress,
         build_progress=build_progress,
         scheduler=scheduler,
+        calibration=calibration,
+        calibration_store=calibration_store,
     )
     return job.run(progress)
 
@@ -90,6 +100,7 @@ class PreparedJob:
     trials: list[PlannedTrial]
     hide: tuple[Path, ...]
     config: dict[str, object]
+    finished: list[TrialResult] = field(default_factory=list)  # by run(), in the order they finished
 
     def run(self, progress: Callable[[TrialResult], None] | None = None) -> JobResult:
         """Run the trials; write the job's ``result.json`` as each finishes (see :func:`run_job`)."""
@@ -120,16 +131,44 @@ class PreparedJob:
             with lock:
                 running.add(name)
 
-        def finish(trial: TrialResult) -> None:
+        planned = {trial.name: trial for trial in self.trials}
+
+        def finish(trial: TrialResult) -> TrialResult:
+            state = planned[trial.trial_name].calibration if trial.trial_name in planned else None
+            if state is not None:  # (the trial's own result.json says it too)
+                trial = dataclasses.replace(trial, calibration=state.to_dict())
+                write_json(planned[trial.trial_name].trial_dir / "result.json", trial.to_dict())
             with lock:
                 finished[trial.trial_name] = trial
                 running.discard(trial.trial_name)
+                self.finished.append(trial)
+            return trial
 
         write_result(None)
         job = JobRun(self.agent_spec, self.settings, self.hide, job_id)
+        refused = [t for t in self.trials if t.calibration is not None and t.calibration.state == "not-calibrated"]
+        runs = [t for t in self.trials if t not in refused]
         try:
-            for trial in self.scheduler.run(job, self.trials, started):
-                finish(trial)
+            for planned_trial in refused:  # nothing of them starts: their error, here
+                state = planned_trial.calibration
+                assert state is not None
+                trial = finish(
+                    run_trial(
+                        planned_trial.task,
+                        self.agent_spec,
+                        planned_trial.trial_dir,
+                        settings=self.settings,
+                        hide=list(self.hide),
+                        source=planned_trial.source,
+                        job_id=job_id,
+                        refusal=TaskNotCalibrated(f"task {planned_trial.task.name} is not calibrated: {state.reason}"),
+                    )
+                )
+                write_result(None)
+                if progress is not None:
+                    progress(trial)
+            for trial in self.scheduler.run(job, runs, started) if runs else ():
+                trial = finish(trial)
                 write_result(None)
                 if progress is not None:
                     progress(trial)
@@ -153,6 +192,8 @@ def prepare_job(
     image_progress: Progress = NO_PROGRESS,
     build_progress: Callable[[str, StepReport, bool], None] | None = None,
     scheduler: TrialScheduler | None = None,
+    calibration: str = "auto",
+    calibration_store: CalibrationStore | None = None,
 ) -> PreparedJob:
     """Everything of :func:`run_job` before its trials: the input checked, the job's folder
     made, each task's system chosen once (fetched, or built with its log in the job's
@@ -161,6 +202,8 @@ def prepare_job(
     settings = settings or EpisodeSettings()
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise PolicyError(f"concurrency {concurrency!r} is not a positive integer")
+    if calibration not in CALIBRATION_MODES:
+        raise PolicyError(f"calibration {calibration!r} is not one of {', '.join(CALIBRATION_MODES)}")
     tasks = find_tasks(task_paths)
     if not tasks:
         raise PolicyError("no tasks given")
@@ -194,11 +237,30 @@ def prepare_job(
         except BaseException:
             remove_tree(paths.root)
             raise
+    # Each task's calibration on the system chosen for it (see .calibrate): "required"
+    # calibrates the tasks without a record first, in jobs of their own beside this one.
+    try:
+        states = calibration_states(tasks, images, settings, mode=calibration, store=calibration_store)
+        missing = [t for t in tasks if states[t.path].state == "uncalibrated"]
+        if calibration == "required" and missing:
+            calibrate_tasks(
+                [t.path for t in missing],
+                jobs_dir=jobs_root,
+                settings=settings,
+                concurrency=concurrency,
+                store=calibration_store,
+                name=f"{job_name}__calibration",
+                scheduler=scheduler if not scheduler.runs_here else None,
+            )
+            states = calibration_states(tasks, images, settings, mode=calibration, store=calibration_store)
+    except BaseException:
+        remove_tree(paths.root)
+        raise
     hide = (*(task.path for task in tasks), jobs_root)
     datasets, sources = _datasets(task_paths, tasks)
     config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, None)
     trials = [
-        PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path))
+        PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path), states[task.path])
         for name, task in _plan(tasks)
     ]
     return PreparedJob(
@@ -263,3 +325,57 @@ def _plan(tasks: list[Task]) -> list[tuple[str, Task]]:
         names.add(name)
         planned.append((name, task))
     return planned
+
+
+def calibrate_tasks(
+    task_paths: Sequence[str | os.PathLike[str]],
+    *,
+    jobs_dir: str | os.PathLike[str],
+    settings: EpisodeSettings,
+    repeats: int = 1,
+    concurrency: int = 4,
+    store: CalibrationStore | None = None,
+    name: str | None = None,
+    scheduler: TrialScheduler | None = None,
+    progress: Callable[[TrialResult], None] | None = None,
+    **job_options: object,
+) -> list[tuple[CalibrationRecord, CalibrationState]]:
+    """Run ``oracle`` and ``nop`` ``repeats`` times on each task of ``task_paths`` (jobs
+    ``NAME-oracle-1``, ``NAME-nop-1``, ... in ``jobs_dir``), keep each task's record under
+    its key (see :mod:`.calibrate`) and return it with the state it gives."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise PolicyError(f"repeats {repeats!r} is not a positive integer")
+    store = store or default_store()
+    stamp = name or "calibration__" + default_job_name()
+    results: dict[Path, dict[str, list[TrialResult]]] = {}
+    keys: dict[Path, CalibrationKey] = {}
+    tasks: dict[Path, Task] = {}
+    jobs: list[str] = []
+    for i in range(1, repeats + 1):
+        for agent in ("oracle", "nop"):
+            prepared = prepare_job(
+                task_paths,
+                agent,
+                jobs_dir=jobs_dir,
+                job_name=f"{stamp}-{agent}-{i}",
+                concurrency=concurrency,
+                settings=settings,
+                scheduler=scheduler,
+                calibration="off",
+                **job_options,  # type: ignore[arg-type]
+            )
+            jobs.append(str(prepared.paths.root))
+            for trial in prepared.trials:
+                tasks.setdefault(trial.task.path, trial.task)
+                keys.setdefault(trial.task.path, task_key(trial.task, trial.image, settings))
+            prepared.run(progress)
+            by_name = {t.trial_name: t for t in prepared.finished}
+            for trial in prepared.trials:
+                if trial.name in by_name:
+                    results.setdefault(trial.task.path, {}).setdefault(agent, []).append(by_name[trial.name])
+    out = []
+    for path, task in tasks.items():
+        record = record_of(task, keys[path], results.get(path, {}), repeats, jobs)
+        store.put(record)
+        out.append((record, calibration_state_for(record, record.key, mode="auto")))
+    return out

@@ -17,8 +17,9 @@ __all__ = ["trial_progress", "print_summary", "summary_table", "summary_line"]
 
 
 @contextlib.contextmanager
-def trial_progress(total: int, console: Console, label: str) -> Iterator[Callable[[TrialResult], None]]:
-    """A progress bar over ``total`` trials; yields the callback that advances it."""
+def trial_progress(total: int | None, console: Console, label: str) -> Iterator[Callable[[TrialResult], None]]:
+    """A progress bar over ``total`` trials (None: not known ahead); yields the callback
+    that advances it."""
     errors = 0
     columns = (
         SpinnerColumn(),
@@ -62,6 +63,9 @@ def summary_table(job: JobResult, trials: list[TrialResult], width: int) -> Tabl
     table.add_column("time", justify="right", no_wrap=True)
     table.add_column("error", overflow="fold", ratio=2, min_width=8)
     table.add_column("tamper" if not wide else "tampering", justify="right", no_wrap=True)
+    calibrated = any(t.calibration and t.calibration.get("state") != "off" for t in trials)
+    if calibrated:  # (sequester.calibration: "calibrated", "none" without a record, "no" failed)
+        table.add_column("calib", no_wrap=True)
     for t in trials:
         seconds = t.duration_sec
         cells = [escape(t.task_name), escape(t.trial_name.rpartition("__")[2])] if wide else [escape(t.task_name)]
@@ -71,8 +75,12 @@ def summary_table(job: JobResult, trials: list[TrialResult], width: int) -> Tabl
             "" if seconds is None else f"{seconds:.1f} s",
             f"[red]{escape(t.exception_info.exception_type)}[/]" if t.exception_info else "",
             f"[yellow]! {len(t.tampering)}[/]" if t.tampering else "",
+            *([_CALIBRATION.get((t.calibration or {}).get("state", ""), "")] if calibrated else []),
         )
     return table
+
+
+_CALIBRATION = {"calibrated": "[green]yes[/]", "uncalibrated": "[yellow]none[/]", "not-calibrated": "[red]no[/]"}
 
 
 def summary_line(job: JobResult, job_dir: Path) -> str:
@@ -84,9 +92,15 @@ def summary_line(job: JobResult, job_dir: Path) -> str:
         if job.n_tampered
         else "; 0 with tampering"
     )
+    uncalibrated = (
+        f"; [yellow]{job.n_uncalibrated} uncalibrated[/] (no calibration of their task here: sequester calibrate)"
+        if job.n_uncalibrated
+        else ""
+    )
     return (
         f"{escape(str(job_dir))}: mean reward {mean} over {job.n_trials - job.n_errors} verdict(s) "
-        f"({counts}){tampered}; {job.n_errors} error(s); {job.n_trials}/{job.n_total_trials} trials finished"
+        f"({counts}){tampered}{uncalibrated}; {job.n_errors} error(s); {job.n_trials}/{job.n_total_trials} trials "
+        "finished"
     )
 
 

@@ -131,6 +131,9 @@ class TrialResult:
     # each earlier attempt lost with its node or worker (what failed, where, when).
     node: dict[str, Any] | None = None
     retries: list[dict[str, Any]] = field(default_factory=list)
+    # Whether the task was calibrated for this trial (sequester.calibration): its state
+    # ("calibrated", "uncalibrated", "not-calibrated", "off"), why, and the record's scores.
+    calibration: dict[str, Any] | None = None
 
     @property
     def reward(self) -> float | None:
@@ -167,6 +170,7 @@ class TrialResult:
             "network": dict(self.network) if self.network is not None else None,
             "node": dict(self.node) if self.node is not None else None,
             "retries": [dict(r) for r in self.retries],
+            "calibration": dict(self.calibration) if self.calibration is not None else None,
         }
 
 
@@ -194,9 +198,15 @@ class JobResult:
     updated_at: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
 
+    uncalibrated: list[str] = field(default_factory=list)  # trials scored without a calibration record
+
     @property
     def n_tampered(self) -> int:
         return len(self.tampered)
+
+    @property
+    def n_uncalibrated(self) -> int:
+        return len(self.uncalibrated)
 
     @classmethod
     def from_trials(
@@ -237,6 +247,7 @@ class JobResult:
             job_id or str(uuid.uuid4()),
             finished_at or utc_now(),
             job_stats(trials, n_total_trials, 0 if finished_at else n_running),
+            [t.trial_name for t in trials if (t.calibration or {}).get("state") == "uncalibrated"],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,4 +268,6 @@ class JobResult:
             "tampered": list(self.tampered),
             "errors": [dict(e) for e in self.errors],
             "trials": list(self.trials),
+            "n_uncalibrated": self.n_uncalibrated,
+            "uncalibrated": list(self.uncalibrated),
         }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from sequester.calibration import CalibrationState
 from sequester.environments.settings import EpisodeSettings
 from sequester.jobs.images import ImagePlan
 from sequester.jobs.results import TrialResult
@@ -30,6 +31,8 @@ class PlannedTrial:
     # The system its episode runs on, chosen once for the job (:mod:`.images`), or why it
     # cannot be had; None: the backend chooses (a Docker engine, a cluster's node).
     image: ImagePlan | None = None
+    # Whether its task is calibrated (sequester.jobs.calibrate); None: not asked.
+    calibration: CalibrationState | None = None
 
 
 @dataclass(frozen=True)

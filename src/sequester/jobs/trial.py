@@ -182,6 +182,7 @@ def run_trial(
     job_id: str | None = None,
     open_env: Callable[..., Environment] = open_environment,
     image: ImagePlan | None = None,
+    refusal: Exception | None = None,
 ) -> TrialResult:
     """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
     episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
@@ -189,7 +190,9 @@ def run_trial(
     and ``job_id`` the job's id (both for Harbor's grouping). ``open_env``: makes the
     environment (``settings.backend``'s; tests pass a fake). ``image``: the system the
     job chose for the task (:mod:`.images`), or why it cannot be had (the trial's error);
-    None: the backend chooses. Returns the result it wrote to ``result.json``."""
+    None: the backend chooses. ``refusal``: why the trial must not run (a task that is not
+    calibrated): its error, before anything starts. Returns the result it wrote to
+    ``result.json``."""
     paths = TrialPaths(trial_dir)
     paths.mkdir()
     started_at = utc_now()
@@ -222,6 +225,8 @@ def run_trial(
                 with phase("environment_setup", trial_log):
                     if cancel is not None:
                         cancel.check()
+                    if refusal is not None:
+                        raise refusal
                     if isinstance(image, ImageError):
                         raise image
                     episode = open_env(settings, hide=hide)

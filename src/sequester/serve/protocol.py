@@ -202,6 +202,9 @@ class ResetObservation(_Out):
     task: str | None = None
     instruction: str | None = None
     workdir: str | None = None
+    # The task's calibration here (sequester.calibration): its state ("calibrated",
+    # "uncalibrated"; "off" not asked) and, uncalibrated, why.
+    calibration: dict[str, Any] | None = None
 
 
 class ExecObservation(_Out):

@@ -12,6 +12,8 @@
     progress_interval = 10         # seconds between keep-alive progress frames (clients opt in)
     ping_interval = 20             # WebSocket pings, to find half-open connections
     ping_timeout = 20              # a pong later than this closes the connection
+    calibration = "auto"           # auto | required | off: see sequester.calibration (required:
+                                   # a task without a calibrated record is refused)
 
 Validated here so that ``sequester serve --config`` rejects a typo the way every other
 command rejects one (:mod:`sequester.config`): the message names the key.
@@ -61,6 +63,7 @@ class ServeSettings:
     progress_interval: float = 10.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
+    calibration: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -83,5 +86,7 @@ class ServeSettings:
                 raise PolicyError(f"serve.{name}: {value!r} is not a positive {'whole ' * (kind is int)}number")
         if isinstance(self.kernel_pool, bool) or not isinstance(self.kernel_pool, int) or self.kernel_pool < 0:
             raise PolicyError(f"serve.kernel_pool: {self.kernel_pool!r} is not a whole number of kernels (0: none)")
+        if self.calibration not in ("auto", "required", "off"):
+            raise PolicyError(f"serve.calibration: {self.calibration!r} is not auto, required or off")
         if self.tasks_dir is not None:
             object.__setattr__(self, "tasks_dir", Path(self.tasks_dir))

@@ -204,6 +204,7 @@ class EpisodeSession(Session):
         nsexec = shared_nsexec() if config.episodes.backend == "local" else None
         self._episode = open_environment(config.episodes, hide=hide, nsexec=nsexec)
         self._read_cap = read_cap
+        self._calibration_mode = config.serve.calibration
 
     def _start(self) -> protocol.ResetObservation:
         from sequester.environments import UnsupportedByBackend, missing_capabilities
@@ -213,6 +214,7 @@ class EpisodeSession(Session):
             raise UnsupportedByBackend("; ".join(missing))
         try:
             self._episode.start(self._task)
+            calibration = self._calibration()
         except BaseException:
             self._episode.close()
             raise
@@ -222,7 +224,32 @@ class EpisodeSession(Session):
             task=self.task,
             instruction=self._episode.instruction,
             workdir=self._episode.workdir,
+            calibration=calibration,
         )
+
+    def _calibration(self) -> dict[str, Any]:
+        """The task's calibration on the system its episode got (see sequester.calibration):
+        a record that does not calibrate it refuses the session (TaskNotCalibrated, a
+        FACTORY_ERROR); with ``required``, so does having none (a server does not calibrate
+        inside a reset: ``sequester calibrate`` with the server's settings does)."""
+        from sequester import __version__
+        from sequester.calibration import lookup
+        from sequester.errors import TaskNotCalibrated
+        from sequester.tasks.checksum import task_checksum
+
+        mode = self._calibration_mode
+        if mode == "off":
+            return {"state": "off"}
+        state = lookup(
+            task_checksum=task_checksum(self._task.path),
+            system=getattr(self._episode, "system", None),
+            settings=self._episode.settings,
+            version=__version__,
+            mode=mode,
+        )
+        if state.state == "not-calibrated" or (mode == "required" and state.state != "calibrated"):
+            raise TaskNotCalibrated(f"task {self._task.name} is not calibrated here: {state.reason}")
+        return state.to_dict()
 
     @property
     def init_pid(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sequester.calibration.store import default_store
 from sequester.environments.local.layers import view_points
 from sequester.environments.local.resolv import place_etc_file, place_resolv_conf
 from sequester.environments.local.shell import Shell
@@ -312,7 +313,16 @@ def hidden_for(
     # from every episode on the machine, not only those the cluster starts (attack: a
     # local `sequester run` on a machine that is also a Ray node, whose agent found a
     # shipped copy of its own task's solve.sh below /var/cache and ran it).
-    deep = [*dirs, *files, task.path.resolve(), settings.state_dir, wheels, cluster_cache_dir(), *extra_hidden]
+    deep = [
+        *dirs,
+        *files,
+        task.path.resolve(),
+        settings.state_dir,
+        wheels,
+        cluster_cache_dir(),
+        default_store().root,  # the calibration records (sequester.calibration)
+        *extra_hidden,
+    ]
     if facts.is_root:
         deep += ROOT_SECRETS
     found: list[tuple[Path, bool]] = []
