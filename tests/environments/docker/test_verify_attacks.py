@@ -39,6 +39,11 @@ TASK = EXAMPLES / "python-csv-stats"
 # which a container does not have; the watchers and runner-late-plant are stopped.
 # Unfrozen, those watchers race the tests and sometimes win: README.)
 SHARED_RESIDUAL = {"fake-python", "sitecustomize", "runner-path-symlink", "runner-pyvenv-home"}
+# In either mode the engine runs the tests' programs beside the shell running test.sh, in
+# one PID namespace and on a writable /tests: what local mode puts below the shell (its
+# namespaces) and seals (the read-only /tests) is the engine's to give, and it does not.
+# (docs/security.md, the per-backend table.)
+CONTAINER_RESIDUAL = {"runner-rewrite-test-script", "runner-shell-memory"}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,9 @@ def _scores(settings: EpisodeSettings, hack: Path, mode: str, freeze: bool = Fal
         env.close()
 
 
-@pytest.mark.parametrize("hack", HACK_SCRIPTS, ids=[h.stem for h in HACK_SCRIPTS])
+@pytest.mark.parametrize("hack", [pytest.param(h, marks=pytest.mark.xfail(
+    h.stem in CONTAINER_RESIDUAL, strict=True, reason="RESIDUAL (docs/security.md, docker mode): the tests' programs "
+    "share the shell's PID namespace and a writable /tests")) for h in HACK_SCRIPTS], ids=[h.stem for h in HACK_SCRIPTS])
 def test_hack_scores_no_more_than_nop_in_a_separate_container(docker_settings, hack):
     nop, reward, output = _scores(docker_settings, hack, "separate")
     assert nop == 0.0
@@ -69,8 +76,8 @@ def test_hack_scores_no_more_than_nop_in_a_separate_container(docker_settings, h
 
 
 @pytest.mark.parametrize("hack", [pytest.param(h, marks=pytest.mark.xfail(
-    h.stem in SHARED_RESIDUAL, strict=True, reason="RESIDUAL (docs/security.md, docker shared mode): the tests run the "
-    "agent's own programs")) for h in HACK_SCRIPTS], ids=[h.stem for h in HACK_SCRIPTS])
+    h.stem in SHARED_RESIDUAL | CONTAINER_RESIDUAL, strict=True, reason="RESIDUAL (docs/security.md, docker shared "
+    "mode): the tests run the agent's own programs")) for h in HACK_SCRIPTS], ids=[h.stem for h in HACK_SCRIPTS])
 def test_hack_in_shared_mode(docker_settings, hack):
     # Frozen: the agent's live processes (watchers) cannot race the tests, which is the
     # README's mitigation for them; what stays is what the tests themselves run.
