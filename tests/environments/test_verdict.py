@@ -68,3 +68,11 @@ def test_a_module_the_runner_lacks_makes_a_zero_a_bootstrap_failure_and_a_pass_s
 def test_imports_from_the_agents_folders_are_noted(tmp_path):
     result = _judged(tmp_path, b"1", ("agent-import:/app/solution.py", "pytest"))
     assert any("/app/solution.py" in n for n in result.notes), result.notes
+
+
+def test_a_uvx_that_never_ran_pytest_is_a_bootstrap_failure_only_without_a_pass(tmp_path):
+    from sequester.environments.verdict import BootstrapFailed
+
+    assert _judged(tmp_path / "a", b"1", ("uvx",)).reward == 1.0  # a uvx of another tool, that passed
+    with pytest.raises(BootstrapFailed, match="never started pytest"):
+        _judged(tmp_path / "b", b"0", ("uvx",))

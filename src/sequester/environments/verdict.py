@@ -255,8 +255,10 @@ def judge(
     exit_code = ev.report.get("exit_code")
     files = {name: base64.b64decode(data) for name, data in ev.report.get("files", {}).items()}
     seen.update(exit_code=exit_code, files=files)
-    if "uvx" in ev.runner_said and "pytest" not in ev.runner_said:
-        raise BootstrapFailed(
+    uvx_only = "uvx" in ev.runner_said and "pytest" not in ev.runner_said
+
+    def bootstrap() -> BootstrapFailed:
+        return BootstrapFailed(
             "the verifier could not run: uvx never started pytest (the runner lacks the Python or a package the "
             f"test script asks for; the script exited {exit_code})",
             **seen,
@@ -288,14 +290,21 @@ def judge(
         # its verdict from reward.txt only.
         files = {k: val for k, val in files.items() if k != "reward.json"}
         notes = (*notes, "reward.json ignored: none of the task's tests write it (a program they ran did)")
+    # The runner falling short (uvx that never got to pytest, a module or a set-up step it
+    # lacked) without a pass is not a verdict: the pristine run decides whose it is. A pass
+    # stands (what fell short was not needed: a uvx of something else, an optional import).
     try:
         rewards = parse_rewards(files, reward_range)
     except VerifierError as exc:
-        if lacks or setup:  # not a verdict, and the runner fell short: the pristine run decides whose
+        if lacks or setup:
             raise lacking() from None
+        if uvx_only:
+            raise bootstrap() from None
         return zero(f"{exc} (the script exited {exit_code})", exit_code, files)
-    if (lacks or setup) and primary_reward(rewards) <= 0:
+    if primary_reward(rewards) <= 0 and (lacks or setup):
         raise lacking()
+    if primary_reward(rewards) <= 0 and uvx_only:
+        raise bootstrap()
     return VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
 
 

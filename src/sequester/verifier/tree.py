@@ -51,7 +51,7 @@ __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "8"
+BUILD_FORMAT = "9"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",
@@ -260,14 +260,13 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
         programs.append(elves[0])
         libraries += elves[1:]
         write_sitecustomize(root / "python" / py.dir_name / "lib" / f"python{py.short}")
-    closure, host_loader = library_closure([*programs, *libraries])
-    # libgcc_s is loaded by glibc at run time (thread cancellation, unwinding), not named.
-    for extra in ("libgcc_s.so.1",):
-        if extra not in closure:
-            for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64"):
-                if Path(folder, extra).exists():
-                    closure[extra] = Path(folder, extra)
-                    break
+    # libgcc_s is loaded by glibc at run time (thread cancellation, unwinding), not named;
+    # the others are what wheels may take from the system by the manylinux policy (numpy's
+    # C++ parts need libstdc++): the tests' wheels load them from the tree, never the view.
+    extras = {name: path for name in WHEEL_SYSTEM_LIBRARIES if (path := _host_library(name)) is not None}
+    closure, host_loader = library_closure([*programs, *libraries, *extras.values()])
+    for name, path in extras.items():
+        closure.setdefault(name, path)
     for name, source in closure.items():
         if Path(name).name != name or name in {p.name for p in libraries}:
             continue  # a library named by path, or one of a Python's own (found by RPATH below)
@@ -292,6 +291,40 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     write_shims(root, tools=sorted(tools), pythons=pythons, has_uvx=uvx_bin is not None)
     _copy_ca_bundle(root / "etc" / "ca-certificates.crt")
     _download_wheels(root / "wheels")
+
+
+# The system libraries a manylinux wheel may load without bundling them (PEP 600's policy,
+# less the X11 and GL ones no test runner needs), and libgcc_s (see _build).
+WHEEL_SYSTEM_LIBRARIES = (
+    "libgcc_s.so.1",
+    "libstdc++.so.6",
+    "libm.so.6",
+    "libdl.so.2",
+    "librt.so.1",
+    "libpthread.so.0",
+    "libutil.so.1",
+    "libresolv.so.2",
+    "libnsl.so.1",
+    "libz.so.1",
+    "libexpat.so.1",
+    "libgomp.so.1",
+)
+
+
+def _host_library(name: str) -> Path | None:
+    for folder in (
+        "/lib/x86_64-linux-gnu",
+        "/usr/lib/x86_64-linux-gnu",
+        "/lib/aarch64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/lib64",
+        "/usr/lib64",
+        "/lib",
+        "/usr/lib",
+    ):
+        if Path(folder, name).exists():
+            return Path(folder, name)
+    return None
 
 
 def _copy_ca_bundle(dest: Path) -> None:

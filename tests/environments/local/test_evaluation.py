@@ -126,6 +126,20 @@ def test_the_agents_pytest_and_pip_are_never_the_runners(tmp_path, episode):
     assert episode.evaluate().reward == 0.0
 
 
+@pytest.mark.slow
+def test_a_pinned_wheel_with_cxx_parts_loads_in_the_runner(tmp_path, episode):
+    """numpy (C++ parts: libstdc++ from the system, by the manylinux policy) imports in the
+    runner's Python: the tree carries the system libraries wheels may load. 22 of TB2's 89
+    tasks pin such wheels; without them the tests failed to import ("/: cannot read file
+    data"). And a uvx of something other than pytest that passes stands as a pass."""
+    script = ('uvx -p 3.11 -w numpy==2.2.6 python -c "import numpy; print(numpy.ones(3).sum())" '
+              "> /logs/verifier/out.txt 2>&1\n"
+              "grep -q 3.0 /logs/verifier/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    episode.reset(make_task(tmp_path, test_sh=script))
+    result = episode.evaluate()
+    assert result.reward == 1.0, result.files.get("out.txt")
+
+
 def test_an_agent_that_kills_pytest_gets_a_zero_not_an_error(tmp_path, episode):
     """The agent's program, run by the tests, kills pytest: no ctrf.json is written, but
     the runner had said pytest started, so this is the agent's 0, not a void."""
