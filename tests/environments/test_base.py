@@ -150,3 +150,26 @@ def test_a_task_that_asks_for_more_gpus_than_the_backend_has_is_refused(tmp_path
         env = FakeEnvironment(capabilities=given)
         _, record = _trial(tmp_path / toml[-2], env, toml=toml if toml.startswith("[") else f"[environment]\n{toml}")
         assert record["exception_info"] is None, record["exception_info"]
+
+
+
+def test_the_default_verifier_mode_is_the_one_the_tests_can_pass_in(tmp_path):
+    """In every backend: shared for a task that declares no artifacts (every TB2 task),
+    separate for one that does; the run's and the task's own choice first."""
+    from tasks import make_task
+
+    from sequester.environments.base import wanted_verifier_env
+    from sequester.environments.settings import EpisodeSettings
+    from sequester.tasks import load_task
+
+    plain = load_task(make_task(tmp_path / "a"))
+    (tmp_path / "b").mkdir()
+    declared = make_task(tmp_path / "b")
+    toml = declared / "task.toml"
+    toml.write_text('version = "1.0"\nartifacts = ["/app/out.txt"]\n' + toml.read_text().split("\n", 1)[1])
+    declared_task = load_task(declared)
+    settings = EpisodeSettings()
+    assert wanted_verifier_env(plain, settings, default="separate") == "shared"
+    assert wanted_verifier_env(declared_task, settings) == "separate"
+    assert wanted_verifier_env(declared_task, EpisodeSettings(verifier_env="shared")) == "shared"
+    assert wanted_verifier_env(plain, settings, "separate") == "separate"

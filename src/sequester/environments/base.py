@@ -82,7 +82,7 @@ class Capabilities:
     freeze: bool  # every agent process can be stopped while the verdict is made
     trusted_runner: bool  # the tests' interpreter comes from outside what the agent could write
     network_policies: frozenset[str] = frozenset({"none", "public"})
-    default_verifier_env: str = "shared"  # when neither the call, the settings nor the task say
+    default_verifier_env: str = "shared"  # (no longer decides: see wanted_verifier_env; kept for callers)
     compose: bool = False  # starts a task's Docker Compose services (environment/docker-compose.yaml)
     gpus: int | None = 0  # NVIDIA GPUs it can give a trial here; None: its engine says when the container starts
     gpu_source: str = ""  # where those GPUs come from, or why there are none
@@ -144,8 +144,12 @@ def wanted_verifier_env(
     task: Task, settings: EpisodeSettings, verifier_env: str | None = None, *, default: str = "shared"
 ) -> str:
     """``"shared"`` or ``"separate"``: the call's, else the settings', else the task's, else
-    the backend's ``default``."""
-    mode = verifier_env or settings.verifier_env or task.config.verifier.environment_mode or default
+    the one its tests can pass in, in every backend: ``separate`` for a task that declares
+    artifacts (its tests check those), ``shared`` for one that declares none (every TB2
+    task: its tests check the agent's live system, a service it started included).
+    ``default`` is no longer consulted (kept for callers that still pass a backend's)."""
+    declared = "separate" if task.config.artifacts else "shared"
+    mode = verifier_env or settings.verifier_env or task.config.verifier.environment_mode or declared
     if mode not in ("shared", "separate"):
         raise ValueError(f"verifier_env: {mode!r} is not 'shared' or 'separate'")
     return mode
