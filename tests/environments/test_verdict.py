@@ -76,3 +76,24 @@ def test_a_uvx_that_never_ran_pytest_is_a_bootstrap_failure_only_without_a_pass(
     assert _judged(tmp_path / "a", b"1", ("uvx",)).reward == 1.0  # a uvx of another tool, that passed
     with pytest.raises(BootstrapFailed, match="never started pytest"):
         _judged(tmp_path / "b", b"0", ("uvx",))
+
+
+def test_a_reward_too_large_for_a_float_is_invalid_not_an_exception():
+    with pytest.raises(RewardInvalid, match="not a finite number"):
+        parse_rewards({"reward.json": b'{"reward": 1' + b"0" * 400 + b"}"})
+
+
+def test_the_shells_own_dev_fd_falling_short_is_a_bootstrap_failure(tmp_path):
+    """The test shell is below no /proc of its own: its /dev/stderr fails; with a 0, that
+    is the runner's shortfall, settled by the pristine run, never a silent 0."""
+    import base64
+
+    from tasks import make_task
+
+    from sequester.environments.verdict import BootstrapFailed, Evaluation, judge
+    from sequester.tasks import load_task
+
+    report = {"exit_code": 0, "files": {"reward.txt": base64.b64encode(b"0").decode()}}
+    out = b"/tests/test.sh: line 3: /dev/stderr: No such file or directory\n"
+    with pytest.raises(BootstrapFailed, match="/dev/stderr"):
+        judge(load_task(make_task(tmp_path)), Evaluation(report, out, (), 0.1), tampering=(), frozen=None)

@@ -44,6 +44,24 @@ with open("/logs/verifier/probe.txt", "w") as f:
     f.write(repr(seen))
 """
 PLANTED = "open('/logs/verifier/planted.txt', 'w').write('ran')\nraise SystemExit(0)\n"
+FIFO = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    d = "/logs/verifier"
+    try:
+        os.mkfifo(d + "/reward.txt")
+        os.link(d + "/reward.txt", d + "/.q")
+        time.sleep(1.0)
+        with open(d + "/.r", "w") as f:
+            f.write("1")
+        os.rename(d + "/.r", d + "/reward.txt")
+        os.open(d + "/.q", os.O_RDONLY | os.O_NONBLOCK)
+        time.sleep(3)
+    except OSError:
+        pass
+    os._exit(0)
+"""
 
 
 def task(root, test_sh, files):
@@ -80,6 +98,10 @@ with Episode(settings()) as ep:
     ep.reset(shadow)
     r = verdict(ep)
     out["shadow"] = {**r, "planted": "planted.txt" in (r.get("files") or [])}
+fifo = task(WORK, "python3 /app/evil.py\necho 0 > /logs/verifier/reward.txt\n", {"evil.py": FIFO})
+with Episode(settings()) as ep:
+    ep.reset(fifo)
+    out["fifo"] = verdict(ep)
 emit(out)
 '''
 
@@ -133,3 +155,9 @@ def test_a_module_the_runner_provides_is_never_the_agents(seen):
     the tests (which fail: 0), the agent's module never runs."""
     case = seen["shadow"]
     assert not case["planted"] and case["reward"] == 0.0, case
+
+
+@pytest.mark.slow
+def test_a_fifo_at_the_reward_file_cannot_block_the_scripts_write(seen):
+    """The script's own last write of reward.txt wins: no FIFO can be made there (Landlock)."""
+    assert seen["fifo"]["reward"] == 0.0, seen["fifo"]

@@ -125,8 +125,11 @@ DEFAULT_REWARD_RANGE = (0.0, 1.0)
 
 def _number(value: Any, where: str, reward_range: tuple[float, float] | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardInvalid(f"{where}: {value!r} is not a number")
-    number = float(value)
+        raise RewardInvalid(f"{where}: {str(value)[:50]!r} is not a number")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise RewardInvalid(f"{where}: {str(value)[:50]}... is not a finite number") from None
     if not math.isfinite(number):
         raise RewardInvalid(f"{where}: {value!r} is not finite")
     if reward_range is not None and not reward_range[0] <= number <= reward_range[1]:
@@ -263,6 +266,7 @@ def judge(
             f"test script asks for; the script exited {exit_code})",
             **seen,
         )
+
     lacks = runner_lacks(ev)
     setup = setup_failures(ev)
     imported = [m.partition(":")[2] for m in ev.runner_said if m.startswith("agent-import:")]
@@ -308,6 +312,9 @@ def judge(
     return VerifierResult(rewards, text, exit_code, ev.duration, files, tampering, frozen, notes=notes)
 
 
+_DEV_FD = re.compile(r"/tests/test\.sh: line \d+: (/dev/(?:stdin|stdout|stderr|fd/\d+)): No such file or directory")
+
+
 def setup_failures(ev: Evaluation) -> list[str]:
     """What of the test script's own set-up failed, as the runner saw it: an install its
     tools refused or could not make (``setup-failed:``), and a command the script asked to
@@ -323,6 +330,12 @@ def setup_failures(ev: Evaluation) -> list[str]:
         elif kind == "not-found":
             missing.append(what)
     failed += [f"{name} (which it installs) was then not found" for name in dict.fromkeys(missing) if name in installs]
+    # The test shell's own /dev/stdout, /dev/stderr and /dev/fd (process substitution) lead
+    # into a /proc of the tests' namespace, which the shell is not in (see the namespace
+    # helper's _nest_the_tests): none of TB2's scripts uses them; one that does fails here,
+    # which is the runner's shortfall, never the agent's 0.
+    shown = ev.output.decode(errors="replace")
+    failed += [f"the test shell could not open {m[1]} (the runner's shell has none)" for m in _DEV_FD.finditer(shown)]
     return failed[:8]
 
 

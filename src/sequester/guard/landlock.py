@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["abi_version", "carve_files", "readable_roots", "restrict_self", "write_rights"]
+__all__ = ["abi_version", "carve_files", "readable_roots", "restrict_self", "write_rights", "seal_special_files"]
 
 _SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # same on every architecture
 _CREATE_RULESET_VERSION = 1
@@ -231,6 +231,69 @@ def restrict_self(
                     != 0
                 ):
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule(port {port}) failed")
+        if libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+# What the tests' programs must not make in the verdict's folder: a FIFO or socket at
+# reward.txt blocks the script's own write of it, a symlink leads it elsewhere, device
+# nodes; and nothing is moved or linked in from another folder (REFER).
+SPECIAL_FILES = MAKE_FIFO | MAKE_SOCK | MAKE_SYM | MAKE_CHAR | MAKE_BLOCK | REFER
+
+
+def seal_special_files(sealed: str, *, root: str = "/") -> int:
+    """Landlock for this process and everything it starts: no FIFO, socket, symlink or
+    device node made beneath ``sealed`` (a top-level folder: ``/logs``), and nothing linked
+    or renamed into it from another folder; the same stays allowed everywhere else (each
+    other top-level entry of ``root``). The ABI used; 0 (nothing applied) without Landlock
+    or without REFER (ABI 2)."""
+    abi = abi_version()
+    if abi < 2:
+        return 0
+    top = sealed.strip("/").split("/")[0]
+    others = [os.path.join(root, name) for name in sorted(os.listdir(root)) if name != top]
+    import ctypes
+
+    class RulesetAttr(ctypes.Structure):
+        _fields_ = [("handled_access_fs", ctypes.c_uint64)]
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    libc = _libc()
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: what an unprivileged caller needs for Landlock
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+    attr = RulesetAttr(SPECIAL_FILES)
+    ruleset = libc.syscall(ctypes.c_long(_SYS_CREATE), ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        for path in others:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    continue  # (a top-level link or file: nothing is made beneath it)
+                rule = PathBeneath(SPECIAL_FILES, fd)
+                if (
+                    libc.syscall(
+                        ctypes.c_long(_SYS_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    )
+                    != 0
+                ):
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+            finally:
+                os.close(fd)
         if libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
     finally:

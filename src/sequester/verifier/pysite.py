@@ -27,11 +27,14 @@ before ``sitecustomize``).
 
 from __future__ import annotations
 
+import ast
+import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from sequester.verifier.layout import RUNNER_MOUNT
 
-__all__ = ["SITECUSTOMIZE", "write_sitecustomize", "PYTHONPATH_VAR", "RUNNER_FD_VAR"]
+__all__ = ["SITECUSTOMIZE", "write_sitecustomize", "probed_names", "runner_sources", "PYTHONPATH_VAR", "RUNNER_FD_VAR"]
 
 PYTHONPATH_VAR = "SEQUESTER_PYTHONPATH"
 RUNNER_FD_VAR = "SEQUESTER_RUNNER_FD"  # the pipe on which the runner says how far it got
@@ -95,7 +98,11 @@ class _TrustedFirst:
     # folder, the view or PYTHONPATH.
     # (Not "test", CPython's own test suite, which runners leave out and no tool imports.)
     tools = frozenset({{"pytest", "_pytest", "pluggy", "iniconfig", "py"}})
-    protected = (frozenset(sys.stdlib_module_names) - {{"test"}}) | tools
+    # And every name the runner's own code imports in a try (an optional module: copy's
+    # `from org.python.core import ...`, pytest's pygments): found by reading the runner's
+    # standard library and wheels when the tree was built (see probed_names).
+    probed = frozenset(__PROBED__)
+    protected = (frozenset(sys.stdlib_module_names) - {{"test"}}) | tools | probed
     seen = set()
 
     @classmethod
@@ -136,8 +143,26 @@ if _extra is not None:
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
     os.environ["PYTHONPATH"] = _extra
 del _extra
+
+
+def _runs_pytest(argv):
+    # The interpreter's own options first (the runner's shims add -s; -W, -X take a value),
+    # then `-m pytest` or a pytest script: a red team's `python3 -m pytest` went past a check
+    # of argv[1:3] alone, and with it the plugin filter below.
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[i + 1 : i + 2] in (["pytest"], ["py.test"])
+        if arg == "-c" or arg == "-" or not arg.startswith("-"):
+            return arg != "-c" and os.path.basename(arg) in ("pytest", "py.test")
+        i += 2 if arg in ("-W", "-X", "--check-hash-based-pycs") else 1
+    return False
+
+
 _argv = getattr(sys, "orig_argv", [])
-_is_pytest = (len(_argv) > 1 and os.path.basename(_argv[1]) in ("pytest", "py.test")) or _argv[1:3] == ["-m", "pytest"]
+_is_pytest = _runs_pytest(_argv)
+del _runs_pytest
 if _is_pytest:
     # pytest loads every installed distribution's "pytest11" entry point as a plugin: only
     # those of the tree and the running environment count (an *.dist-info folder in /app,
@@ -157,7 +182,63 @@ del _argv, _is_pytest
 '''
 
 
-def write_sitecustomize(stdlib: Path) -> None:
+def write_sitecustomize(stdlib: Path, probed: Iterable[str] = ()) -> None:
+    """``probed``: the optional modules the runner's own code tries (:func:`probed_names`)."""
     target = stdlib / "sitecustomize.py"
     target.unlink(missing_ok=True)  # never write through whatever was there
-    target.write_text(SITECUSTOMIZE)
+    target.write_text(SITECUSTOMIZE.replace("__PROBED__", repr(sorted(set(probed)))))
+
+
+_IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def probed_names(sources: Iterable[tuple[str, bytes]]) -> set[str]:
+    """The top-level modules that Python ``sources`` (name, text) import inside a ``try``
+    whose handlers catch an ImportError (or a bare ``except``): the optional modules a
+    program tries and does without. Pure; a source that does not parse is skipped."""
+    found: set[str] = set()
+    for name, text in sources:
+        try:
+            tree = ast.parse(text, filename=name)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Try):
+                continue
+            caught = set()
+            for handler in node.handlers:
+                if handler.type is None:
+                    caught.add("BaseException")
+                for part in handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]:
+                    if isinstance(part, ast.Name):
+                        caught.add(part.id)
+                    elif isinstance(part, ast.Attribute):
+                        caught.add(part.attr)
+            if not caught & _IMPORT_ERRORS:
+                continue
+            for stmt in node.body:
+                for sub in ast.walk(stmt):
+                    if isinstance(sub, ast.Import):
+                        found.update(alias.name.split(".")[0] for alias in sub.names)
+                    elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
+                        found.add(sub.module.split(".")[0])
+    return found
+
+
+def runner_sources(stdlib: Path, wheels: Iterable[Path]) -> Iterator[tuple[str, bytes]]:
+    """The Python files of a runner Python's standard library and of the runner's wheels."""
+    for path in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.relative_to(stdlib).parts[:1]:
+            continue
+        try:
+            yield str(path), path.read_bytes()
+        except OSError:
+            continue
+    for wheel in wheels:
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    if member.endswith(".py"):
+                        yield f"{wheel.name}/{member}", archive.read(member)
+        except (OSError, zipfile.BadZipFile):
+            continue

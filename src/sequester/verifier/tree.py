@@ -43,7 +43,7 @@ from sequester.verifier import layout
 from sequester.verifier.closure import library_closure
 from sequester.verifier.elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
 from sequester.verifier.layout import PINNED
-from sequester.verifier.pysite import SITECUSTOMIZE, write_sitecustomize
+from sequester.verifier.pysite import SITECUSTOMIZE, probed_names, runner_sources, write_sitecustomize
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
 from sequester.verifier.shims import FINGERPRINT, write_shims
 
@@ -170,9 +170,16 @@ def ensure_runner(folder: Path) -> Path:
     tools = _host_tools()
     uv_bin, uvx_bin = _uv_binaries()
     tree = folder / f"tree-{_stamp(pythons, tools, uv_bin)}"
-    if not (tree / "ready").exists():
-        _build_tree(folder, tree, pythons, tools, uv_bin, uvx_bin)
-    _hold(tree)
+    # Held from the moment it is there: a tree another process built and nobody held yet
+    # could be pruned by a third one in between (found by a red team: FileNotFoundError).
+    for _ in range(5):
+        if _hold(tree):
+            break
+        _build_tree(folder, tree, pythons, tools, uv_bin, uvx_bin)  # (holds what it puts in place)
+        if tree in _held:
+            break
+    else:
+        raise SandboxError(f"the verifier's runner {tree} kept being removed by another process")
     _prune(folder, keep=tree)
     return tree
 
@@ -180,12 +187,26 @@ def ensure_runner(folder: Path) -> Path:
 _held: dict[Path, int] = {}
 
 
-def _hold(tree: Path) -> None:
-    """A shared lock on ``tree/ready`` for this process's lifetime: the tree is in use."""
-    if tree not in _held:
+def _hold(tree: Path) -> bool:
+    """A shared lock on ``tree/ready`` for this process's lifetime (the tree is in use);
+    False when there is no ready tree there (none yet, or one removed meanwhile)."""
+    if tree in _held:
+        return True
+    try:
         fd = os.open(tree / "ready", os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        _held[tree] = fd
+    except FileNotFoundError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)  # (waits for a pruner that locked it first, then it is gone)
+    try:
+        held, there = os.fstat(fd), os.stat(tree / "ready")
+    except FileNotFoundError:
+        os.close(fd)
+        return False
+    if (held.st_dev, held.st_ino) != (there.st_dev, there.st_ino):
+        os.close(fd)
+        return False
+    _held[tree] = fd
+    return True
 
 
 def _prune(folder: Path, keep: Path) -> None:
@@ -231,9 +252,13 @@ def _build_tree(
         (staging / "ready").write_text("\n".join([*PINNED, *(p.version for p in pythons)]) + "\n")
         _open_up(staging)
         os.chmod(folder, 0o755)
+        lock = os.open(staging / "ready", os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_SH)  # held before it is in place: never pruned unheld
         try:
             os.rename(staging, tree)
+            _held[tree] = lock
         except OSError:
+            os.close(lock)
             if not (tree / "ready").exists():  # not another process's finished tree: a real failure
                 raise
         log.info("built the verifier's runner in %s (Pythons %s)", tree, ", ".join(p.version for p in pythons))
@@ -255,11 +280,12 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
             shutil.copy2(uv_source, root / "libexec" / uv_source.name)
             programs.append(root / "libexec" / uv_source.name)
     libraries: list[Path] = []
+    stdlibs: list[Path] = []
     for py in pythons:
         elves = copy_python(py, root / "python" / py.dir_name)
         programs.append(elves[0])
         libraries += elves[1:]
-        write_sitecustomize(root / "python" / py.dir_name / "lib" / f"python{py.short}")
+        stdlibs.append(root / "python" / py.dir_name / "lib" / f"python{py.short}")
     # libgcc_s is loaded by glibc at run time (thread cancellation, unwinding), not named;
     # the others are what wheels may take from the system by the manylinux policy (numpy's
     # C++ parts need libstdc++): the tests' wheels load them from the tree, never the view.
@@ -291,6 +317,11 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     write_shims(root, tools=sorted(tools), pythons=pythons, has_uvx=uvx_bin is not None)
     _copy_ca_bundle(root / "etc" / "ca-certificates.crt")
     _download_wheels(root / "wheels")
+    # After the wheels: the optional modules the runner's own code tries are the runner's
+    # alone too (see pysite.probed_names).
+    wheels = sorted((root / "wheels").glob("*.whl"))
+    for stdlib in stdlibs:
+        write_sitecustomize(stdlib, probed_names(runner_sources(stdlib, wheels)))
 
 
 # The system libraries a manylinux wheel may load without bundling them (PEP 600's policy,

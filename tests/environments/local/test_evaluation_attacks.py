@@ -92,3 +92,96 @@ def test_a_program_the_tests_run_cannot_trace_or_read_the_runner_or_see_the_shel
         result = ep.evaluate(verifier_env=mode)
     seen = result.files["probe.txt"].decode()
     assert "attached" not in seen and "opened" not in seen and "'shell': []" in seen, seen
+
+
+_FIFO = r'''
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    d = "/logs/verifier"
+    try:
+        os.mkfifo(d + "/reward.txt")
+        os.link(d + "/reward.txt", d + "/.q")
+        time.sleep(1.0)  # the script's `echo 0 > reward.txt` now blocks on the FIFO
+        with open(d + "/.r", "w") as f:
+            f.write("1\n")
+        os.rename(d + "/.r", d + "/reward.txt")  # the name is a regular file holding 1
+        os.open(d + "/.q", os.O_RDONLY | os.O_NONBLOCK)  # a reader: the script's 0 goes into the pipe
+        time.sleep(3)
+    except OSError as exc:
+        open("/tmp/fifo-refused", "w").write(str(exc))
+    os._exit(0)
+'''
+
+
+_FULL_PIPE = r'''
+import fcntl, os, time
+if os.fork() == 0:
+    os.setsid()
+    d = "/logs/verifier"
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETFL, os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(w, b"x" * 65536)
+    except BlockingIOError:
+        pass  # full: a writer blocks
+    try:
+        os.symlink(f"/proc/{os.getpid()}/fd/{w}", d + "/reward.txt")
+        time.sleep(1.0)  # the script's `echo 0 > reward.txt` now blocks on the full pipe
+        with open(d + "/.r", "w") as f:
+            f.write("1\n")
+        os.rename(d + "/.r", d + "/reward.txt")
+        while os.read(r, 65536):
+            pass
+    except OSError as exc:
+        open(d + "/refused.txt", "w").write(str(exc))
+    os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("how", ["fifo", "symlink"])
+def test_a_program_the_tests_run_cannot_block_or_redirect_the_scripts_reward_write(tmp_path, how):
+    """Attack (a red team's): a FIFO at /logs/verifier/reward.txt blocks the script's own
+    `echo 0 >` until the program has renamed a 1 into place, and a symlink leads the write
+    elsewhere; Landlock keeps the tests from making either in /logs (or moving one in)."""
+    from tasks import make_task
+
+    program = _FIFO if how == "fifo" else _FULL_PIPE
+    test_sh = "python3 /app/evil.py\necho 0 > /logs/verifier/reward.txt\n"
+    with Episode() as ep:
+        ep.reset(make_task(tmp_path, test_sh=test_sh, files={"environment/evil.py": program},
+                           dockerfile="FROM debian:12\nWORKDIR /app\nCOPY evil.py /app/evil.py\n"))
+        result = ep.evaluate()
+    assert result.reward == 0.0, (result.rewards, result.output[-2000:])
+    if how == "symlink":  # (a write through it would not have won here: refused all the same)
+        assert b"Permission denied" in result.files.get("refused.txt", b""), result.files
+
+
+_PLUGIN = {
+    "environment/seqplug-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: seqplug\nVersion: 1.0\n",
+    "environment/seqplug-1.0.dist-info/entry_points.txt": "[pytest11]\nseqplug = seqplug_impl\n",
+    "environment/seqplug_impl.py": (
+        "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n"),
+    "environment/org/__init__.py": "import atexit, os\natexit.register(lambda: os._exit(0))\nraise ImportError\n",
+}
+
+
+@pytest.mark.parametrize("run", ["python3 -m pytest /tests/test_x.py -rA", "pytest /tests/test_x.py -rA"])
+def test_the_agents_plugins_and_optional_modules_never_load_into_the_runners_pytest(tmp_path, run):
+    """Attacks (a red team's): a *.dist-info with a pytest11 entry point in the working
+    folder, picked up when `python3 -m pytest` (interpreter flags before -m) slipped past
+    the plugin filter; an `org` package in /app that the standard library's copy module
+    tries (`from org.python.core import PyStringMap`) inside pytest, exiting 0 at exit.
+    Neither runs: the tests fail, 0."""
+    from tasks import make_task
+
+    files = {**_PLUGIN, "tests/test_x.py": "def test_x():\n    assert False\n"}
+    copies = "".join(f"COPY {p.split('/', 1)[1]} /app/{p.split('/', 1)[1]}\n" for p in _PLUGIN)
+    script = (f"cd /app\nexport PYTHONPATH=/app\n{run}\n"
+              "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    with Episode() as ep:
+        ep.reset(make_task(tmp_path, test_sh=script, files=files, dockerfile="FROM debian:12\nWORKDIR /app\n" + copies))
+        result = ep.evaluate()
+    assert result.reward == 0.0 and "seqplug" not in result.output, result.output[-2000:]

@@ -39,6 +39,7 @@ import termios
 import time
 from typing import Any
 
+from sequester.guard.landlock import seal_special_files
 from sequester.guard.privileges import keep_capabilities
 from sequester.sandbox.nsexec.files import extract, op_files
 from sequester.sandbox.nsexec.ns import (
@@ -352,6 +353,12 @@ def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: i
                     os.chdir("/")
                 _set_rlimits(req.get("rlimits"))
                 _nest_the_tests()
+                # Attack: a program the tests run making /logs/verifier/reward.txt a FIFO (the
+                # script's own `echo 0 >` blocks on it until the program has put its 1 in
+                # place) or a link elsewhere. The test shell and all it starts make no FIFO,
+                # socket, link or device node there, and move nothing in (Landlock).
+                if seal_special_files("/logs") == 0:
+                    os.write(2, b"sequester: Landlock (ABI 2) is missing: /logs is not sealed\n")
                 _default_signals()
                 restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
                 os.execvpe(req["argv"][0], req["argv"], req["env"])
