@@ -171,10 +171,9 @@ def test_a_live_agent_process_cannot_rewrite_the_verdict(tmp_path):
 
 
 _AFTER_END_WRITER = r'''
-import os, select, signal, sys
+import os, signal, sys
 for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
     signal.signal(s, signal.SIG_IGN)
-script = os.pidfd_open(int(sys.argv[1]))
 if os.fork():
     os._exit(0)
 os.setsid()
@@ -184,20 +183,23 @@ except OSError:
     pass
 fd = os.open("/logs/verifier/reward.txt", os.O_RDWR | os.O_CREAT, 0o666)
 os.write(1, b"up"); os.close(1)
-select.select([script], [], [])          # wakes the moment the script has exited
+while os.pread(fd, 2, 0) != b"0\n":   # spins until the script has written its verdict
+    pass                                 # (inotify is refused to the tests' programs)
 os.pwrite(fd, b"1\n", 0); os.ftruncate(fd, 2)
 '''
 
 
 @pytest.mark.xfail(reason="RESIDUAL (docs/security.md, 'a program the tests run on purpose'): a writer a program "
-                          "under test left behind wakes on the script's exit (a pidfd of it) and writes before "
-                          "the verifier's init can kill it; closing it needs the script stopped at its exit "
-                          "(PTRACE_O_TRACEEXIT) while the rest is killed", strict=True)
+                          "under test left behind, watching for the script's own last write, writes before "
+                          "the shell exits and the tests' namespace is killed; closing it needs a verdict folder "
+                          "the tests' programs cannot write", strict=True)
 def test_a_writer_left_by_the_tests_dies_before_the_verdict(tmp_path):
     """A program the tests run leaves a writer behind in a session of its own, ignoring what
     it can, trying uid 1000 (refused: the verifier's user namespace maps uid 0 alone), and
-    woken by a pidfd the instant the script exits, to rewrite the verdict in the window
-    before the verifier's init reads it. The init's kill(-1) must win every time."""
+    spinning until the script has written its verdict (a pidfd of the shell no longer names
+    anything, the shell being in no namespace the tests' programs see, and inotify is
+    refused), to rewrite it before the shell exits and the kernel kills the tests'
+    namespace with it."""
     test_sh = "test \"$(python3 /app/w.py $$)\" = up || exit 3\necho 0 > /logs/verifier/reward.txt\n"
     results = []
     with Episode(EpisodeSettings()) as ep:
