@@ -93,9 +93,11 @@ def test_unpacking_artifacts_writes_nothing_through_a_link(tmp_path):
         assert ep.exec("test -e /etc/written-through && echo THROUGH || echo no").stdout.strip() == "no"
 
 
-def test_a_process_that_exits_right_after_a_separate_evaluation_leaves_no_environment(tmp_path):
+@pytest.mark.parametrize("close_after", [None, 0.0])
+def test_a_process_that_exits_right_after_a_separate_evaluation_leaves_no_environment(tmp_path, close_after):
     """The separate environment is removed a moment after the verdict (a timer): a process
-    that ends before the timer fires removes it on its way out, not the next start."""
+    that ends before the timer fires removes it on its way out, and one that ends while the
+    timer's removal is under way waits for it (found by CI, under load), not the next start."""
     import os
     import subprocess
     import sys
@@ -106,8 +108,12 @@ def test_a_process_that_exits_right_after_a_separate_evaluation_leaves_no_enviro
         "import sys\n"
         "from sequester.environments.local.episode import Episode\n"
         "from sequester.environments.settings import EpisodeSettings\n"
-        f"ep = Episode(EpisodeSettings(state_dir={str(state)!r}))\n"
+        + (f"import sequester.environments.local.separate as s; s._CLOSE_AFTER = {close_after}\n"
+           if close_after is not None else "")
+        + f"ep = Episode(EpisodeSettings(state_dir={str(state)!r}))\n"
         f"ep.reset({str(task)!r})\n"
+        # (folders in the work the separate environment gets: its removal takes a while)
+        "ep.exec('mkdir -p /app/many && cd /app/many && seq 1 2000 | xargs mkdir')\n"
         "print(ep.evaluate(verifier_env='separate').reward)\n"
         "ep.close()\n"
     )

@@ -93,7 +93,7 @@ def evaluate_separately(
         # next start's stale-state removal.
         fresh.abort()
         with _pending_lock:
-            _pending.add(fresh)
+            _pending[fresh] = threading.Lock()
         later = threading.Timer(_CLOSE_AFTER, _close, args=(fresh,))
         later.name, later.daemon = "sequester-separate-close", True
         later.start()
@@ -101,19 +101,29 @@ def evaluate_separately(
 
 
 def _close(fresh: Episode) -> None:
+    """Remove ``fresh`` once: by its timer, or at exit (which waits for a removal the timer
+    began: a process that ends meanwhile would cut it short and leave the layers)."""
     with _pending_lock:
-        if fresh not in _pending:
-            return  # (closed at exit already)
-        _pending.discard(fresh)
-    try:
-        fresh.close()
-    except SequesterError as exc:
-        log.warning("the separate verifier environment was not removed completely: %s", exc)
+        lock = _pending.get(fresh)
+    if lock is None:
+        return  # (removed already)
+    with lock:
+        with _pending_lock:
+            if fresh not in _pending:
+                return
+        try:
+            fresh.close()
+        except SequesterError as exc:
+            log.warning("the separate verifier environment was not removed completely: %s", exc)
+        finally:
+            with _pending_lock:
+                _pending.pop(fresh, None)
 
 
-# The separate environments whose removal is still to come, removed at once at exit (a
-# timer that has not fired by then never will: its thread is a daemon's).
-_pending: set[Episode] = set()
+# The separate environments whose removal is still to come or under way, each with the lock
+# its removal holds; at exit every one is removed, or its removal waited for (a timer that has
+# not fired by then never will: its thread is a daemon's).
+_pending: dict[Episode, threading.Lock] = {}
 _pending_lock = threading.Lock()
 
 
