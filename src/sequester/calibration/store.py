@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sequester.caches import cache_root
+from sequester.caches import cache_root, write_json_whole
 
 __all__ = ["CalibrationRecord", "CalibrationStore", "default_store"]
 
@@ -86,17 +85,7 @@ class CalibrationStore:
     def put(self, record: CalibrationRecord) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self._path(record.key)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".record-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record.to_dict(), f, indent=2, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_json_whole(path, record.to_dict(), prefix=".record-", indent=2, sort_keys=True)
         return path
 
     def remove(self, key: str) -> bool:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sequester.caches import write_json_whole
 from sequester.errors import ImageError
 from sequester.images.manifest import ImageConfig, Platform
 
@@ -65,17 +64,7 @@ def hex_of(digest: str) -> str:
 
 def write_record(folder: Path, record: ImageRecord) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record.to_json(), f, indent=1)
-        os.replace(tmp, folder / f"{hex_of(record.id)}.json")
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_json_whole(folder / f"{hex_of(record.id)}.json", record.to_json(), indent=1)
 
 
 def read_record(path: Path) -> ImageRecord:
