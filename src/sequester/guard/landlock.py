@@ -59,6 +59,28 @@ def _libc():
     return libc
 
 
+def _add_path_rule(libc, ruleset: int, fd: int, access: int, path: str) -> None:  # noqa: ANN001 - a ctypes CDLL
+    """Grant ``access`` beneath the file or folder open at ``fd`` in ``ruleset``."""
+    import ctypes
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    rule = PathBeneath(access, fd)
+    if (
+        libc.syscall(
+            ctypes.c_long(_SYS_ADD_RULE),
+            ctypes.c_int(ruleset),
+            ctypes.c_int(_RULE_PATH_BENEATH),
+            ctypes.byref(rule),
+            ctypes.c_uint32(0),
+        )
+        != 0
+    ):
+        raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+
+
 def abi_version() -> int:
     """The Landlock ABI this kernel offers; 0 when Landlock is unavailable or disabled."""
     import ctypes
@@ -163,10 +185,6 @@ def restrict_self(
             ("scoped", ctypes.c_uint64),
         ]
 
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
     class NetPort(ctypes.Structure):
         _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
 
@@ -195,18 +213,7 @@ def restrict_self(
                     return  # Landlock rules take files and folders only (/dev/stderr may be a pipe)
                 if not stat.S_ISDIR(mode):
                     access &= EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
-                rule = PathBeneath(access & fs, fd)
-                if (
-                    libc.syscall(
-                        ctypes.c_long(_SYS_ADD_RULE),
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(_RULE_PATH_BENEATH),
-                        ctypes.byref(rule),
-                        ctypes.c_uint32(0),
-                    )
-                    != 0
-                ):
-                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+                _add_path_rule(libc, ruleset, fd, access & fs, path)
             finally:
                 os.close(fd)
 
@@ -260,10 +267,6 @@ def seal_special_files(sealed: str, *, root: str = "/") -> int:
     class RulesetAttr(ctypes.Structure):
         _fields_ = [("handled_access_fs", ctypes.c_uint64)]
 
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
     libc = _libc()
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: what an unprivileged caller needs for Landlock
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
@@ -280,18 +283,7 @@ def seal_special_files(sealed: str, *, root: str = "/") -> int:
             try:
                 if not stat.S_ISDIR(os.fstat(fd).st_mode):
                     continue  # (a top-level link or file: nothing is made beneath it)
-                rule = PathBeneath(SPECIAL_FILES, fd)
-                if (
-                    libc.syscall(
-                        ctypes.c_long(_SYS_ADD_RULE),
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(_RULE_PATH_BENEATH),
-                        ctypes.byref(rule),
-                        ctypes.c_uint32(0),
-                    )
-                    != 0
-                ):
-                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+                _add_path_rule(libc, ruleset, fd, SPECIAL_FILES, path)
             finally:
                 os.close(fd)
         if libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
