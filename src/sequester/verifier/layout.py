@@ -26,6 +26,7 @@ __all__ = [
     "RUN_PIP",
     "PINNED",
     "TASK_WHEELS",
+    "TASK_INSTALLS",
 ]
 
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")  # the runner's own wheels: pytest for TB2's scripts
@@ -44,4 +45,7 @@ RUN_PIP = RUN / "pip"  # the environment the runner's pip installs into (and pyt
 # A task's own pinned wheels (sequester.verifier.wheels), copied from the host at verify time
 # into a read-only tmpfs of the verifier's namespace; only when the task needs them.
 TASK_WHEELS = RUN / "task-wheels"
+# What the task's apt-get install lines install (sequester.imagebuild.apt_install), copied
+# likewise: ``install.tar`` and ``packages`` (one name a line), unpacked by the runner's apt-get.
+TASK_INSTALLS = RUN / "apt"
 # The host loader's own name (uv tells glibc from musl by it): see tree.py.

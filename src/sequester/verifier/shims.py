@@ -5,8 +5,11 @@ nothing the agent left in its home, such as the ``~/.local/bin/env`` that Termin
 scripts source after installing uv); the programs that run the tests (``uvx``, ``uv``,
 ``python3``) get the agent's ``HOME`` back, so the programs the tests start see the
 home they expect. ``curl`` reads no ``.curlrc`` of the agent's. ``apt-get``/``apt``
-answer as an offline apt would: ``update`` does nothing, installing what the runner
-already provides succeeds, anything else fails (exit 100).
+never run the agent's apt: ``update`` does nothing; ``install`` of what the runner
+provides succeeds; of what the host prepared from the script's install lines on the
+task's pristine image (:mod:`sequester.imagebuild.apt_install`) unpacks it into the system
+the tests run on, once, then runs the system's ``ldconfig``; anything else fails (exit
+100) and is told to the host as a set-up failure.
 """
 
 from __future__ import annotations
@@ -35,21 +38,43 @@ _SAY = (
 _APT = (
     _HEAD
     + _SAY
-    + f'''cmd=; pkgs=()
+    + f'''cmd=; pkgs=(); skip=
 for a in "$@"; do
-  case "$a" in -*) ;; *) if [ -z "$cmd" ]; then cmd=$a; else pkgs+=("$a"); fi ;; esac
+  if [ -n "$skip" ]; then skip=; continue; fi
+  case "$a" in
+    -o|-c|-t|-a|--option|--config-file|--target-release|--default-release) skip=1 ;;
+    -*) ;;
+    *) if [ -z "$cmd" ]; then cmd=$a; else pkgs+=("$a"); fi ;;
+  esac
 done
+prepared() {{
+  [ -r {layout.TASK_INSTALLS}/packages ] || return 1
+  while IFS= read -r q; do [ "$q" = "$1" ] && return 0; done < {layout.TASK_INSTALLS}/packages
+  return 1
+}}
 case "$cmd" in
-  update) echo "sequester: apt-get update skipped (the verifier has no package sources)"; exit 0 ;;
+  update) echo "sequester: apt-get update skipped (the verifier installs from the task's image ahead)"; exit 0 ;;
   install)
     for p in "${{pkgs[@]}}"; do __sequester_say "installs:$p"; done
+    unpack=
     for p in "${{pkgs[@]}}"; do
-      if [ ! -x "{layout.BIN}/$p" ]; then
-        __sequester_say "setup-failed:apt-get-install:$p"
-        echo "E: Unable to locate package $p (the verifier installs no packages)" >&2; exit 100
-      fi
+      if [ -x "{layout.BIN}/$p" ]; then continue; fi
+      if prepared "$p"; then unpack=1; continue; fi
+      __sequester_say "setup-failed:apt-get-install:$p"
+      echo "E: Unable to locate package $p (the verifier installs only what it prepared from test.sh)" >&2; exit 100
     done
-    echo "sequester: ${{pkgs[*]}} provided by the verifier"; exit 0 ;;
+    if [ -n "$unpack" ] && [ ! -e {layout.RUN}/apt-unpacked ]; then
+      if ! {layout.BIN}/tar -xpf {layout.TASK_INSTALLS}/install.tar -C / \\
+          --keep-directory-symlink --no-overwrite-dir; then
+        for p in "${{pkgs[@]}}"; do __sequester_say "setup-failed:apt-get-install:$p"; done
+        echo "E: the verifier could not unpack ${{pkgs[*]}}" >&2; exit 100
+      fi
+      : > {layout.RUN}/apt-unpacked
+      if [ -e {layout.TASK_INSTALLS}/ldconfig ]; then
+        for l in /usr/sbin/ldconfig /sbin/ldconfig; do [ -x "$l" ] && {{ "$l" >/dev/null 2>&1; break; }}; done
+      fi
+    fi
+    echo "sequester: ${{pkgs[*]}} installed (by the verifier, with the task's image's own apt)"; exit 0 ;;
   *) __sequester_say "setup-failed:apt-get-$cmd"
      echo "E: apt-get $cmd is not available in the verifier" >&2; exit 100 ;;
 esac

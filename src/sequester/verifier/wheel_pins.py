@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from sequester.verifier.script_commands import commands, program_words
 from sequester.verifier.tree import PINNED
 
 __all__ = ["VerifierPins", "verifier_pins"]
@@ -44,26 +44,6 @@ class VerifierPins:
         return tuple(r for r in self.requirements if r not in PINNED)
 
 
-_SEPARATOR = set("();<>|&")
-_SKIPPED = {
-    "if",
-    "then",
-    "else",
-    "elif",
-    "do",
-    "while",
-    "until",
-    "!",
-    "{",
-    "time",
-    "exec",
-    "command",
-    "nohup",
-    "builtin",
-    "sudo",
-    "xargs",
-}
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # uv's options that take a value (the others are flags), long and short.
 _LONG_VALUE = set(
     """
@@ -94,7 +74,7 @@ def verifier_pins(script: str) -> VerifierPins:
     pythons: list[str] = []
     files: list[str] = []
     default = False
-    for command in _commands(script):
+    for command in commands(script):
         found = _invocation(command)
         if found is None:
             continue
@@ -119,56 +99,10 @@ def verifier_pins(script: str) -> VerifierPins:
     )
 
 
-def _commands(script: str) -> Iterator[list[str]]:
-    """The simple commands of ``script`` as words (nothing expanded): backslash continuations
-    joined, a quote left open on one line closed by a later one; a line that never
-    balances (an apostrophe in a here-document) is skipped."""
-    lines = script.replace("\\\r\n", " ").replace("\\\n", " ").splitlines()
-    i = 0
-    current: list[str]
-    while i < len(lines):
-        j, chunk, words = i, lines[i], None
-        while words is None:
-            try:
-                lexer = shlex.shlex(chunk, posix=True, punctuation_chars=True)
-                lexer.whitespace_split = True
-                words = list(lexer)
-            except ValueError:  # an open quote
-                j += 1
-                if j >= len(lines) or j - i > 200:
-                    break
-                chunk += "\n" + lines[j]
-        if words is None:
-            i += 1
-            continue
-        i, current = j + 1, []
-        for word in [*words, ";"]:
-            if word and set(word) <= _SEPARATOR:
-                if current:
-                    yield current
-                current = []
-            else:
-                current.append(word)
-
-
 def _invocation(words: list[str]) -> Found | None:
     """What one command installs, if it is a uv command that installs anything."""
-    python: str | None = None
-    while words:  # assignments, keywords and wrappers before the program
-        head = words[0]
-        if _ASSIGNMENT.match(head):
-            name, _, value = head.partition("=")
-            python = value if name == "UV_PYTHON" else python
-            words = words[1:]
-        elif head in _SKIPPED:
-            words = words[1:]
-        elif head in ("env", "timeout"):  # their options and assignments, and timeout's duration
-            i = 1
-            while i < len(words) and (words[i].startswith("-") or _ASSIGNMENT.match(words[i])):
-                i += 2 if words[i] in ("-u", "-s", "-k", "--signal", "--kill-after", "--unset", "-C") else 1
-            words = words[i + (head == "timeout") :]
-        else:
-            break
+    assigned, words = program_words(words)
+    python: str | None = assigned.get("UV_PYTHON")
     if not words:
         return None
     program, args = os.path.basename(words[0]), words[1:]

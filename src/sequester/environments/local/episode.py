@@ -477,6 +477,11 @@ class Episode:
         """The wheels the task's test script pins beyond the runner's, on the host."""
         return self._running().wheels
 
+    @property
+    def installs(self) -> Path | None:
+        """The tar of what the task's test script apt-get installs, on the host."""
+        return self._running().installs
+
     def _nsexec_call(self) -> NsExec:
         self._running()
         assert self._nsexec is not None
@@ -564,6 +569,7 @@ class Episode:
                     workdir=run.workdir,
                     runner=run.runner,
                     wheels=run.wheels,
+                    installs=run.installs,
                     output_limit=self.settings.output_bytes,
                     max_processes=self.settings.max_processes,
                 )

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sequester.environments.verdict import Evaluation
 from sequester.guard import seccomp
+from sequester.imagebuild.apt_install import installed_packages
 from sequester.sandbox.argv import CONTAINER_CAPS, CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.cgroups.limits import make_limit_groups
@@ -42,6 +43,7 @@ def run_tests(
     output_limit: int,
     max_processes: int = 4096,
     wheels: Path | None = None,
+    installs: Path | None = None,
 ) -> Evaluation:
     """Run the task's pristine tests in the verifier's own namespace (see the module).
 
@@ -68,6 +70,7 @@ def run_tests(
             cgroups=group.procs if group else [],
             started=started,
             wheels=wheels,
+            installs=installs,
         )
     finally:
         if group is not None:  # (its last process may still be on its way out: not waited for)
@@ -86,12 +89,18 @@ def _run_tests(
     cgroups: list[str],
     started: float,
     wheels: Path | None,
+    installs: Path | None,
 ) -> Evaluation:
     st = os.stat(runner)
     tests = invocation.tests_archive(task)
     # The task's pinned wheels (sequester.verifier.wheels): the host's folder, by descriptor;
     # the helper copies them into a read-only tmpfs of the verifier's own namespace.
     wheels_fd = os.open(wheels, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if wheels is not None else None
+    # What its apt-get install lines install (sequester.imagebuild.apt_install): the tar, by
+    # descriptor, copied likewise; the runner's apt-get unpacks it when the script asks.
+    packages, ldconfig = installed_packages(installs) if installs is not None else ([], False)
+    installs_fd = os.open(installs, os.O_RDONLY | os.O_CLOEXEC) if installs is not None else None
+    extra = [fd for fd in (wheels_fd, installs_fd) if fd is not None]
     tests_r, tests_w = os.pipe()
     out_r, out_w = os.pipe()
     said_r, said_w = os.pipe()
@@ -117,21 +126,23 @@ def _run_tests(
                     "ino": st.st_ino,
                     "home_env": (runner / "etc" / "uv-env").read_text(),
                     "wheels": str(layout.TASK_WHEELS) if wheels_fd is not None else None,
+                    "installs": str(layout.TASK_INSTALLS) if installs is not None else None,
+                    "packages": packages,
+                    "ldconfig": ldconfig,
                 },
                 "runner_fd": invocation.RUNNER_FD,
                 "cgroup": cgroups,
                 "rlimits": {**CONTAINER_RLIMITS, "RLIMIT_NPROC": 2 * max_processes},
             },
-            [tests_r, out_w, said_w, *([wheels_fd] if wheels_fd is not None else [])],
+            [tests_r, out_w, said_w, *extra],
         )
     except BaseException:
         for fd in (tests_w, out_r, said_r):
             close_fd(fd)
         raise
     finally:
-        for passed in (tests_r, out_w, said_w, wheels_fd):
-            if passed is not None:
-                close_fd(passed)
+        for passed in (tests_r, out_w, said_w, *extra):
+            close_fd(passed)
     writer = threading.Thread(target=write_and_close, args=(tests_w, tests), daemon=True)
     writer.start()
     # Bounded while it streams: the agent's programs run inside the tests and can write

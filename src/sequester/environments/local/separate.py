@@ -83,6 +83,7 @@ def evaluate_separately(
             workdir=workdir,
             runner=fresh.runner,
             wheels=fresh.wheels,
+            installs=fresh.installs,
             output_limit=episode.settings.output_bytes,
             max_processes=episode.settings.max_processes,
         )

@@ -76,6 +76,7 @@ class RunningEpisode:
     symlinks: tuple[MountOp, ...] = ()  # the view's top-level symlinks, as made
     runner: Path | None = None  # the verifier's runner tree on the host
     wheels: Path | None = None  # the wheels the task's test script pins beyond the runner's (on the host)
+    installs: Path | None = None  # the tar of what its apt-get install lines install (on the host)
     view_points: frozenset = frozenset()  # where the view's own mounts are (not the agent's changes)
     image: ImageRecord | None = None  # the image the view is made of; None: host mode
     lease: ImageLease | None = None  # held while the episode runs (the store keeps its layers)
@@ -294,6 +295,7 @@ def hidden_for(
     (``/home``, ``/srv``, ``/mnt``, ...) is not part of a task's environment. Below
     those, the caller's own hidden paths (its home and folders, for an ordinary user).
     """
+    from sequester.verifier.apt_pins import TASK_INSTALLS_DIR
     from sequester.verifier.wheels import TASK_WHEELS_DIR  # (here: the build package imports the episodes')
 
     dirs, files = hidden_paths(Policy(), facts)
@@ -305,10 +307,12 @@ def hidden_for(
     # The tasks' pinned test wheels are the verifier's only (root's toolchain folder is in
     # /var, which the view shows): made now, so one fetched during the episode stays hidden.
     wheels = settings.toolchain_dir / TASK_WHEELS_DIR
-    try:
-        wheels.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        pass  # not ours to make: then nothing is fetched there either
+    installs = settings.toolchain_dir / TASK_INSTALLS_DIR  # (the tests' apt installs: the same)
+    for folder in (wheels, installs):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # not ours to make: then nothing is fetched there either
     # The cluster cache holds every task a node was shipped, tests and solutions: hidden
     # from every episode on the machine, not only those the cluster starts (attack: a
     # local `sequester run` on a machine that is also a Ray node, whose agent found a
@@ -319,6 +323,7 @@ def hidden_for(
         task.path.resolve(),
         settings.state_dir,
         wheels,
+        installs,
         cluster_cache_dir(),
         default_store().root,  # the calibration records (sequester.calibration)
         *extra_hidden,

@@ -5,6 +5,8 @@ with its working directory, its limits (:mod:`.limits`) and its GPUs
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from sequester.environments.base import UnsupportedByBackend
@@ -13,14 +15,23 @@ from sequester.environments.local.limits import finish_limits, make_episode_limi
 from sequester.environments.local.start import RunningEpisode, start_episode
 from sequester.environments.local.state import EpisodeDirs, remove_stale
 from sequester.environments.settings import EpisodeSettings, episode_image_store
-from sequester.errors import EpisodeError
+from sequester.errors import BuildError, EpisodeError, ImageError
+from sequester.imagebuild.apt_install import ensure_apt_install
+from sequester.imagebuild.builder import BuildOptions
 from sequester.images.choose import Choice
+from sequester.images.store import ImageStore
+from sequester.net.build.network import parse_build_network
 from sequester.sandbox.cgroups.limits import remove_stale_groups
 from sequester.sandbox.gpus import GpuPlan, GpuUnavailable, find_gpus
+from sequester.sandbox.idmap import configured_id_map
 from sequester.tasks import Task
+from sequester.verifier.apt_pins import TASK_INSTALLS_DIR, apt_requests_of_tests
+from sequester.verifier.tree import runner_tree
 from sequester.verifier.wheels import ensure_task_wheels
 
 __all__ = ["start_system"]
+
+log = logging.getLogger("sequester.environments.local")
 
 
 def _gpus(task: Task) -> GpuPlan | None:
@@ -38,6 +49,51 @@ def _gpus(task: Task) -> GpuPlan | None:
 
 
 _stale_cleaned: set[Path] = set()
+_FAILURE_TTL = 120.0
+_install_failed: dict[tuple[str, str], tuple[float, str]] = {}
+
+
+def _test_installs(
+    task: Task, choice: Choice, settings: EpisodeSettings, store: ImageStore
+) -> tuple[Path | None, list[str]]:
+    """What the tests' ``apt-get install`` lines install (test.sh's and those of the scripts
+    the tests run: :func:`~sequester.verifier.apt_pins.apt_requests_of_tests`), prepared on the task's
+    pristine image by its own apt (:mod:`sequester.imagebuild.apt_install`) before anything
+    starts, or None (no such line, no image, or the runner has them all); and a note when
+    it cannot be (the runner's ``apt-get`` then refuses them: a set-up failure, settled by
+    the pristine re-run). A failure is not tried again for two minutes."""
+    runner = runner_tree(settings.toolchain_dir)
+    if task.test_script is None or choice.record is None or runner is None:
+        return None, []
+    request = apt_requests_of_tests(task.tests_dir)
+    request = request.without({p for p in request.packages if (runner / "bin" / p).exists()})
+    if not request.packages:
+        return None, []
+    key = (choice.record.id, " ".join(request.packages))
+    when, earlier = _install_failed.get(key, (0.0, ""))
+    if not earlier or time.monotonic() - when >= _FAILURE_TTL:
+        options = BuildOptions(
+            network=parse_build_network(settings.images.build_network, settings.images.build_allowed_hosts),
+            timeout=task.config.environment.build_timeout_sec,
+            ids=configured_id_map(settings.id_range),
+        )
+        try:
+            tar = ensure_apt_install(
+                store,
+                choice.record,
+                request,
+                cache_dir=settings.toolchain_dir / TASK_INSTALLS_DIR,
+                options=options,
+                runner=runner,
+            )
+            return tar, []
+        except (BuildError, ImageError, OSError) as exc:
+            earlier = str(exc)
+            _install_failed[key] = (time.monotonic(), earlier)
+    log.warning(
+        "%s: test.sh's apt-get install of %s could not be prepared: %s", task.name, " ".join(request.packages), earlier
+    )
+    return None, [f"the tests' apt-get install of {' '.join(request.packages)} could not be prepared: {earlier[-300:]}"]
 
 
 def start_system(
@@ -58,6 +114,7 @@ def start_system(
     # anything starts: a pin that cannot be had costs no agent run.
     wheels = ensure_task_wheels(task, settings.toolchain_dir)
     store = episode_image_store(settings)
+    installs, install_notes = _test_installs(task, choice, settings, store)
     lease = store.lease(choice.record) if choice.record is not None else None
     try:
         if lease is not None:
@@ -90,6 +147,8 @@ def start_system(
             lease.release()
         raise
     run.wheels = wheels
+    run.installs = installs
+    run.notes += install_notes
     run.gpus = gpus
     run.storage_quota = quota
     if gpus is not None:

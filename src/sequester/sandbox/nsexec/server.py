@@ -211,8 +211,11 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
         os.makedirs(f"{run}/{folder}", 0o755)
     with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
         f.write(runner["home_env"])
+    staged = iter(fds[4:])  # the wheels' folder, then the installs' tar, each when there
     if runner.get("wheels"):
-        _copy_wheels(fds[4], runner["wheels"])
+        _copy_wheels(next(staged), runner["wheels"])
+    if runner.get("installs"):
+        _copy_installs(next(staged), runner["installs"], runner.get("packages") or [], bool(runner.get("ldconfig")))
     for fd in fds[4:]:  # received without close-on-exec: nothing of the host's reaches the script
         os.close(fd)
     os.mkdir("/logs/verifier", 0o777)
@@ -268,6 +271,41 @@ def _copy_wheels(source: int, target: str) -> None:
                 os.close(dst)
         finally:
             os.close(src)
+    remount_readonly(target)
+
+
+def _copy_installs(source: int, target: str, packages: list[str], ldconfig: bool) -> None:
+    """What the task's apt-get install lines install (sequester.imagebuild.apt_install): the
+    host's tar ``source`` (a descriptor) copied into a tmpfs of its own at ``target`` as
+    ``install.tar``, with ``packages`` (one a line) and, when it holds shared libraries, a
+    file ``ldconfig``, then made read-only; before anything
+    of the verifier runs. The runner's apt-get unpacks it, as the tests' own process."""
+    size = os.fstat(source).st_size
+    os.mkdir(target, 0o755)
+    check(
+        libc.mount(
+            b"tmpfs",
+            target.encode(),
+            b"tmpfs",
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            f"mode=0755,size={size + (64 << 10)}".encode(),
+        ),
+        f"mount {target}",
+    )
+    dst = os.open(os.path.join(target, "install.tar"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(dst, source, offset, min(size - offset, 1 << 24))
+            if sent == 0:
+                break
+            offset += sent
+    finally:
+        os.close(dst)
+    with open(os.path.join(target, "packages"), "x") as f:
+        f.write("".join(f"{p}\n" for p in packages if p and "\n" not in p))
+    if ldconfig:
+        open(os.path.join(target, "ldconfig"), "x").close()
     remount_readonly(target)
 
 
