@@ -21,8 +21,13 @@ from paths import BUILD_TASKS
 from registry import running_registry, skip_unless_tools
 
 from sequester.cli import main
-from sequester.imagebuild.apt_install import install_dockerfile, install_key, kept, pack_layer
+from sequester.config import load_config
+from sequester.environments.local import system
+from sequester.environments.local.episode import Episode
+from sequester.environments.verdict import VerifierCouldNotRun
+from sequester.imagebuild.apt_install import install_dockerfile, install_key, pack_layer
 from sequester.sandbox.idmap import IdMap
+from sequester.tasks import load_task
 from sequester.verifier.apt_pins import AptRequest
 
 EXAMPLE = BUILD_TASKS / "apt-in-tests"
@@ -45,41 +50,60 @@ def test_the_key_names_image_packages_and_flags():
                 install_key("sha256:a", AptRequest(("gcc", "git"), (), True))}) == 4
 
 
-def test_bookkeeping_is_left_out():
-    for rel in ("var/lib/apt/lists/x", "var/cache/apt/a.bin", "var/log/dpkg.log", "var/lib/dpkg/status",
-                "tmp/x", "root/.bashrc", "etc/ld.so.cache", "run/lock"):
-        assert not kept(rel), rel
-    for rel in ("usr/bin/gcc", "var/lib/dpkg/info/gcc.list", "etc/alternatives/vim", "usr/lib/x/libz.so.1"):
-        assert kept(rel), rel
-
-
-def test_pack_keeps_files_links_and_modes_and_maps_owners(tmp_path):
+def _layer(tmp_path: Path) -> Path:
+    """A step's folder as apt leaves it on a merged-/usr system: a package's files, its
+    dpkg info, an alternatives link, and whole-file rewrites of shared databases."""
     layer = tmp_path / "layer"
-    (layer / "usr" / "bin").mkdir(parents=True)
-    (layer / "usr" / "lib").mkdir()
-    (layer / "var" / "lib" / "apt" / "lists").mkdir(parents=True)
-    (layer / "usr" / "bin" / "tool").write_text("#!/bin/sh\necho real\n")
-    os.chmod(layer / "usr" / "bin" / "tool", 0o755)
-    os.symlink("tool", layer / "usr" / "bin" / "alias")
-    os.link(layer / "usr" / "bin" / "tool", layer / "usr" / "bin" / "hard")
-    (layer / "var" / "lib" / "apt" / "lists" / "index").write_text("x")
+    for folder in ("usr/bin", "usr/lib/x86_64-linux-gnu", "var/lib/dpkg/info", "var/lib/apt/lists", "etc/alternatives"):
+        (layer / folder).mkdir(parents=True)
+    (layer / "usr/bin/tool").write_text("#!/bin/sh\necho real\n")
+    os.chmod(layer / "usr/bin/tool", 0o755)
+    os.link(layer / "usr/bin/tool", layer / "usr/bin/tool2")
+    (layer / "usr/lib/x86_64-linux-gnu/libtool.so.1").write_text("")
+    os.symlink("/etc/alternatives/editor", layer / "usr/bin/editor")
+    os.symlink("/usr/bin/tool", layer / "etc/alternatives/editor")
+    (layer / "var/lib/dpkg/info/tool.list").write_text(
+        "/.\n/bin\n/bin/tool\n/usr/bin/tool2\n/usr/lib/x86_64-linux-gnu/libtool.so.1\n"
+    )
+    (layer / "var/lib/dpkg/info/tool.md5sums").write_text("x\n")
+    (layer / "var/lib/dpkg/info/other-pkg.list").write_text("")
+    (layer / "var/lib/dpkg/status").write_text("Package: tool\n")
+    (layer / "var/lib/apt/lists/index").write_text("x")
+    (layer / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    (layer / "usr/bin/generated").write_text("not in any .list\n")
+    return layer
+
+
+def test_only_what_the_installed_packages_own_is_packed(tmp_path):
+    """Attack (a silent 0 of the agent's work): the step's rewrite of /etc/passwd (or dpkg's
+    status, the CA bundle, ld.so.cache) unpacked over the agent's, dropping a user it added."""
     out = tmp_path / "out.tar"
-    ids = IdMap(os.getuid(), os.getgid(), 200000, 200000)
-    if is_root():  # an owner of the subordinate range is the same inside id in the tar
-        os.chown(layer / "usr" / "bin" / "alias", 200005, 200007, follow_symlinks=False)
-    count, libraries = pack_layer(layer, out, ids)
-    assert not libraries
+    count = pack_layer(_layer(tmp_path), out, None)
     with tarfile.open(out) as tar:
         members = {m.name: m for m in tar.getmembers()}
-    assert "var/lib/apt/lists/index" not in members and "var/lib/apt" in members
-    assert members["usr/bin/tool"].mode & 0o777 == 0o755 and members["usr/bin/tool"].uid == 0
-    assert members["usr/bin/alias"].issym() and members["usr/bin/alias"].linkname == "tool"
-    if is_root():
-        assert (members["usr/bin/alias"].uid, members["usr/bin/alias"].gid) == (6, 8)  # (sub_uid is inside id 1)
-    assert {members["usr/bin/hard"].islnk(), members["usr/bin/tool"].islnk()} == {True, False}  # one file, twice
     assert count == len(members)
-    (layer / "usr" / "lib" / "libx.so.1").write_text("")
-    assert pack_layer(layer, out, None)[1]
+    for rel in ("usr/bin/tool", "usr/bin/tool2", "usr/lib/x86_64-linux-gnu/libtool.so.1", "usr/bin/editor",
+                "etc/alternatives/editor", "var/lib/dpkg/info/tool.list", "var/lib/dpkg/info/tool.md5sums"):
+        assert rel in members, rel
+    for rel in ("etc/passwd", "var/lib/dpkg/status", "var/lib/apt/lists/index", "usr/bin/generated",
+                "var/lib/dpkg/info/other-pkg.md5sums"):
+        assert rel not in members, rel
+    assert members["usr/bin/tool"].mode & 0o777 == 0o755 and members["usr/bin/tool"].uid == 0
+    assert members["usr/bin/editor"].issym() and members["usr/bin/editor"].linkname == "/etc/alternatives/editor"
+    assert {members["usr/bin/tool"].islnk(), members["usr/bin/tool2"].islnk()} == {True, False}  # one file, twice
+
+
+def test_owners_are_the_episodes_ids(tmp_path):
+    layer = _layer(tmp_path)
+    ids = IdMap(os.getuid(), os.getgid(), 200000, 200000)
+    if is_root():  # an owner of the subordinate range is the same inside id in the tar
+        os.chown(layer / "usr/bin/editor", 200005, 200007, follow_symlinks=False)
+    pack_layer(layer, tmp_path / "out.tar", ids)
+    with tarfile.open(tmp_path / "out.tar") as tar:
+        editor = tar.getmember("usr/bin/editor")
+        assert tar.getmember("usr/bin/tool").uid == 0
+    if is_root():
+        assert (editor.uid, editor.gid) == (6, 8)  # (sub_uid is inside id 1)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +191,63 @@ def test_a_package_that_cannot_be_installed_is_an_error_never_a_zero(apt_job):
     assert result["exception_info"]["sequester_exception_type"] in ("BootstrapFailed", "VerifierCouldNotRun")
     assert "set-up failed" in result["exception_info"]["exception_message"]
     assert any("sequester-no-such-package" in note and "could not be prepared" in note for note in result["notes"])
+
+
+@pytest.mark.slow
+def test_the_systems_own_tools_never_run_in_the_install(apt_job, tmp_path):
+    """Attack: an agent's ``ldconfig`` (which an unpack that ran the system's would start, as
+    the tests' process, before pytest) planting a fake pytest in the runner's pip folder."""
+    run, _ = apt_job
+    agent = tmp_path / "ldconfig.sh"
+    agent.write_text(
+        "for l in /usr/sbin/ldconfig /sbin/ldconfig; do [ -e $l ] || continue; mv $l $l.real\n"
+        "cat > $l <<'L'\n#!/bin/sh\nR=/opt/sequester-verifier/run\nmkdir -p $R/pip/bin\n"
+        "printf '#!/bin/sh\\necho \"1 passed\"\\nexit 0\\n' > $R/pip/bin/python\n"
+        "cp $R/pip/bin/python $R/pip/bin/pytest; chmod +x $R/pip/bin/*\nL\nchmod +x $l; done\n"
+    )
+    assert _reward(run(f"script:{agent}")) == 0.0
+
+
+@pytest.mark.slow
+def test_an_install_keeps_the_agents_accounts(apt_job, tmp_path):
+    """Attack on fidelity (a silent 0): a package whose scripts add a user (uuid-runtime) made
+    the step rewrite /etc/passwd; unpacking it whole dropped the user the agent added."""
+    run, _ = apt_job
+    script = (
+        "apt-get update\napt-get install -y uuid-runtime\n"
+        "if grep -q '^alice:' /etc/passwd && [ -x /usr/bin/uuidgen ]; then echo 1; else echo 0; fi"
+        " > /logs/verifier/reward.txt\n"
+    )
+    agent = tmp_path / "alice.sh"
+    agent.write_text("useradd alice\n")
+    assert _reward(run(f"script:{agent}", test_sh=script)) == 1.0
+    assert _reward(run("nop", test_sh=script)) == 0.0
+
+
+@pytest.mark.slow
+def test_the_install_is_decided_once_per_trial(apt_job, monkeypatch):
+    """Attack on blame: the install could not be prepared when the episode started (a mirror's
+    bad minute), and could by the time the pristine re-run decided again: the failure was
+    then the agent's 0. The re-run gets the episode's decision: an error, never a 0."""
+    _, tmp = apt_job
+    monkeypatch.setattr(system, "_FAILURE_TTL", 0.0)
+    settings = load_config(tmp / "config.toml").episodes
+    installs = Path(settings.toolchain_dir) / "task-installs"
+    saved = tmp / "task-installs.saved"
+    installs.mkdir(parents=True, exist_ok=True)
+    installs.rename(saved)
+    installs.write_text("in the way\n")  # preparing fails now
+    try:
+        with Episode(settings) as episode:
+            episode.reset(load_task(EXAMPLE), image_source="dockerfile")
+            assert any("could not be prepared" in note for note in episode.notes)
+            installs.unlink()
+            saved.rename(installs)  # preparing would work again
+            episode.exec("echo 42 > /app/answer.txt")
+            with pytest.raises(VerifierCouldNotRun):
+                episode.evaluate()
+    finally:
+        if installs.is_file():
+            installs.unlink()
+        if saved.exists():
+            saved.rename(installs)

@@ -270,6 +270,13 @@ def judge(
     lacks = runner_lacks(ev)
     setup = setup_failures(ev)
     imported = [m.partition(":")[2] for m in ev.runner_said if m.startswith("agent-import:")]
+    skipped = [m.partition(":")[2] for m in ev.runner_said if m.startswith("pth-skipped:")]
+    if skipped:
+        notes = (
+            *notes,
+            "the verifier's Python did not run the import lines of the image's .pth files (start-up code the "
+            f"agent could write; a package that needs one to be found is not found): {', '.join(skipped[:8])}",
+        )
     if imported:
         shown = ", ".join(imported[:8]) + (f" and {len(imported) - 8} more" if len(imported) > 8 else "")
         notes = (

@@ -6,17 +6,17 @@ keyrings, proxies and ``/etc/hosts`` are the agent's): when an episode starts, t
 packages the script names (:mod:`sequester.verifier.apt_pins`) are installed on the
 task's **pristine image** by a build step of its own (``FROM`` the image, ``USER root``,
 ``RUN apt-get update && apt-get install -y ...``: the image's own ``apt`` and sources,
-nothing of the agent's), through the build network of ``[images]``. What the step wrote
-is packed as a tar (:func:`pack_layer`) and cached by (image, packages); the runner's
-``apt-get`` unpacks it into the system the tests run on when the script asks for those
-packages, as the tests' own process (so it can write nothing a program under test could
-not).
+nothing of the agent's), through the build network of ``[images]``. What the installed
+packages own of what the step wrote is packed as a tar (:func:`pack_layer`) and cached by
+(image id, packages); the runner's ``apt-get`` unpacks it into the system the tests run on
+when the script asks for those packages, as the tests' own process (so it can write
+nothing a program under test could not), and runs nothing of the system's.
 
-Left out of the tar: apt's and dpkg's bookkeeping (package lists, caches, logs, dpkg's
-``status``: the agent's database is left as it is), ``/tmp``, ``/root``, ``/run`` and
-``/etc/ld.so.cache`` (the runner's ``apt-get`` runs the system's ``ldconfig`` after
-unpacking, over the system as the agent left it). Whiteouts (files the step removed) are
-not applied.
+Not in the tar: anything the packages do not own (:func:`owned_paths`): dpkg's and apt's
+databases, account files, ``ld.so.cache``, the CA bundle, files the maintainer scripts
+generated (compiled ``.pyc``, keys), whiteouts. The agent's copies of those stay as they
+are (a user it added, a CA it trusted); dpkg's database does not list the packages the
+tests installed.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = [
     "FORMAT",
     "install_key",
     "install_dockerfile",
-    "kept",
+    "owned_paths",
     "pack_layer",
     "ensure_apt_install",
     "installed_packages",
@@ -50,27 +50,13 @@ __all__ = [
 
 log = logging.getLogger("sequester.imagebuild")
 
-FORMAT = "2"
+FORMAT = "3"
 PACK_LIMIT = 4 << 30  # bytes of packed files; a larger install is refused
 _ENTRY_LIMIT = 500_000
-_LEFT_OUT = (
-    "var/lib/apt/lists",
-    "var/cache",
-    "var/log",
-    "var/lib/dpkg/status",
-    "var/lib/dpkg/status-old",
-    "var/lib/dpkg/lock",
-    "var/lib/dpkg/lock-frontend",
-    "var/lib/dpkg/triggers",
-    "var/lib/dpkg/updates",
-    "tmp",
-    "root",
-    "run",
-    "proc",
-    "dev",
-    "sys",
-    "etc/ld.so.cache",
-)
+_INFO = "var/lib/dpkg/info"
+# Top folders a merged-/usr system reaches through links (a package lists /bin/sh; the
+# step wrote usr/bin/sh).
+_MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
 def install_key(image_id: str, request: AptRequest) -> str:
@@ -88,16 +74,47 @@ def install_dockerfile(base: str, request: AptRequest) -> str:
     )
 
 
-def kept(rel: str) -> bool:
-    """Whether the file at ``rel`` (relative to the root) is part of what is unpacked."""
-    return not any(rel == p or rel.startswith(p + "/") for p in _LEFT_OUT)
+def owned_paths(layer: Path) -> set[str]:
+    """What of ``layer`` (a step's folder) the packages it installed own: the files their
+    ``var/lib/dpkg/info/*.list`` name (found where the step wrote them: a merged-/usr
+    system's ``/bin/x`` is ``usr/bin/x``), their own ``info`` files, and the links their
+    scripts made to ``/etc/alternatives`` (and those). Never a database or an account file
+    rewritten whole (``/etc/passwd``, dpkg's ``status``, ``ld.so.cache``, the CA bundle):
+    the agent's copies may hold its work."""
+    info = layer / _INFO
+    wanted: set[str] = set()
+    try:
+        lists = sorted(p for p in info.iterdir() if p.name.endswith(".list") and p.is_file() and not p.is_symlink())
+    except OSError:
+        return wanted
+    for listed in lists:
+        package = listed.name[: -len(".list")]
+        for extra in info.iterdir():
+            if extra.name.startswith(package + ".") and not extra.is_symlink():
+                wanted.add(f"{_INFO}/{extra.name}")
+        for line in listed.read_text(errors="replace").splitlines():
+            rel = line.strip().strip("/")
+            if not rel or rel == ".":
+                continue
+            wanted.add(rel)
+            if rel.split("/")[0] in _MERGED:
+                wanted.add("usr/" + rel)
+    alternatives = layer / "etc" / "alternatives"
+    if alternatives.is_dir() and not alternatives.is_symlink():
+        for entry in alternatives.iterdir():
+            if entry.is_symlink():
+                wanted.add(f"etc/alternatives/{entry.name}")
+                wanted.add(f"/etc/alternatives/{entry.name}")  # (what links to it: see pack_layer)
+    return wanted
 
 
-def pack_layer(layer: Path, out: Path, ids: IdMap | None) -> tuple[int, bool]:
-    """Pack ``layer`` (a folder of the store, walked without following links) into the tar
-    ``out``, owners as the episode sees them (``ids``: host to inside; unmapped ones and no
-    map: root); the number of entries, and whether any is a shared library (``ldconfig``
-    is then due). :class:`BuildError` beyond :data:`PACK_LIMIT`."""
+def pack_layer(layer: Path, out: Path, ids: IdMap | None) -> int:
+    """Pack what the packages installed in ``layer`` own (:func:`owned_paths`; walked
+    without following links) into the tar ``out``, with the folders above them; owners as
+    the episode sees them (``ids``: host to inside; unmapped ones and no map: root). The
+    number of entries; :class:`BuildError` beyond :data:`PACK_LIMIT`."""
+    wanted = owned_paths(layer)
+    parents = {rel.rsplit("/", i)[0] for rel in wanted if not rel.startswith("/") for i in range(1, rel.count("/") + 1)}
 
     def inside(host: int, gid: bool) -> int:
         if ids is None:
@@ -106,7 +123,6 @@ def pack_layer(layer: Path, out: Path, ids: IdMap | None) -> tuple[int, bool]:
         return 0 if found is None else found
 
     total = count = 0
-    libraries = False
     with tarfile.open(out, "w", format=tarfile.GNU_FORMAT) as tar:
         stack = [""]
         while stack:
@@ -115,20 +131,23 @@ def pack_layer(layer: Path, out: Path, ids: IdMap | None) -> tuple[int, bool]:
                 names = sorted((e.name, e) for e in entries)
             for name, entry in names:
                 rel = f"{rel_dir}/{name}" if rel_dir else name
-                if not kept(rel):
-                    continue
                 st = entry.stat(follow_symlinks=False)
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                    continue  # a whiteout: not applied
-                if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-                    continue  # devices, FIFOs, sockets: no package installs them
+                if stat.S_ISDIR(st.st_mode):
+                    if rel not in parents and rel not in wanted:
+                        continue
+                    stack.append(rel)
+                elif rel not in wanted:
+                    # an alternatives link (usr/bin/vim -> /etc/alternatives/vim) comes too
+                    if not (stat.S_ISLNK(st.st_mode) and os.readlink(entry.path) in wanted):
+                        continue
+                elif not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                    continue  # a whiteout, a device, a FIFO: not unpacked
                 count += 1
                 if count > _ENTRY_LIMIT:
                     raise BuildError(f"the install has more than {_ENTRY_LIMIT} files")
                 info = tar.gettarinfo(entry.path, arcname=rel)
                 info.uid, info.gid = inside(st.st_uid, False), inside(st.st_gid, True)
                 info.uname = info.gname = ""
-                libraries |= ".so" in name and not stat.S_ISDIR(st.st_mode)
                 if info.isreg():
                     total += info.size
                     if total > PACK_LIMIT:
@@ -137,9 +156,7 @@ def pack_layer(layer: Path, out: Path, ids: IdMap | None) -> tuple[int, bool]:
                         tar.addfile(info, f)
                 else:
                     tar.addfile(info)
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(rel)
-    return count, libraries
+    return count
 
 
 def ensure_apt_install(
@@ -162,7 +179,7 @@ def ensure_apt_install(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if tar.is_file():
             return tar
-        base = record.names[0] if record.names else record.id
+        base = record.id  # (by id: a name may since have moved to another image)
         with tempfile.TemporaryDirectory(prefix="apt-install-", dir=cache_dir) as work:
             dockerfile = Path(work) / "Dockerfile"
             dockerfile.write_text(install_dockerfile(base, request))
@@ -171,28 +188,23 @@ def ensure_apt_install(
             partial = Path(work) / "install.tar"
             try:
                 if layers:  # the RUN step's (none when everything was there already)
-                    entries, libraries = pack_layer(store.layer_dir(layers[-1].diff_id), partial, store.ids)
+                    entries = pack_layer(store.layer_dir(layers[-1].diff_id), partial, store.ids)
                 else:
                     (Path(work) / "empty").mkdir()
-                    entries, libraries = pack_layer(Path(work) / "empty", partial, None)
+                    entries = pack_layer(Path(work) / "empty", partial, None)
             finally:  # the tar is what is kept: the build's own image and layer go
                 try:
                     store.remove(result.record.id)
                 except Exception as exc:  # noqa: BLE001 - a leftover, not a failure
                     log.debug("could not remove the install's build image: %s", exc)
             (cache_dir / f"{key}.json").write_text(
-                json.dumps(
-                    {"image": record.id, "packages": list(request.packages), "entries": entries, "ldconfig": libraries}
-                )
-                + "\n"
+                json.dumps({"image": record.id, "packages": list(request.packages), "entries": entries}) + "\n"
             )
             os.replace(partial, tar)  # (last: a tar that is there has its record)
         log.info("installed %s on %s for the verifier (%d files)", " ".join(request.packages), base, entries)
         return tar
 
 
-def installed_packages(tar: Path) -> tuple[list[str], bool]:
-    """The packages the install ``tar`` (of :func:`ensure_apt_install`) holds, and whether
-    it holds shared libraries (``ldconfig`` is due after unpacking it)."""
-    record = json.loads(tar.with_suffix(".json").read_text())
-    return list(record["packages"]), bool(record.get("ldconfig", True))
+def installed_packages(tar: Path) -> list[str]:
+    """The packages the install ``tar`` (of :func:`ensure_apt_install`) holds."""
+    return list(json.loads(tar.with_suffix(".json").read_text())["packages"])

@@ -78,7 +78,11 @@ def apt_requests(script: str) -> AptRequest:
     return AptRequest(tuple(dict.fromkeys(packages)), tuple(dict.fromkeys(odd)), no_recommends, reinstall)
 
 
-_EMBEDDED = re.compile(r"\bapt(?:-get)?[ \t]+[^'\"`\n;&|()]*")
+# An apt command inside another language's string: asked to answer yes (-y, --yes,
+# --assume-yes), as unattended commands are (prose such as "make sure apt install works"
+# is not one).
+_EMBEDDED = re.compile(r"\bapt(?:-get)?[ \t]+[^'\"`\n;&|()#]*")
+_ASSUME_YES = re.compile(r"(?:^|\s)(?:-[a-zA-Z]*y[a-zA-Z]*|--yes|--assume-yes)(?:\s|$)")
 _FILE_LIMIT = 1 << 20  # bytes of one file read
 _FILES_LIMIT = 500  # files of the tests' folder read
 
@@ -114,5 +118,5 @@ def apt_requests_of_tests(tests_dir: Path) -> AptRequest:
         found.append(apt_requests(text))
         # A command inside another language's string (a Python test's os.system("apt-get
         # install ..."), a here-document): each apt command of a line, read on its own.
-        found += [apt_requests(m[0]) for m in _EMBEDDED.finditer(text)]
+        found += [apt_requests(m[0]) for m in _EMBEDDED.finditer(text) if _ASSUME_YES.search(m[0])]
     return merged(found)

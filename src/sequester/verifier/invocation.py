@@ -13,6 +13,7 @@ from pathlib import Path
 from sequester.tasks import Task
 from sequester.verifier import layout
 from sequester.verifier.environ import runner_env
+from sequester.verifier.image_python import IMAGE_PYTHON_VAR, IMAGE_SITE_VAR, ImagePython
 from sequester.verifier.tree import PINNED
 
 __all__ = ["PYTEST_CONFIGS", "RUNNER_FD", "tests_archive", "tests_mention", "verifier_argv", "verifier_env"]
@@ -103,15 +104,20 @@ def verifier_argv(task: Task) -> list[str]:
     return [bash, "-c", script]
 
 
-def verifier_env(task: Task, *, task_wheels: bool = False) -> dict[str, str]:
+def verifier_env(task: Task, *, task_wheels: bool = False, image_python: ImagePython | None = None) -> dict[str, str]:
     """The runner's environment (see :func:`sequester.verifier.environ.runner_env`):
     the image's own variables (Dockerfile ENV), the task's ``[verifier] env``, and the
     runner's; nothing of the agent shell's. ``task_wheels``: uv also finds the task's
-    pinned wheels (:data:`~sequester.verifier.layout.TASK_WHEELS`)."""
+    pinned wheels (:data:`~sequester.verifier.layout.TASK_WHEELS`). ``image_python``: the
+    image's ``python3`` (:mod:`.image_python`), which the runner's ``python3`` follows."""
     image = task.dockerfile.env_map if task.dockerfile is not None else {}
-    return runner_env(
+    env = runner_env(
         image,
         task.config.verifier.env,
         runner_fd=RUNNER_FD,
         find_links=(str(layout.TASK_WHEELS),) if task_wheels else (),
     )
+    if image_python is not None:
+        env[IMAGE_PYTHON_VAR] = image_python.version
+        env[IMAGE_SITE_VAR] = ":".join(image_python.site)
+    return env

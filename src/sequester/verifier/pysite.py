@@ -16,6 +16,11 @@ moment); it passes it as ``SEQUESTER_PYTHONPATH`` instead, and the tree's
   pytest or its plugins;
 * appends the task's ``PYTHONPATH`` entries to ``sys.path`` and puts ``PYTHONPATH`` back
   in the environment, so the programs the tests start get it as the task wrote it;
+* appends the image's site folders when the runner's ``python3``, ``pip`` or ``pytest``
+  started it (``SEQUESTER_IMAGE_SITE``, see :mod:`.image_python`): the image's numpy is
+  found, after everything of the runner's, with the folders their ``.pth`` files name
+  (a ``.pth`` line that imports, code to run at start-up, is never run: it is told to
+  the host and named in the trial's notes);
 * in pytest, lets only the distributions of the tree and the running environment count
   for plugin autoloading (a ``*.dist-info`` with a ``pytest11`` entry point in ``/app``
   would otherwise load the agent's plugin into the verifier's pytest).
@@ -34,9 +39,20 @@ from pathlib import Path
 
 from sequester.verifier.layout import RUNNER_MOUNT
 
-__all__ = ["SITECUSTOMIZE", "write_sitecustomize", "probed_names", "runner_sources", "PYTHONPATH_VAR", "RUNNER_FD_VAR"]
+__all__ = [
+    "SITECUSTOMIZE",
+    "write_sitecustomize",
+    "probed_names",
+    "runner_sources",
+    "PYTHONPATH_VAR",
+    "RUNNER_FD_VAR",
+    "SITE_VAR",
+]
 
 PYTHONPATH_VAR = "SEQUESTER_PYTHONPATH"
+# The image's site folders (sequester.verifier.image_python), set by the runner's python3,
+# pip and pytest shims only: appended last, and not passed on to the programs it starts.
+SITE_VAR = "SEQUESTER_IMAGE_SITE"
 RUNNER_FD_VAR = "SEQUESTER_RUNNER_FD"  # the pipe on which the runner says how far it got
 
 SITECUSTOMIZE = f'''"""sequester verifier runner: import from the runner's own files first (see
@@ -103,6 +119,11 @@ class _TrustedFirst:
     # standard library and wheels when the tree was built (see probed_names).
     probed = frozenset(__PROBED__)
     protected = (frozenset(sys.stdlib_module_names) - {{"test"}}) | tools | probed
+    # The image's site folders, when the runner's python3 stands for the image's (see
+    # SITE_VAR): a probed name the runner lacks (numpy, which pytest tries) comes from
+    # there as the image's python3 would import it, never from the working folder or
+    # PYTHONPATH; the standard library's and the tools' names never do.
+    image_site = ()
     seen = set()
 
     @classmethod
@@ -117,10 +138,19 @@ class _TrustedFirst:
         spec = _PathFinder.find_spec(name, [p for p in sys.path if cls._ours(p)], target)
         if spec is not None:
             return spec
+        if name in cls.probed and name not in cls.tools and name not in sys.stdlib_module_names and cls.image_site:
+            spec = _PathFinder.find_spec(name, list(cls.image_site), target)
+            if spec is not None:
+                if name not in cls.seen:
+                    cls.seen.add(name)
+                    _say("agent-import:" + str(spec.origin or name))
+                return spec
         if name in cls.protected:
             if name not in cls.seen and name in cls.tools:  # (the standard library's are often probed)
                 cls.seen.add(name)
                 _say("runner-lacks:" + name)
+            if _PathFinder.find_spec(name, sys.path, target) is None:
+                return None  # nowhere: not found, as for any Python (importlib.util.find_spec gives None)
             raise ModuleNotFoundError(
                 f"No module named {{name!r}} (the verifier's Python has none, and one of that name in "
                 "the working folder, the view or PYTHONPATH is never imported in its place)",
@@ -137,11 +167,70 @@ class _TrustedFirst:
         pass
 
 
-sys.meta_path.insert(0, _TrustedFirst)
+class _SubmodulesOnly:
+    """In place of the path finder on sys.meta_path: a top-level name is _TrustedFirst's
+    to answer, finally (its None is not looked up again on sys.path, where an agent's
+    module may have appeared since); submodules are found in their package's path."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if path is None else _PathFinder.find_spec(name, path, target)
+
+    @classmethod
+    def invalidate_caches(cls):
+        _PathFinder.invalidate_caches()
+
+    @classmethod
+    def find_distributions(cls, *args, **kwargs):  # importlib.metadata asks the meta path's finders
+        return _PathFinder.find_distributions(*args, **kwargs)
+
+
+sys.meta_path[:] = [_TrustedFirst, *(_SubmodulesOnly if f is _PathFinder else f for f in sys.meta_path)]
 _extra = os.environ.pop({PYTHONPATH_VAR!r}, None)
 if _extra is not None:
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
     os.environ["PYTHONPATH"] = _extra
+
+
+def _image_site(folders):
+    """The image's site folders and the folders their .pth files name, as the image's
+    Python's site would add them; a .pth line that imports (code to run at start-up, the
+    agent's to write) is not run, and told to the host. Bounded: 200 files, 64 kB each."""
+    found, files = [], 0
+    for folder in folders:
+        if not os.path.isdir(folder) or folder in found:
+            continue
+        found.append(folder)
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".pth") and not n.startswith("."))
+        except OSError:
+            continue
+        for name in names:
+            files += 1
+            if files > 200:
+                return found
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    text = f.read(65536).decode("utf-8", "replace")
+            except OSError:
+                continue
+            for line in text.splitlines():
+                line = line.rstrip()
+                if not line or line.startswith("#"):
+                    continue
+                if line.startswith(("import ", "import\t")):
+                    _say("pth-skipped:" + os.path.join(folder, name))
+                    continue
+                entry = os.path.join(folder, line)
+                if os.path.isdir(entry) and entry not in found:
+                    found.append(entry)
+    return found
+
+
+_extra = os.environ.pop({SITE_VAR!r}, None)
+if _extra:
+    _TrustedFirst.image_site = tuple(_image_site(p for p in _extra.split(os.pathsep) if p.startswith("/")))
+    sys.path.extend(p for p in _TrustedFirst.image_site if p not in sys.path)
 del _extra
 
 

@@ -30,9 +30,9 @@ _SKIPPED = {
     "command",
     "nohup",
     "builtin",
-    "sudo",
     "xargs",
 }
+_SUDO_VALUE = {"-u", "-g", "-C", "-D", "-h", "-p", "-r", "-t", "-U", "-T", "--user", "--group"}
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -80,6 +80,11 @@ def program_words(words: list[str]) -> tuple[dict[str, str], list[str]]:
             words = words[1:]
         elif head in _SKIPPED:
             words = words[1:]
+        elif head == "sudo":  # and its options (sudo -E, sudo -u root)
+            i = 1
+            while i < len(words) and words[i].startswith("-") and words[i] != "--":
+                i += 2 if words[i] in _SUDO_VALUE else 1
+            words = words[i + (i < len(words) and words[i] == "--") :]
         elif head in ("env", "timeout"):  # their options and assignments, and timeout's duration
             i = 1
             while i < len(words) and (words[i].startswith("-") or _ASSIGNMENT.match(words[i])):

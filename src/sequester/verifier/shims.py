@@ -8,8 +8,9 @@ home they expect. ``curl`` reads no ``.curlrc`` of the agent's. ``apt-get``/``ap
 never run the agent's apt: ``update`` does nothing; ``install`` of what the runner
 provides succeeds; of what the host prepared from the script's install lines on the
 task's pristine image (:mod:`sequester.imagebuild.apt_install`) unpacks it into the system
-the tests run on, once, then runs the system's ``ldconfig``; anything else fails (exit
-100) and is told to the host as a set-up failure.
+the tests run on, once (it runs nothing of the system's: not even its ``ldconfig``, which
+the agent may have replaced); anything else fails (exit 100) and is told to the host as a
+set-up failure.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sequester.verifier import layout
+from sequester.verifier.image_python import IMAGE_PYTHON_VAR, IMAGE_SITE_VAR
+from sequester.verifier.pysite import SITE_VAR
 from sequester.verifier.pythons import HostPython
 
 __all__ = ["write_shims", "BASH_ENV_TEXT", "FINGERPRINT"]
@@ -70,9 +73,6 @@ case "$cmd" in
         echo "E: the verifier could not unpack ${{pkgs[*]}}" >&2; exit 100
       fi
       : > {layout.RUN}/apt-unpacked
-      if [ -e {layout.TASK_INSTALLS}/ldconfig ]; then
-        for l in /usr/sbin/ldconfig /sbin/ldconfig; do [ -x "$l" ] && {{ "$l" >/dev/null 2>&1; break; }}; done
-      fi
     fi
     echo "sequester: ${{pkgs[*]}} installed (by the verifier, with the task's image's own apt)"; exit 0 ;;
   *) __sequester_say "setup-failed:apt-get-$cmd"
@@ -138,7 +138,13 @@ exit $rc
 """
 
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
-FINGERPRINT = _APT + BASH_ENV_TEXT + _PIP + _ENSURE + _pip_env("")
+FINGERPRINT = (
+    _APT + BASH_ENV_TEXT + _PIP + _ENSURE + _pip_env("") + "python3: the image's version when the runner has it"
+)
+
+
+def _real(py: HostPython) -> str:
+    return str(layout.PYTHONS / py.dir_name / "bin" / f"python{py.short}")
 
 
 def _script(path: Path, body: str) -> None:
@@ -166,28 +172,40 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
     _script(bin_dir / "uvx", said + _AGENT_HOME + f'exec {uvx} "$@"\n')
-    for i, py in enumerate(pythons):
-        real = layout.PYTHONS / py.dir_name / "bin" / f"python{py.short}"
-        names = [f"python{py.short}"] + (["python3", "python"] if i == 0 else [])
-        for name in names:
-            # By absolute path: Python finds its standard library next to the binary it
-            # was started as, never at the build's compiled-in prefix (a path of the view).
-            # The default one is the pip environment's once the script installed into it.
-            body = f'exec {real} -s "$@"\n'
-            if i == 0:
-                body = (
-                    f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
-                    f'if [ -x "{layout.RUN_PIP}/bin/python" ]; then exec "{layout.RUN_PIP}/bin/python" -s "$@"; fi\n'
-                    + body
-                )
-            _script(bin_dir / name, _SAY + _pip_env(real) + _AGENT_HOME + body)
-        if i == 0:
-            pip = _SAY + _pip_env(real) + _PIP
-            for name in ("pip", "pip3"):
-                _script(bin_dir / name, pip)
-            pytest = _SAY + _pip_env(real) + _ENSURE + "\n" + _AGENT_HOME + f'exec "{layout.RUN_PIP}/bin/pytest" "$@"\n'
-            for name in ("pytest", "py.test"):
-                _script(bin_dir / name, pytest)
+    # python3, python, pip and pytest: the image's python3 version when the runner has it
+    # (IMAGE_PYTHON_VAR, see sequester.verifier.image_python), else the first Python; their
+    # Pythons find the image's packages after their own (pysite's SITE_VAR).
+    select = "real=" + _real(pythons[0]) + "\n"
+    if len(pythons) > 1:
+        cases = "".join(f"  {py.short}) real={_real(py)} ;;\n" for py in pythons)
+        select += f'case "${{{IMAGE_PYTHON_VAR}:-}}" in\n{cases}esac\n'
+    select += f'{SITE_VAR}="${{{IMAGE_SITE_VAR}:-}}"; export {SITE_VAR}\n'
+    for py in pythons:
+        name = f"python{py.short}"
+        # By absolute path: Python finds its standard library next to the binary it was
+        # started as, never at the build's compiled-in prefix (a path of the view).
+        _script(bin_dir / name, _SAY + _AGENT_HOME + f'exec {_real(py)} -s "$@"\n')
+    default = (
+        f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
+        f'if [ -x "{layout.RUN_PIP}/bin/python" ]; then exec "{layout.RUN_PIP}/bin/python" -s "$@"; fi\n'
+        'exec "$real" -s "$@"\n'
+    )
+    for name in ("python3", "python"):
+        _script(bin_dir / name, select + _SAY + _pip_env('"$real"') + _AGENT_HOME + default)
+    pip = select + _SAY + _pip_env('"$real"') + _PIP
+    for name in ("pip", "pip3"):
+        _script(bin_dir / name, pip)
+    pytest = (
+        select
+        + _SAY
+        + _pip_env('"$real"')
+        + _ENSURE
+        + "\n"
+        + _AGENT_HOME
+        + f'exec "{layout.RUN_PIP}/bin/pytest" "$@"\n'
+    )
+    for name in ("pytest", "py.test"):
+        _script(bin_dir / name, pytest)
     (root / "etc" / "bash-env").write_text(BASH_ENV_TEXT)
     (bin_dir / "apt-get").write_text(_APT)
     os.chmod(bin_dir / "apt-get", 0o755)

@@ -65,6 +65,7 @@ from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
 from sequester.tasks import Task, load_task
+from sequester.verifier.image_python import ImagePython
 
 __all__ = ["Episode", "EpisodeError", "ExecResult", "local_capabilities"]
 
@@ -123,6 +124,9 @@ class Episode:
         self._run: RunningEpisode | None = None
         self._aborted = threading.Event()
         self._verifier_only = False  # a separate verifier's environment: never the agent's hosts
+        # A separate or pristine verifier's environment: the tests' installs as the agent's
+        # episode had them (decided once per trial: never a second, different answer).
+        self._installs_of: RunningEpisode | None = None
         self._network_record: dict[str, object] | None = None
 
     # -- properties --------------------------------------------------------------------
@@ -220,7 +224,13 @@ class Episode:
         early = Preparing(self._nsexec, policy) if wanted and stack_host_id() is not None else None
         try:
             self._run = start_system(
-                task, choice, self.settings, self.extra_hidden, workdir, resolv_conf() if wanted else None
+                task,
+                choice,
+                self.settings,
+                self.extra_hidden,
+                workdir,
+                resolv_conf() if wanted else None,
+                installs_of=self._installs_of,
             )
         except BaseException:
             if early is not None:
@@ -465,6 +475,7 @@ class Episode:
         """A new episode of these settings and this helper: a separate verifier's environment."""
         fresh = Episode(self.settings, hide=self.extra_hidden, nsexec=self._nsexec)
         fresh._verifier_only = True
+        fresh._installs_of = self._running()
         return fresh
 
     @property
@@ -476,6 +487,11 @@ class Episode:
     def wheels(self) -> Path | None:
         """The wheels the task's test script pins beyond the runner's, on the host."""
         return self._running().wheels
+
+    @property
+    def image_python(self) -> ImagePython | None:
+        """The image's python3, when the runner carries its version."""
+        return self._running().image_python
 
     @property
     def installs(self) -> Path | None:
@@ -570,6 +586,7 @@ class Episode:
                     runner=run.runner,
                     wheels=run.wheels,
                     installs=run.installs,
+                    image_python=run.image_python,
                     output_limit=self.settings.output_bytes,
                     max_processes=self.settings.max_processes,
                 )

@@ -24,6 +24,7 @@ from sequester.sandbox.cgroups.limits import make_limit_groups
 from sequester.sandbox.nsexec.client import HeadTail, NsExec, write_and_close
 from sequester.tasks import Task
 from sequester.verifier import invocation, layout
+from sequester.verifier.image_python import ImagePython
 
 __all__ = ["run_tests"]
 
@@ -44,6 +45,7 @@ def run_tests(
     max_processes: int = 4096,
     wheels: Path | None = None,
     installs: Path | None = None,
+    image_python: ImagePython | None = None,
 ) -> Evaluation:
     """Run the task's pristine tests in the verifier's own namespace (see the module).
 
@@ -71,6 +73,7 @@ def run_tests(
             started=started,
             wheels=wheels,
             installs=installs,
+            image_python=image_python,
         )
     finally:
         if group is not None:  # (its last process may still be on its way out: not waited for)
@@ -90,6 +93,7 @@ def _run_tests(
     started: float,
     wheels: Path | None,
     installs: Path | None,
+    image_python: ImagePython | None,
 ) -> Evaluation:
     st = os.stat(runner)
     tests = invocation.tests_archive(task)
@@ -98,7 +102,7 @@ def _run_tests(
     wheels_fd = os.open(wheels, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if wheels is not None else None
     # What its apt-get install lines install (sequester.imagebuild.apt_install): the tar, by
     # descriptor, copied likewise; the runner's apt-get unpacks it when the script asks.
-    packages, ldconfig = installed_packages(installs) if installs is not None else ([], False)
+    packages = installed_packages(installs) if installs is not None else []
     installs_fd = os.open(installs, os.O_RDONLY | os.O_CLOEXEC) if installs is not None else None
     extra = [fd for fd in (wheels_fd, installs_fd) if fd is not None]
     tests_r, tests_w = os.pipe()
@@ -112,7 +116,7 @@ def _run_tests(
                 "op": "verify",
                 "target": init_pid,
                 "argv": invocation.verifier_argv(task),
-                "env": invocation.verifier_env(task, task_wheels=wheels_fd is not None),
+                "env": invocation.verifier_env(task, task_wheels=wheels_fd is not None, image_python=image_python),
                 "cwd": workdir,
                 "caps": list(CONTAINER_CAPS),
                 "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
@@ -128,7 +132,6 @@ def _run_tests(
                     "wheels": str(layout.TASK_WHEELS) if wheels_fd is not None else None,
                     "installs": str(layout.TASK_INSTALLS) if installs is not None else None,
                     "packages": packages,
-                    "ldconfig": ldconfig,
                 },
                 "runner_fd": invocation.RUNNER_FD,
                 "cgroup": cgroups,

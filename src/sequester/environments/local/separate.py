@@ -84,6 +84,7 @@ def evaluate_separately(
             runner=fresh.runner,
             wheels=fresh.wheels,
             installs=fresh.installs,
+            image_python=fresh.image_python,
             output_limit=episode.settings.output_bytes,
             max_processes=episode.settings.max_processes,
         )

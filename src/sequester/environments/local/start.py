@@ -38,6 +38,7 @@ from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from sequester.sandbox.quota import ProjectQuota
 from sequester.tasks import Task
+from sequester.verifier.image_python import ImagePython
 from sequester.verifier.tree import runner_tree
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class RunningEpisode:
     runner: Path | None = None  # the verifier's runner tree on the host
     wheels: Path | None = None  # the wheels the task's test script pins beyond the runner's (on the host)
     installs: Path | None = None  # the tar of what its apt-get install lines install (on the host)
+    image_python: ImagePython | None = None  # the image's python3, when the runner has its version
     view_points: frozenset = frozenset()  # where the view's own mounts are (not the agent's changes)
     image: ImageRecord | None = None  # the image the view is made of; None: host mode
     lease: ImageLease | None = None  # held while the episode runs (the store keeps its layers)

@@ -19,13 +19,15 @@ from sequester.errors import BuildError, EpisodeError, ImageError
 from sequester.imagebuild.apt_install import ensure_apt_install
 from sequester.imagebuild.builder import BuildOptions
 from sequester.images.choose import Choice
-from sequester.images.store import ImageStore
+from sequester.images.stack import image_path_kind
+from sequester.images.store import ImageLease, ImageStore
 from sequester.net.build.network import parse_build_network
 from sequester.sandbox.cgroups.limits import remove_stale_groups
 from sequester.sandbox.gpus import GpuPlan, GpuUnavailable, find_gpus
 from sequester.sandbox.idmap import configured_id_map
 from sequester.tasks import Task
 from sequester.verifier.apt_pins import TASK_INSTALLS_DIR, apt_requests_of_tests
+from sequester.verifier.image_python import ImagePython, image_python
 from sequester.verifier.tree import runner_tree
 from sequester.verifier.wheels import ensure_task_wheels
 
@@ -51,6 +53,19 @@ def _gpus(task: Task) -> GpuPlan | None:
 _stale_cleaned: set[Path] = set()
 _FAILURE_TTL = 120.0
 _install_failed: dict[tuple[str, str], tuple[float, str]] = {}
+
+
+def _image_python(lease: ImageLease | None, settings: EpisodeSettings) -> ImagePython | None:
+    """The image's ``python3`` when the runner carries its version (see
+    :mod:`sequester.verifier.image_python`), else None (host mode too)."""
+    runner = runner_tree(settings.toolchain_dir)
+    if lease is None or runner is None:
+        return None
+    try:
+        versions = {d.name.split("-")[1].rpartition(".")[0] for d in (runner / "python").iterdir()}
+    except (OSError, IndexError):
+        return None
+    return image_python(lambda path: image_path_kind(lease.layers, path), versions)
 
 
 def _test_installs(
@@ -103,6 +118,8 @@ def start_system(
     extra_hidden: tuple[Path, ...],
     workdir: str | None,
     resolv_conf: str | None = None,
+    *,
+    installs_of: RunningEpisode | None = None,
 ) -> RunningEpisode:
     """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
     ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute);
@@ -114,7 +131,11 @@ def start_system(
     # anything starts: a pin that cannot be had costs no agent run.
     wheels = ensure_task_wheels(task, settings.toolchain_dir)
     store = episode_image_store(settings)
-    installs, install_notes = _test_installs(task, choice, settings, store)
+    install_notes: list[str] = []
+    if installs_of is not None:  # a verifier's environment for that episode: its decision, not a new one
+        installs = installs_of.installs
+    else:
+        installs, install_notes = _test_installs(task, choice, settings, store)
     lease = store.lease(choice.record) if choice.record is not None else None
     try:
         if lease is not None:
@@ -148,6 +169,12 @@ def start_system(
         raise
     run.wheels = wheels
     run.installs = installs
+    run.image_python = _image_python(lease, settings)
+    if run.image_python is not None:
+        run.notes.append(
+            f"the tests' python3 is the verifier's Python {run.image_python.version} (the image's is "
+            f"{run.image_python.where}), finding the image's packages after its own"
+        )
     run.notes += install_notes
     run.gpus = gpus
     run.storage_quota = quota

@@ -215,7 +215,7 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
     if runner.get("wheels"):
         _copy_wheels(next(staged), runner["wheels"])
     if runner.get("installs"):
-        _copy_installs(next(staged), runner["installs"], runner.get("packages") or [], bool(runner.get("ldconfig")))
+        _copy_installs(next(staged), runner["installs"], runner.get("packages") or [])
     for fd in fds[4:]:  # received without close-on-exec: nothing of the host's reaches the script
         os.close(fd)
     os.mkdir("/logs/verifier", 0o777)
@@ -274,11 +274,10 @@ def _copy_wheels(source: int, target: str) -> None:
     remount_readonly(target)
 
 
-def _copy_installs(source: int, target: str, packages: list[str], ldconfig: bool) -> None:
+def _copy_installs(source: int, target: str, packages: list[str]) -> None:
     """What the task's apt-get install lines install (sequester.imagebuild.apt_install): the
     host's tar ``source`` (a descriptor) copied into a tmpfs of its own at ``target`` as
-    ``install.tar``, with ``packages`` (one a line) and, when it holds shared libraries, a
-    file ``ldconfig``, then made read-only; before anything
+    ``install.tar``, with ``packages`` (one a line), then made read-only; before anything
     of the verifier runs. The runner's apt-get unpacks it, as the tests' own process."""
     size = os.fstat(source).st_size
     os.mkdir(target, 0o755)
@@ -304,8 +303,6 @@ def _copy_installs(source: int, target: str, packages: list[str], ldconfig: bool
         os.close(dst)
     with open(os.path.join(target, "packages"), "x") as f:
         f.write("".join(f"{p}\n" for p in packages if p and "\n" not in p))
-    if ldconfig:
-        open(os.path.join(target, "ldconfig"), "x").close()
     remount_readonly(target)
 
 
