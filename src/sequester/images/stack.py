@@ -152,6 +152,34 @@ def image_path_kind(layers: Sequence[Path], path: str) -> str:
     return "none"
 
 
+def image_link(layers: Sequence[Path], path: str) -> str | None:
+    """The target of ``path`` in the merged image when it is a symbolic link, else None
+    (absent, whited out, not a link, or a link on the way: nothing is followed)."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    if not parts:
+        return None
+    for layer in reversed(layers):
+        here, below_opaque = layer, False
+        for i, part in enumerate(parts):
+            try:
+                st = os.lstat(here / part)
+            except FileNotFoundError:
+                if below_opaque:
+                    return None  # (what is below an opaque folder comes from its layer only)
+                break
+            except OSError:
+                return None
+            if _is_whiteout(st):
+                return None
+            if i == len(parts) - 1:
+                return os.readlink(here / part) if stat.S_ISLNK(st.st_mode) else None
+            if not stat.S_ISDIR(st.st_mode):
+                return None
+            here = here / part
+            below_opaque = below_opaque or _opaque(here)
+    return None
+
+
 def _kind_in_layer(here: Path, parts: Sequence[str]) -> str:
     for part in parts:
         try:

@@ -21,9 +21,14 @@ moment); it passes it as ``SEQUESTER_PYTHONPATH`` instead, and the tree's
   found, after everything of the runner's, with the folders their ``.pth`` files name
   (a ``.pth`` line that imports, code to run at start-up, is never run: it is told to
   the host and named in the trial's notes);
-* in pytest, lets only the distributions of the tree and the running environment count
-  for plugin autoloading (a ``*.dist-info`` with a ``pytest11`` entry point in ``/app``
-  would otherwise load the agent's plugin into the verifier's pytest).
+* lets only the distributions of the tree and the running environment offer ``pytest11``
+  entry points, in every runner Python however pytest is started (a ``*.dist-info`` with
+  one in ``/app`` or the image's site folders would load the agent's plugin); their other
+  entry points stay;
+* answers every lookup over all of ``sys.path`` itself (``PathFinder.find_spec(name)``,
+  as pytest's assertion-rewriting finder makes): trusted folders first there too;
+* lets a name the runner's own code tries (numpy for pytest's ``approx``) come from the
+  image's site folders only when the code asking is not the runner's.
 
 No user site: the runner's virtual environments disable it, and the ``python3`` in the
 tree's ``bin/`` runs with ``-s`` (its ``.pth`` files, the agent's to write, would run
@@ -102,8 +107,9 @@ if _said is not None:
 def _say(word):
     if _said is not None:
         try:
-            os.write(_said, ("".join("?" if c.isspace() else c for c in word)[:300] + "\\n").encode())
-        except OSError:
+            line = "".join("?" if c.isspace() else c for c in word)[:300] + "\\n"
+            os.write(_said, line.encode("utf-8", "backslashreplace"))
+        except Exception:  # (a name the agent chose, not UTF-8: never an end of this start-up)
             pass
 
 
@@ -127,6 +133,22 @@ class _TrustedFirst:
     seen = set()
 
     @classmethod
+    def _runner_asks(cls):
+        # Attack (red team): pytest's approx tries `import numpy` on every comparison; an
+        # agent's numpy in the image's site folder then ran inside the runner's pytest. A
+        # name the runner's own code tries comes from the image only when the code asking
+        # is not the runner's (the tests' own files, under /tests, are not the runner's).
+        frame = sys._getframe(2)
+        while frame is not None and (
+            frame.f_code.co_filename.startswith("<frozen importlib")
+            or "/importlib/" in frame.f_code.co_filename
+            or frame.f_code.co_name == "importorskip"  # (pytest.importorskip: the test's own import)
+        ):
+            frame = frame.f_back
+        where = frame.f_code.co_filename if frame is not None else ""
+        return cls._ours(where) and not (where == "/tests" or where.startswith("/tests/"))
+
+    @classmethod
     def _ours(cls, entry):
         path = os.path.abspath(entry) if isinstance(entry, str) and entry else ""
         return bool(path) and any(path == t or path.startswith(t.rstrip("/") + "/") for t in cls.trusted)
@@ -135,11 +157,17 @@ class _TrustedFirst:
     def find_spec(cls, name, path=None, target=None):
         if path is not None or name in sys.builtin_module_names or _imp.is_frozen(name):
             return None  # a submodule (its package's own __path__ decides), or the interpreter's own
-        spec = _PathFinder.find_spec(name, [p for p in sys.path if cls._ours(p)], target)
+        spec = _path_finder_find_spec(name, [p for p in sys.path if cls._ours(p)], target)
         if spec is not None:
             return spec
-        if name in cls.probed and name not in cls.tools and name not in sys.stdlib_module_names and cls.image_site:
-            spec = _PathFinder.find_spec(name, list(cls.image_site), target)
+        if (
+            name in cls.probed
+            and name not in cls.tools
+            and name not in sys.stdlib_module_names
+            and cls.image_site
+            and not cls._runner_asks()
+        ):
+            spec = _path_finder_find_spec(name, list(cls.image_site), target)
             if spec is not None:
                 if name not in cls.seen:
                     cls.seen.add(name)
@@ -149,14 +177,14 @@ class _TrustedFirst:
             if name not in cls.seen and name in cls.tools:  # (the standard library's are often probed)
                 cls.seen.add(name)
                 _say("runner-lacks:" + name)
-            if _PathFinder.find_spec(name, sys.path, target) is None:
+            if _path_finder_find_spec(name, list(sys.path), target) is None:
                 return None  # nowhere: not found, as for any Python (importlib.util.find_spec gives None)
             raise ModuleNotFoundError(
                 f"No module named {{name!r}} (the verifier's Python has none, and one of that name in "
                 "the working folder, the view or PYTHONPATH is never imported in its place)",
                 name=name,
             )
-        spec = _PathFinder.find_spec(name, sys.path, target)  # the tests' own: the agent's folders
+        spec = _path_finder_find_spec(name, list(sys.path), target)  # the tests' own: the agent's folders
         if spec is not None and name not in cls.seen:
             cls.seen.add(name)
             _say("agent-import:" + str(spec.origin or (list(spec.submodule_search_locations or []) or [name])[0]))
@@ -167,6 +195,42 @@ class _TrustedFirst:
         pass
 
 
+def _hide_untrusted_plugins(metadata):
+    # pytest (through pluggy) loads every installed distribution's "pytest11" entry point as
+    # a plugin, however it was started (python -m pytest, pytest.main() in a script): only
+    # the tree's and the running environment's distributions offer any (an *.dist-info in
+    # /app, on PYTHONPATH or in the image's site folders would plant one). Their other entry
+    # points stay as they are (a library finding its backends).
+    original = metadata.Distribution.entry_points
+
+    def entry_points(self):
+        points = original.fget(self)
+        where = getattr(self, "_path", None)
+        if where is not None and _TrustedFirst._ours(str(where)):
+            return points
+        return metadata.EntryPoints(p for p in points if p.group != "pytest11")
+
+    metadata.Distribution.entry_points = property(entry_points)
+
+
+class _Patched:
+    """The loader of importlib.metadata, which applies _hide_untrusted_plugins once the
+    module is made (it is imported only when something asks for it: no cost otherwise)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _hide_untrusted_plugins(module)
+
+
 class _SubmodulesOnly:
     """In place of the path finder on sys.meta_path: a top-level name is _TrustedFirst's
     to answer, finally (its None is not looked up again on sys.path, where an agent's
@@ -174,7 +238,12 @@ class _SubmodulesOnly:
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        return None if path is None else _PathFinder.find_spec(name, path, target)
+        if path is None:
+            return None
+        spec = _path_finder_find_spec(name, path, target)
+        if name == "importlib.metadata" and spec is not None and spec.loader is not None:
+            spec.loader = _Patched(spec.loader)
+        return spec
 
     @classmethod
     def invalidate_caches(cls):
@@ -186,6 +255,22 @@ class _SubmodulesOnly:
 
 
 sys.meta_path[:] = [_TrustedFirst, *(_SubmodulesOnly if f is _PathFinder else f for f in sys.meta_path)]
+# Attack (red team): pytest's assertion-rewriting finder, first on sys.meta_path, looks a
+# module up with PathFinder.find_spec(name, None): all of sys.path, the working folder
+# first (an agent's /app/ctrf in place of the runner's ctrf plugin). A lookup over all of
+# sys.path is _TrustedFirst's; one over a package's own path is the path finder's.
+_path_finder_find_spec = _PathFinder.find_spec
+
+
+def _trusted_find_spec(cls, name, path=None, target=None):
+    if path is None:
+        return _TrustedFirst.find_spec(name, None, target)
+    return _path_finder_find_spec(name, path, target)
+
+
+# (A classmethod, as the path finder's own: a copy kept on another class, as pytest keeps
+# one, stays bound to the path finder.)
+_PathFinder.find_spec = classmethod(_trusted_find_spec)
 _extra = os.environ.pop({PYTHONPATH_VAR!r}, None)
 if _extra is not None:
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
@@ -195,11 +280,14 @@ if _extra is not None:
 def _image_site(folders):
     """The image's site folders and the folders their .pth files name, as the image's
     Python's site would add them; a .pth line that imports (code to run at start-up, the
-    agent's to write) is not run, and told to the host. Bounded: 200 files, 64 kB each."""
-    found, files = [], 0
+    agent's to write) is not run, and told to the host. Bounded: 200 files of 64 kB, 1000
+    folders."""
+    found, seen, files = [], set(), 0
     for folder in folders:
-        if not os.path.isdir(folder) or folder in found:
+        folder = os.path.abspath(folder)
+        if folder in seen or not os.path.isdir(folder):
             continue
+        seen.add(folder)
         found.append(folder)
         try:
             names = sorted(n for n in os.listdir(folder) if n.endswith(".pth") and not n.startswith("."))
@@ -211,7 +299,7 @@ def _image_site(folders):
                 return found
             try:
                 with open(os.path.join(folder, name), "rb") as f:
-                    text = f.read(65536).decode("utf-8", "replace")
+                    text = f.read(65536).decode("utf-8-sig", "replace")
             except OSError:
                 continue
             for line in text.splitlines():
@@ -221,15 +309,22 @@ def _image_site(folders):
                 if line.startswith(("import ", "import\t")):
                     _say("pth-skipped:" + os.path.join(folder, name))
                     continue
-                entry = os.path.join(folder, line)
-                if os.path.isdir(entry) and entry not in found:
+                entry = os.path.abspath(os.path.join(folder, line))
+                if entry not in seen and os.path.exists(entry):  # (a folder, or a zip or egg file)
+                    seen.add(entry)
                     found.append(entry)
+                    if len(found) >= 1000:
+                        return found
     return found
 
 
 _extra = os.environ.pop({SITE_VAR!r}, None)
 if _extra:
-    _TrustedFirst.image_site = tuple(_image_site(p for p in _extra.split(os.pathsep) if p.startswith("/")))
+    try:
+        _TrustedFirst.image_site = tuple(_image_site(p for p in _extra.split(os.pathsep) if p.startswith("/")))
+    except BaseException:  # noqa: BLE001 - what the agent wrote never ends this start-up
+        _TrustedFirst.image_site = ()
+        _say("image-site-unread")
     sys.path.extend(p for p in _TrustedFirst.image_site if p not in sys.path)
 del _extra
 
@@ -237,7 +332,7 @@ del _extra
 def _runs_pytest(argv):
     # The interpreter's own options first (the runner's shims add -s; -W, -X take a value),
     # then `-m pytest` or a pytest script: a red team's `python3 -m pytest` went past a check
-    # of argv[1:3] alone, and with it the plugin filter below.
+    # of argv[1:3] alone.
     i = 1
     while i < len(argv):
         arg = argv[i]
@@ -252,19 +347,6 @@ def _runs_pytest(argv):
 _argv = getattr(sys, "orig_argv", [])
 _is_pytest = _runs_pytest(_argv)
 del _runs_pytest
-if _is_pytest:
-    # pytest loads every installed distribution's "pytest11" entry point as a plugin: only
-    # those of the tree and the running environment count (an *.dist-info folder in /app,
-    # on a task's PYTHONPATH or the working folder, would plant one).
-    import importlib.metadata as _metadata
-
-    def _trusted_distributions(_all=_metadata.distributions, **kwargs):
-        for dist in _all(**kwargs):
-            where = getattr(dist, "_path", None)
-            if where is None or _TrustedFirst._ours(str(where)):
-                yield dist
-
-    _metadata.distributions = _trusted_distributions
 if _is_pytest:  # the tests' pytest started: its bootstrap worked
     _say("pytest")
 del _argv, _is_pytest

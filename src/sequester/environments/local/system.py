@@ -19,7 +19,7 @@ from sequester.errors import BuildError, EpisodeError, ImageError
 from sequester.imagebuild.apt_install import ensure_apt_install
 from sequester.imagebuild.builder import BuildOptions
 from sequester.images.choose import Choice
-from sequester.images.stack import image_path_kind
+from sequester.images.stack import image_link, image_path_kind
 from sequester.images.store import ImageLease, ImageStore
 from sequester.net.build.network import parse_build_network
 from sequester.sandbox.cgroups.limits import remove_stale_groups
@@ -65,7 +65,9 @@ def _image_python(lease: ImageLease | None, settings: EpisodeSettings) -> ImageP
         versions = {d.name.split("-")[1].rpartition(".")[0] for d in (runner / "python").iterdir()}
     except (OSError, IndexError):
         return None
-    return image_python(lambda path: image_path_kind(lease.layers, path), versions)
+    return image_python(
+        lambda path: image_path_kind(lease.layers, path), lambda path: image_link(lease.layers, path), versions
+    )
 
 
 def _test_installs(
