@@ -146,7 +146,10 @@ def _reward(result: dict) -> float | None:
 def test_tests_that_apt_get_install_pass_for_the_oracle_and_fail_for_nop(apt_job):
     run, tmp = apt_job
     assert _reward(run("oracle")) == 1.0
-    assert _reward(run("nop")) == 0.0
+    nop = run("nop")
+    assert _reward(nop) == 0.0
+    # what the tests' install unpacked is the tests' writing: not in the agent's tampering report
+    assert not any("/usr/bin/bc" in line or "/usr/bin/dc" in line for line in nop.get("tampering") or []), nop
     records = [json.loads(p.read_text()) for p in (tmp / "toolchain" / "task-installs").glob("*.json")]
     assert [r["packages"] for r in records] == [["bc", "dc"]]  # test.sh's and the written script's
 

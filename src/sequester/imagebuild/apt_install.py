@@ -22,6 +22,7 @@ tests installed.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -46,6 +47,7 @@ __all__ = [
     "pack_layer",
     "ensure_apt_install",
     "installed_packages",
+    "unpacked_paths",
 ]
 
 log = logging.getLogger("sequester.imagebuild")
@@ -208,3 +210,13 @@ def ensure_apt_install(
 def installed_packages(tar: Path) -> list[str]:
     """The packages the install ``tar`` (of :func:`ensure_apt_install`) holds."""
     return list(json.loads(tar.with_suffix(".json").read_text())["packages"])
+
+
+@functools.lru_cache(maxsize=64)
+def unpacked_paths(tar: Path) -> frozenset[str]:
+    """The paths (relative to the root) the install ``tar`` unpacks, its folders too."""
+    try:
+        with tarfile.open(tar) as archive:
+            return frozenset(m.name.strip("/") for m in archive.getmembers())
+    except (OSError, tarfile.TarError):
+        return frozenset()

@@ -50,6 +50,7 @@ from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.environments.verdict import frozen_evaluation_note, judge, runner_works, zero_result
 from sequester.errors import EpisodeError, SandboxError
 from sequester.guard import seccomp
+from sequester.imagebuild.apt_install import unpacked_paths
 from sequester.imagebuild.task_build import ensure_built
 from sequester.images import ImageRecord
 from sequester.images.choose import Choice, choose_image
@@ -514,7 +515,10 @@ class Episode:
         never raises for anything the agent left."""
         run = self._running()
         image = run.image is not None
-        lines = report_episode(run.dirs, known=run.view_points, ids=run.id_map, image=image)
+        # What the tests' installs unpack (sequester.imagebuild.apt_install) is the tests'
+        # writing, not the agent's: not reported.
+        known = run.view_points | (unpacked_paths(run.installs) if run.installs is not None else frozenset())
+        lines = report_episode(run.dirs, known=known, ids=run.id_map, image=image)
         return lines + (self._top_level_entries(run) if image else self._top_level_changes(run))
 
     def _top_level_entries(self, run: RunningEpisode) -> list[str]:
