@@ -59,6 +59,23 @@ def _libc():
     return libc
 
 
+def _add_rule(libc, ruleset: int, rule_type: int, rule, what: str) -> None:  # noqa: ANN001 - ctypes objects
+    """``landlock_add_rule(ruleset, rule_type, &rule, 0)``; OSError naming ``what`` on failure."""
+    import ctypes
+
+    if (
+        libc.syscall(
+            ctypes.c_long(_SYS_ADD_RULE),
+            ctypes.c_int(ruleset),
+            ctypes.c_int(rule_type),
+            ctypes.byref(rule),
+            ctypes.c_uint32(0),
+        )
+        != 0
+    ):
+        raise OSError(ctypes.get_errno(), f"landlock_add_rule({what}) failed")
+
+
 def _add_path_rule(libc, ruleset: int, fd: int, access: int, path: str) -> None:  # noqa: ANN001 - a ctypes CDLL
     """Grant ``access`` beneath the file or folder open at ``fd`` in ``ruleset``."""
     import ctypes
@@ -67,18 +84,7 @@ def _add_path_rule(libc, ruleset: int, fd: int, access: int, path: str) -> None:
         _pack_ = 1
         _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
-    rule = PathBeneath(access, fd)
-    if (
-        libc.syscall(
-            ctypes.c_long(_SYS_ADD_RULE),
-            ctypes.c_int(ruleset),
-            ctypes.c_int(_RULE_PATH_BENEATH),
-            ctypes.byref(rule),
-            ctypes.c_uint32(0),
-        )
-        != 0
-    ):
-        raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+    _add_rule(libc, ruleset, _RULE_PATH_BENEATH, PathBeneath(access, fd), path)
 
 
 def abi_version() -> int:
@@ -226,18 +232,7 @@ def restrict_self(
             add_path(path, fs & ~(MAKE_CHAR | MAKE_BLOCK))
         if net:
             for port in connect_ports or ():
-                rule = NetPort(_NET_CONNECT, port)
-                if (
-                    libc.syscall(
-                        ctypes.c_long(_SYS_ADD_RULE),
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(_RULE_NET_PORT),
-                        ctypes.byref(rule),
-                        ctypes.c_uint32(0),
-                    )
-                    != 0
-                ):
-                    raise OSError(ctypes.get_errno(), f"landlock_add_rule(port {port}) failed")
+                _add_rule(libc, ruleset, _RULE_NET_PORT, NetPort(_NET_CONNECT, port), f"port {port}")
         if libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
     finally:

@@ -86,14 +86,13 @@ def owned_paths(layer: Path) -> set[str]:
     info = layer / _INFO
     wanted: set[str] = set()
     try:
-        lists = sorted(p for p in info.iterdir() if p.name.endswith(".list") and p.is_file() and not p.is_symlink())
+        entries = sorted(p for p in info.iterdir() if not p.is_symlink())
     except OSError:
         return wanted
+    lists = [p for p in entries if p.name.endswith(".list") and p.is_file()]
+    packages = tuple(p.name[: -len(".list")] + "." for p in lists)
+    wanted.update(f"{_INFO}/{p.name}" for p in entries if p.name.startswith(packages))
     for listed in lists:
-        package = listed.name[: -len(".list")]
-        for extra in info.iterdir():
-            if extra.name.startswith(package + ".") and not extra.is_symlink():
-                wanted.add(f"{_INFO}/{extra.name}")
         for line in listed.read_text(errors="replace").splitlines():
             rel = line.strip().strip("/")
             if not rel or rel == ".":
