@@ -145,7 +145,8 @@ def verdict(ep, **kw):
     try:
         r = ep.evaluate(**kw)
         out.update(reward=r.reward, rewards=r.rewards, exit_code=r.exit_code, tampering=list(r.tampering),
-                   output=_tail(r.output), error=None, files=sorted(r.files))
+                   output=_tail(r.output), error=None, files=sorted(r.files),
+                   notes=list(r.notes))
     except VerifierError as exc:
         out.update(reward=None, error=f"{type(exc).__name__}: {exc}", output=_tail(exc.output),
                    tampering=list(exc.tampering), exit_code=exc.exit_code, files=sorted(exc.files))

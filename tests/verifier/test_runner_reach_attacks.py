@@ -63,6 +63,20 @@ if os.fork() == 0:
     os._exit(0)
 """
 
+REWRITE = "open('/logs/verifier/reward.txt', 'w').write('1')\n"
+AFTER_END = r"""
+import os
+if os.fork():
+    os._exit(0)
+os.setsid()
+fd = os.open("/logs/verifier/reward.txt", os.O_RDWR | os.O_CREAT, 0o666)
+os.write(1, b"up"); os.close(1)
+while os.pread(fd, 2, 0) != b"0\n":
+    pass
+os.pwrite(fd, b"1\n", 0); os.ftruncate(fd, 2)
+"""
+SCORER = "open('/logs/verifier/reward.txt', 'w').write('1')\n"
+
 
 def task(root, test_sh, files):
     t = pathlib.Path(tempfile.mkdtemp(dir=root))
@@ -102,6 +116,17 @@ fifo = task(WORK, "python3 /app/evil.py\necho 0 > /logs/verifier/reward.txt\n", 
 with Episode(settings()) as ep:
     ep.reset(fifo)
     out["fifo"] = verdict(ep)
+# A program the tests run after the script's own write rewrites the reward (in sequence);
+# a writer one leaves behind rewrites it between the script's last write and its exit.
+rewrite = task(WORK, "echo 0 > /logs/verifier/reward.txt\npython3 /app/rw.py\n", {"rw.py": REWRITE})
+later = task(WORK, 'test "$(python3 /app/w.py)" = up || exit 3\necho 0 > /logs/verifier/reward.txt\nsleep 0.3\n',
+             {"w.py": AFTER_END})
+scorer = task(WORK, "python3 /app/score.py\n", {"score.py": SCORER})
+for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
+    for name, t in (("rewrite", rewrite), ("later", later), ("scorer", scorer)):
+        with Episode(settings()) as ep:
+            ep.reset(t)
+            out[f"{name}-{mode}"] = verdict(ep, **kw)
 emit(out)
 '''
 
@@ -161,3 +186,32 @@ def test_a_module_the_runner_provides_is_never_the_agents(seen):
 def test_a_fifo_at_the_reward_file_cannot_block_the_scripts_write(seen):
     """The script's own last write of reward.txt wins: no FIFO can be made there (Landlock)."""
     assert seen["fifo"]["reward"] == 0.0, seen["fifo"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_program_the_tests_run_cannot_rewrite_the_scripts_reward(seen, mode):
+    """The script writes 0, then a program it runs writes 1 over it: the script's own
+    write is the verdict (captured from its shell), and the notes say the file changed."""
+    case = seen[f"rewrite-{mode}"]
+    assert case["reward"] == 0.0, case
+    assert any("differs from what the test script's shell wrote" in n for n in case["notes"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_writer_left_behind_cannot_rewrite_the_verdict_before_the_shell_ends(seen, mode):
+    """A writer a program under test left running spins until the script has written 0
+    and writes 1 while the script still runs (it sleeps after its write)."""
+    case = seen[f"later-{mode}"]
+    assert case["reward"] == 0.0 and case["exit_code"] == 0, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_reward_a_program_of_the_tests_writes_still_counts_and_is_named(seen, mode):
+    """Fidelity: a scorer the script runs writes the reward (no write of the shell's own):
+    it counts, as under Docker, and the notes say who wrote it."""
+    case = seen[f"scorer-{mode}"]
+    assert case["reward"] == 1.0, case
+    assert any("not by the script's shell" in n for n in case["notes"]), case

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 from sequester.guard.handoff import HANDOFF_ADDRESS
 
@@ -59,8 +60,10 @@ __all__ = [
     "DENIED_SYSCALLS",
     "KERNEL_FCNTL_REFUSED",
     "WATCH_SYSCALLS",
+    "WRITE_OPEN_FLAGS",
     "PROCESS_SYSCALLS",
     "compile_filter",
+    "compile_write_watch",
     "load_filter",
     "syscall_number",
 ]
@@ -266,6 +269,11 @@ def _compile(profile: str) -> bytes:
         flt.add_rule(eperm, "socket", sc.Arg(2, sc.GT, IPPROTO_TCP))
         for protocol in range(1, IPPROTO_TCP):
             flt.add_rule(eperm, "socket", sc.Arg(2, sc.EQ, protocol))
+    return _export(flt)
+
+
+def _export(flt: Any) -> bytes:
+    """A pyseccomp filter's BPF program, as bytes."""
     read_fd, write_fd = os.pipe()
     try:
         with os.fdopen(write_fd, "wb") as out:
@@ -279,6 +287,33 @@ def _compile(profile: str) -> bytes:
             except OSError:
                 pass
         raise
+
+
+# Every open for writing (an access mode but read-only, or O_CREAT, O_TRUNC, O_APPEND).
+WRITE_OPEN_FLAGS = (os.O_WRONLY, os.O_RDWR, os.O_CREAT, os.O_TRUNC, os.O_APPEND)
+
+
+def compile_write_watch() -> bytes:
+    """A filter that hands every open for writing (``open``, ``openat``, ``creat`` with
+    :data:`WRITE_OPEN_FLAGS`; every ``openat2``, whose flags are behind a pointer) to a
+    supervisor (``SECCOMP_RET_USER_NOTIF``) and allows everything else: the verifier's
+    capture of the test script's own reward writes (:mod:`sequester.sandbox.nsexec.capture`).
+    Loaded with :func:`load_filter` ``listener=True``; it refuses nothing itself."""
+    if "write-watch" not in _COMPILED:
+        import contextlib
+
+        import pyseccomp as sc
+
+        flt = sc.SyscallFilter(sc.ALLOW)
+        for flag in WRITE_OPEN_FLAGS:  # the rules of one call are ORed: any of the bits
+            flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, flag, flag))
+            with contextlib.suppress(OSError, ValueError, RuntimeError):  # (not on every architecture)
+                flt.add_rule(sc.NOTIFY, "open", sc.Arg(1, sc.MASKED_EQ, flag, flag))
+        for name in ("creat", "openat2"):
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                flt.add_rule(sc.NOTIFY, name)
+        _COMPILED["write-watch"] = _export(flt)
+    return _COMPILED["write-watch"]
 
 
 _NUMBERS: dict[str, int] = {}
@@ -298,11 +333,15 @@ def syscall_number(name: str) -> int:
 _PR_SET_NO_NEW_PRIVS = 38
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_TSYNC = 1
+_SECCOMP_FILTER_FLAG_NEW_LISTENER = 8
 
 
-def load_filter(program: bytes, seccomp_nr: int) -> None:
+def load_filter(program: bytes, seccomp_nr: int, *, listener: bool = False) -> int:
     """Install ``program`` on every thread of this process. Irreversible.
 
+    ``listener``: the program hands calls to a supervisor; returns the notification
+    descriptor the kernel makes for it (``SECCOMP_FILTER_FLAG_NEW_LISTENER``; this
+    process must then be single-threaded: no ``TSYNC``). Otherwise returns 0.
     Raises ``OSError`` if the kernel refuses, or if a thread could not be synchronised.
     """
     import ctypes
@@ -321,11 +360,14 @@ def load_filter(program: bytes, seccomp_nr: int) -> None:
     res = libc.syscall(
         ctypes.c_long(seccomp_nr),
         ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
-        ctypes.c_long(_SECCOMP_FILTER_FLAG_TSYNC),
+        ctypes.c_long(_SECCOMP_FILTER_FLAG_NEW_LISTENER if listener else _SECCOMP_FILTER_FLAG_TSYNC),
         ctypes.byref(prog),
     )
+    if listener and res >= 0:
+        return int(res)
     if res != 0:
         if res > 0:
             raise OSError(errno.EAGAIN, f"seccomp TSYNC failed: thread {res} could not be synchronised")
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp(SET_MODE_FILTER) failed: {os.strerror(err)}")
+    return 0

@@ -2,8 +2,8 @@
 /proc, /dev, cgroup and verdict fixes.
 Each attack passes while its protection holds. Nothing here writes a kernel setting: a
 file opened for append with nothing written is the probe; every process count is bounded
-by the test itself. Two attacks by programs the tests run still win, a residual the README
-names: they are strict xfails (their docstrings say how), which fail the day they are closed."""
+by the test itself. Two attacks by programs the tests run on the reward file won until the
+test script's own reward writes were captured (their docstrings say how)."""
 
 from __future__ import annotations
 
@@ -149,16 +149,13 @@ while True:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="RESIDUAL (docs/security.md, 'a program the tests run on purpose'): a program the tests "
-                          "run hands an fd of /logs/verifier to an agent process left running (freeze_agent "
-                          "off); closing it needs the agent frozen while the verdict is read", strict=True)
 def test_a_live_agent_process_cannot_rewrite_the_verdict(tmp_path):
     """The tests run an agent program (the lender); it hands an fd of /logs/verifier over an
     abstract unix socket (the verifier shares the agent's network namespace) to a process
     the agent left running (the rewriter), which is in the agent's PID namespace and so
-    survives the verifier's kill(-1). The script writes 0 last; the rewriter turns it into
-    1 before the verifier's init reads it. (A symlink /logs/verifier -> /tmp/x, /tmp being
-    shared with the agent, does the same without the socket.)"""
+    survives the end of the verifier's. The script writes 0 last; the rewriter turned it
+    into 1 before the verifier read it (a strict xfail until the script's own reward
+    writes were captured: sequester.sandbox.nsexec.capture)."""
     test_sh = "python3 /app/lender.py\necho 0 > /logs/verifier/reward.txt\n"
     rewards = []
     with Episode(EpisodeSettings()) as ep:
@@ -189,17 +186,14 @@ os.pwrite(fd, b"1\n", 0); os.ftruncate(fd, 2)
 '''
 
 
-@pytest.mark.xfail(reason="RESIDUAL (docs/security.md, 'a program the tests run on purpose'): a writer a program "
-                          "under test left behind, watching for the script's own last write, writes before "
-                          "the shell exits and the tests' namespace is killed; closing it needs a verdict folder "
-                          "the tests' programs cannot write", strict=True)
 def test_a_writer_left_by_the_tests_dies_before_the_verdict(tmp_path):
     """A program the tests run leaves a writer behind in a session of its own, ignoring what
     it can, trying uid 1000 (refused: the verifier's user namespace maps uid 0 alone), and
     spinning until the script has written its verdict (a pidfd of the shell no longer names
     anything, the shell being in no namespace the tests' programs see, and inotify is
     refused), to rewrite it before the shell exits and the kernel kills the tests'
-    namespace with it."""
+    namespace with it. It won (a strict xfail) until the script's own reward writes were
+    captured where no program of the tests can reach them (sequester.sandbox.nsexec.capture)."""
     test_sh = "test \"$(python3 /app/w.py $$)\" = up || exit 3\necho 0 > /logs/verifier/reward.txt\n"
     results = []
     with Episode(EpisodeSettings()) as ep:
@@ -222,11 +216,11 @@ os.symlink("/tmp/x", "/logs/verifier")
 def test_a_linked_away_verdict_folder_is_never_read(tmp_path):
     """A program the tests run replaces /logs/verifier with a link to the agent's /tmp,
     where a process the agent left running writes reward.txt = 1 without end: the
-    verifier reads no file through the link (the agent's 0, not its 1)."""
+    verifier reads no file through the link; the script's own write (0) is the verdict."""
     test_sh = "python3 /app/relink.py\necho 0 > /logs/verifier/reward.txt\n"
     with Episode(EpisodeSettings()) as ep:
         ep.reset(make_task(tmp_path, test_sh=test_sh))
         ep.exec(f"cat > /app/relink.py <<'EOF'\n{_RELINKER}EOF\n"
                 "mkdir -p /tmp/x; (while :; do echo 1 > /tmp/x/reward.txt; done) </dev/null >/dev/null 2>&1 &")
         result = ep.evaluate()
-    assert result.reward == 0.0 and "reward.txt" not in result.files, result
+    assert result.reward == 0.0 and result.files.get("reward.txt") == b"0\n", result

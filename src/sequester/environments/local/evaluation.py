@@ -122,6 +122,7 @@ def _run_tests(
                 "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
                 "seccomp_nr": seccomp.syscall_number("seccomp"),
                 "proc_submounts": _proc_submounts(init_pid),
+                "watch": _write_watch(),
                 "runner": {
                     "mount": str(layout.RUNNER_MOUNT),
                     "run": str(layout.RUN),
@@ -168,3 +169,20 @@ def _run_tests(
 def _proc_submounts(pid: int) -> list[str]:
     with open(f"/proc/{pid}/mountinfo") as f:
         return [p for p in (line.split()[4] for line in f) if p.startswith("/proc/")]
+
+
+def _write_watch() -> dict[str, object]:
+    """The filter that hands the test script's opens for writing to the helper, which
+    captures the script's own reward writes (:mod:`sequester.sandbox.nsexec.capture`),
+    with the numbers of the calls it hands over."""
+    calls = {}
+    for name in ("open", "openat", "creat", "openat2"):
+        try:
+            calls[str(seccomp.syscall_number(name))] = name
+        except (OSError, ValueError, RuntimeError):
+            pass  # (not on this architecture)
+    return {
+        "bpf": base64.b64encode(seccomp.compile_write_watch()).decode(),
+        "seccomp_nr": seccomp.syscall_number("seccomp"),
+        "calls": calls,
+    }

@@ -41,6 +41,8 @@ from typing import Any
 
 from sequester.guard.landlock import seal_special_files
 from sequester.guard.privileges import keep_capabilities
+from sequester.guard.seccomp import load_filter
+from sequester.sandbox.nsexec.capture import VERDICT_NAMES, Capture, private_folder
 from sequester.sandbox.nsexec.files import extract, op_files
 from sequester.sandbox.nsexec.ns import (
     CLONE_NEWNS,
@@ -180,20 +182,74 @@ def _default_signals() -> None:
 
 
 def op_verify(req: dict[str, Any], fds: list[int]) -> None:
+    """The verifier: its root made here (in a copy of the episode's mount namespace, in a
+    new PID namespace for children), the script's shell forked as that namespace's PID 1
+    (:func:`_script_shell`), its reward writes captured (:mod:`.capture`) until it ends,
+    then the verdict read and reported. Why the shell is PID 1: when it ends, the kernel
+    kills every process of the namespace (the tests' own namespace below it included)
+    and reaps them before ``waitpid`` returns it, so nothing a program under test left
+    behind is alive when a reward file is read; and no program of the tests can signal it."""
     result, tests, output, runner_pipe = fds[:4]
-    # Its own pids cgroup: joined by a child while the root is made (before the first fork).
+    # Its own pids cgroup: joined while the root is made (before the first fork).
     joining = start_joining(req.get("cgroup"))
     try:
         notes = _verifier_root(req, fds, tests)
     finally:
         finish_joining(joining)  # before the first fork, and before this worker may end
-    init = os.fork()
-    if init == 0:
-        _verifier_init(req, result, output, runner_pipe, notes)
-    for fd in (output, result, runner_pipe):
+    watch = req.get("watch")
+    folder = private_folder("/.sequester/verdict") if watch else None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    shell = os.fork()
+    if shell == 0:
+        ours.close()
+        _script_shell(req, result, output, runner_pipe, theirs)
+    theirs.close()
+    for fd in (output, runner_pipe):
         os.close(fd)
-    _, status = os.waitpid(init, 0)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    try:
+        capture = None
+        _, listeners, _, _ = socket.recv_fds(ours, 1, 1) if watch else (b"", [], 0, None)
+        ours.close()
+        if watch and listeners and folder is not None:
+            calls = {int(nr): name for nr, name in watch["calls"].items()}
+            capture = Capture(listeners[0], shell, folder, calls)
+            status = capture.serve()
+        else:
+            status = os.waitpid(shell, 0)[1]
+            if watch:
+                notes.append(
+                    "the test script's reward writes were not captured (see its output): the reward files "
+                    "count as they are"
+                )
+        files = _verdict_files()
+        if capture is not None:
+            notes += _captured(capture, files)
+        report(result, {"exit_code": os.waitstatus_to_exitcode(status), "files": files, "notes": notes})
+    except BaseException as exc:  # noqa: BLE001
+        report(result, {"error": f"{type(exc).__name__}: {exc}"})
+    os._exit(0)
+
+
+def _captured(capture: Capture, files: dict[str, str]) -> list[str]:
+    """Put what the shell itself wrote in ``files`` (the verdict), in place of the
+    visible reward files; the notes say where they differed or came from elsewhere."""
+    notes = []
+    own = capture.files(_FILE_LIMIT)
+    for name, data in own.items():
+        encoded = base64.b64encode(data).decode()
+        if name in files and files[name] != encoded:
+            notes.append(
+                f"/logs/verifier/{name} as the folder shows it differs from what the test script's shell wrote "
+                "(a program the tests ran or an agent process wrote it): the script's own write is the verdict"
+            )
+        files[name] = encoded
+    for name in VERDICT_NAMES:
+        if name in files and name not in own:
+            notes.append(
+                f"/logs/verifier/{name} was written by a program the test script ran, not by the script's "
+                "shell: it counts as written (any program the tests ran could have written it, as under Docker)"
+            )
+    return notes
 
 
 def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]:
@@ -306,7 +362,7 @@ def _copy_installs(source: int, target: str, packages: list[str]) -> None:
     remount_readonly(target)
 
 
-def _nest_the_tests() -> None:
+def _nest_the_tests(proc_submounts: list[str]) -> int:
     """Everything the test script starts, in PID and mount namespaces below the script's
     shell: the shell stays in the verifier's PID namespace, its children are made in a new
     one (whose init is a reaper of ours) with a ``/proc`` of that namespace only.
@@ -316,29 +372,40 @@ def _nest_the_tests() -> None:
     the shell being dumpable), and changing the script's text as the shell reads it on
     after the program ends: the tests' failure wrote 1. Below the shell, no program of
     the tests can name it: its PID is in no namespace they see, their /proc lists only
-    their own namespace, and ``getppid()`` is 0 for the shell's children."""
+    their own namespace, and ``getppid()`` is 0 for the shell's children. Returns the read
+    end of the reaper's ready pipe (see :func:`_await_tests_proc`)."""
     check(libc.unshare(CLONE_NEWPID | CLONE_NEWNS), "unshare(pid, mount) for the tests")
     ready_r, ready_w = os.pipe()
     reaper = os.fork()  # PID 1 of the new namespace; the shell's later children join it
     if reaper == 0:
         os.close(ready_r)
-        _tests_reaper(ready_w)
+        _tests_reaper(ready_w, proc_submounts)
     os.close(ready_w)
+    return ready_r
+
+
+def _await_tests_proc(ready: int) -> None:
+    """Wait until the reaper :func:`_nest_the_tests` made has mounted the tests' /proc
+    (``ready``: the pipe's read end it returned); before the shell runs anything."""
     try:
-        if os.read(ready_r, 1) != b"r":
+        if os.read(ready, 1) != b"r":
             raise OSError(errno.EIO, "the tests' PID namespace could not be made")
     finally:
-        os.close(ready_r)
+        os.close(ready)
 
 
-def _tests_reaper(ready: int) -> None:  # pragma: no cover - a forked child's life
+def _tests_reaper(ready: int, proc_submounts: list[str]) -> None:  # pragma: no cover - a forked child's life
     """PID 1 of the tests' namespace: a fresh /proc for it, then only reaping, with no
     capability and not dumpable (the tests' programs see it as PID 1), until the shell
-    that made it ends (then the kernel ends the namespace)."""
+    that made it ends (then the kernel ends the namespace). The fresh /proc goes over the
+    view's (the agent's), whose own submounts (``proc_submounts``: its hardening) are
+    taken off first: the kernel mounts a procfs in a user namespace only where one is
+    fully visible already."""
     try:
         die_with_parent(None)
         libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-        check(libc.umount2(b"/proc", MNT_DETACH), "detach the verifier's /proc")
+        for point in sorted(proc_submounts, key=len, reverse=True):
+            libc.umount2(point.encode(), MNT_DETACH)
         check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
         harden_proc("/proc")
         for name in os.listdir("/proc/self/fd"):
@@ -363,77 +430,58 @@ def _tests_reaper(ready: int) -> None:  # pragma: no cover - a forked child's li
         os._exit(0)
 
 
-def _verifier_init(req: dict[str, Any], result: int, output: int, runner_pipe: int, notes: list[str]) -> None:
-    """PID 1 of the verifier's namespace: run the script, reap, read the verdict, report."""
+def _script_shell(req: dict[str, Any], result: int, output: int, runner_pipe: int, worker: socket.socket) -> None:
+    """PID 1 of the verifier's namespace, becoming the shell that runs test.sh: its
+    output and the runner's pipe in place, the tests' own namespaces below it, Landlock,
+    the filter whose notifications ``worker`` gets (:mod:`.capture`), the agent's
+    restrictions, then exec."""
     try:
         die_with_parent(None)
-        for point in sorted(req.get("proc_submounts", []), key=len, reverse=True):
-            libc.umount2(point.encode(), MNT_DETACH)
-        check(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")
-        harden_proc("/proc")  # the tests' programs are host root too, for a root caller
-        script = os.fork()
-        if script == 0:
-            try:
-                os.setsid()
-                null = os.open("/dev/null", os.O_RDONLY)
-                os.dup2(null, 0)
-                os.dup2(output, 1)
-                os.dup2(output, 2)
-                os.dup2(runner_pipe, req["runner_fd"])
-                for fd in {null, output, result, runner_pipe} - {0, 1, 2, req["runner_fd"]}:
-                    os.close(fd)
-                try:
-                    os.chdir(req["cwd"])
-                except OSError:
-                    os.chdir("/")
-                _set_rlimits(req.get("rlimits"))
-                _nest_the_tests()
-                # Attack: a program the tests run making /logs/verifier/reward.txt a FIFO (the
-                # script's own `echo 0 >` blocks on it until the program has put its 1 in
-                # place) or a link elsewhere. The test shell and all it starts make no FIFO,
-                # socket, link or device node there, and move nothing in (Landlock).
-                if seal_special_files("/logs") == 0:
-                    os.write(2, b"sequester: Landlock (ABI 2) is missing: /logs is not sealed\n")
-                _default_signals()
-                restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
-                os.execvpe(req["argv"][0], req["argv"], req["env"])
-            except BaseException as exc:  # noqa: BLE001
-                os.write(2, f"sequester: the verifier could not start: {exc}\n".encode())
-                os._exit(127)
-        os.close(output)
-        os.close(runner_pipe)
-        status = None
-        while True:  # reap everything; note the script's own status
-            try:
-                pid, st = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            if pid == script:
-                status = st
-                break
-        # Attack: a program the tests started in the background rewriting the reward after
-        # the script is done. The script's end is the verdict: everything else of the
-        # verifier's namespace dies before a file is read (we are its init).
+        os.setsid()
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.dup2(runner_pipe, req["runner_fd"])
+        for fd in {null, output, result, runner_pipe} - {0, 1, 2, req["runner_fd"]}:
+            os.close(fd)
         try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:  # nothing else is left
-            pass
-        while True:
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-        report(
-            result,
-            {
-                "exit_code": os.waitstatus_to_exitcode(status) if status is not None else None,
-                "files": _verdict_files(),
-                "notes": notes,
-            },
-        )
+            os.chdir(req["cwd"])
+        except OSError:
+            os.chdir("/")
+        _set_rlimits(req.get("rlimits"))
+        tests_proc = _nest_the_tests(req.get("proc_submounts", []))
+        # Attack: a program the tests run making /logs/verifier/reward.txt a FIFO (the
+        # script's own `echo 0 >` blocks on it until the program has put its 1 in place)
+        # or a link elsewhere. The test shell and all it starts make no FIFO, socket,
+        # link or device node there, and move nothing in (Landlock). (Made while the
+        # reaper mounts the tests' /proc: the reaper, forked before, is not restricted by
+        # it and may still mount.)
+        if seal_special_files("/logs") == 0:
+            os.write(2, b"sequester: Landlock (ABI 2) is missing: /logs is not sealed\n")
+        _default_signals()
+        _await_tests_proc(tests_proc)
+        _hand_over_writes(req.get("watch"), worker)
+        restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
+        os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as exc:  # noqa: BLE001
-        report(result, {"error": f"{type(exc).__name__}: {exc}"})
-    os._exit(0)
+        os.write(2, f"sequester: the verifier could not start: {exc}\n".encode())
+    os._exit(127)
+
+
+def _hand_over_writes(watch: dict[str, Any] | None, worker: socket.socket) -> None:
+    """Load the write-watching filter and send its notification descriptor to the
+    worker (then the worker answers this process's opens for writing); without it, say
+    so on the script's output and go on (the worker then reads the files as they are)."""
+    try:
+        if watch:
+            listener = load_filter(base64.b64decode(watch["bpf"]), watch["seccomp_nr"], listener=True)
+            socket.send_fds(worker, [b"l"], [listener])
+            os.close(listener)
+    except OSError as exc:
+        os.write(2, f"sequester: the reward files are not captured: {exc}\n".encode())
+    finally:
+        worker.close()
 
 
 _FILES_TOTAL = 8 << 20  # all files read back, together (the report must stay small)

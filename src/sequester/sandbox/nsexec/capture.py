@@ -1,0 +1,256 @@
+"""The test script's own reward writes, out of reach of every program it runs.
+
+Attack (strict xfails until this module): a program the tests run leaves a writer behind
+that rewrites ``/logs/verifier/reward.txt`` between the script's last write and its
+exit, or hands a descriptor of the folder to an agent process left running; both turned
+the script's 0 into 1. Every process of the tests shares the shell's mount namespace,
+user and capabilities, so no file the shell can write is out of their reach: the shell's
+reward writes must not land in a file at all.
+
+How: the shell that runs ``test.sh`` (the runner's bash, forked by the namespace
+helper's worker) loads a filter that hands every open for writing to that worker
+(seccomp user notification, :func:`sequester.guard.seccomp.compile_write_watch`), and
+sends it the notification descriptor before it execs bash. The worker answers each
+call:
+
+* the shell's own open of ``/logs/verifier/reward.txt`` or ``reward.json`` (named by an
+  absolute path): the worker opens that name in a private folder (a tmpfs it detached
+  from every mount namespace before the shell was forked: no path names it) with the
+  call's flags, and installs that file as the call's result (``SECCOMP_IOCTL_NOTIF_ADDFD``).
+  The shell writes its verdict there; nothing else can name, open or trace it (the
+  shell is PID 1 of a namespace whose processes the tests' own namespace is below);
+* everything else (other processes, other paths): the call goes on unchanged
+  (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``), so the visible folder holds what it always did.
+
+When the shell has ended, what it wrote there is the verdict, whatever the visible files
+say; where the shell wrote no reward file (a program it ran wrote one: a Python scorer,
+a subshell, a relative path), the visible file counts as before, and the notes say so.
+
+The path is read from the shell's memory with ``process_vm_readv`` (no program of the
+tests can write that memory: they cannot name the shell), and the notification checked
+still valid after the read. Cost: a round trip through the worker for each open for
+writing by the tests (measured in ``benchmarks/episode_bench.py``'s evaluate rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import posixpath
+import select
+from dataclasses import dataclass, field
+
+from sequester.sandbox.nsexec.ns import MNT_DETACH, MS_NODEV, MS_NOEXEC, MS_NOSUID, check, libc
+
+__all__ = ["VERDICT_NAMES", "Capture", "private_folder", "verdict_name"]
+
+VERDICT_NAMES = ("reward.txt", "reward.json")
+VERDICT_DIR = "/logs/verifier"
+_PATH_MAX = 4096
+_FOLDER_SIZE = 2 << 20  # the two reward files: the shell's own writes beyond it get ENOSPC
+
+_OPEN_FLAGS = os.O_ACCMODE | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_EXCL
+_AT_FDCWD = -100
+
+
+def verdict_name(path: bytes) -> str | None:
+    """``reward.txt`` or ``reward.json`` when ``path`` names that file of the verdict
+    folder by an absolute path (lexically: ``//logs/./verifier/reward.txt`` too), else
+    None (relative paths included: the shell's working folder is not followed)."""
+    if not path.startswith(b"/") or b"\0" in path:
+        return None
+    try:
+        text = path.decode()
+    except UnicodeDecodeError:
+        return None
+    folder, name = posixpath.split(posixpath.normpath("/" + text.lstrip("/")))
+    return name if folder == VERDICT_DIR and name in VERDICT_NAMES else None
+
+
+def private_folder(point: str) -> int:
+    """A small tmpfs mounted at ``point`` (made here), opened, then detached and the
+    mount point removed: a descriptor of a folder no path reaches."""
+    os.mkdir(point, 0o700)
+    try:
+        check(
+            libc.mount(
+                b"tmpfs",
+                point.encode(),
+                b"tmpfs",
+                MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                f"mode=0700,size={_FOLDER_SIZE}".encode(),
+            ),
+            f"mount {point}",
+        )
+        try:
+            fd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        finally:
+            check(libc.umount2(point.encode(), MNT_DETACH), f"detach {point}")
+    finally:
+        os.rmdir(point)
+    return fd
+
+
+# -- the kernel's interface (linux/seccomp.h) -----------------------------------------
+
+
+class _Data(ctypes.Structure):
+    _fields_ = [
+        ("nr", ctypes.c_int),
+        ("arch", ctypes.c_uint32),
+        ("instruction_pointer", ctypes.c_uint64),
+        ("args", ctypes.c_uint64 * 6),
+    ]
+
+
+class _Notif(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("data", _Data)]
+
+
+class _Resp(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32), ("flags", ctypes.c_uint32)]
+
+
+class _AddFd(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("srcfd", ctypes.c_uint32),
+        ("newfd", ctypes.c_uint32),
+        ("newfd_flags", ctypes.c_uint32),
+    ]
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _ioc(direction: int, nr: int, size: int) -> int:
+    return direction << 30 | size << 16 | ord("!") << 8 | nr
+
+
+_IOW, _IOR = 1, 2
+_NOTIF_RECV = _ioc(_IOW | _IOR, 0, ctypes.sizeof(_Notif))
+_NOTIF_SEND = _ioc(_IOW | _IOR, 1, ctypes.sizeof(_Resp))
+_NOTIF_ID_VALID = _ioc(_IOW, 2, 8)
+_NOTIF_ADDFD = _ioc(_IOW, 3, ctypes.sizeof(_AddFd))
+_FLAG_CONTINUE = 1
+_ADDFD_FLAG_SEND = 2
+
+libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+@dataclass
+class Capture:
+    """The worker's side: answers the shell's filter until the shell has ended."""
+
+    listener: int
+    shell: int
+    folder: int
+    calls: dict[int, str]  # this machine's numbers of open, openat, creat, openat2 (the host's libseccomp)
+    written: set[str] = field(default_factory=set)
+    handled: int = 0
+
+    def serve(self) -> int:
+        """Answer notifications until the shell ends; its wait status."""
+        pidfd = os.pidfd_open(self.shell)
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.register(self.listener, select.POLLIN)
+            listening = True
+            while True:
+                for fd, events in poller.poll():
+                    if fd == pidfd:
+                        return os.waitpid(self.shell, 0)[1]
+                    if events & select.POLLIN:
+                        self._answer()
+                    elif listening:  # (no filter user is left)
+                        poller.unregister(self.listener)
+                        listening = False
+        finally:
+            os.close(pidfd)
+
+    def _answer(self) -> None:
+        notif = _Notif()
+        if libc.ioctl(self.listener, _NOTIF_RECV, ctypes.byref(notif)) != 0:
+            return  # (the caller went away before it was read: ENOENT)
+        self.handled += 1
+        fd, error = None, 0
+        try:
+            if notif.pid == self.shell:
+                fd, error = self._open_for_shell(notif)
+        except OSError as exc:
+            error = exc.errno or errno.EIO
+        if fd is not None:
+            addfd = _AddFd(notif.id, _ADDFD_FLAG_SEND, fd, 0, os.O_CLOEXEC if self._flags(notif) & os.O_CLOEXEC else 0)
+            libc.ioctl(self.listener, _NOTIF_ADDFD, ctypes.byref(addfd))  # (ENOENT: the shell is gone)
+            os.close(fd)
+            return
+        resp = _Resp(notif.id, 0, -error if error else 0, 0 if error else _FLAG_CONTINUE)
+        libc.ioctl(self.listener, _NOTIF_SEND, ctypes.byref(resp))
+
+    def _flags(self, notif: _Notif) -> int:
+        call, args = self.calls.get(notif.data.nr), notif.data.args
+        if call == "openat":
+            return int(args[2])
+        if call == "open":
+            return int(args[1])
+        if call == "creat":
+            return os.O_CREAT | os.O_WRONLY | os.O_TRUNC
+        return 0
+
+    def _open_for_shell(self, notif: _Notif) -> tuple[int | None, int]:
+        """The private file for the shell's open of a reward file, or (None, 0): go on."""
+        call, args = self.calls.get(notif.data.nr), notif.data.args
+        if call == "openat":
+            dirfd = ctypes.c_int32(args[0] & 0xFFFFFFFF).value
+            address, mode = args[1], args[3]
+            if dirfd != _AT_FDCWD:
+                return None, 0  # (relative to a folder descriptor: not followed)
+        elif call in ("open", "creat"):
+            address, mode = args[0], args[2] if call == "open" else args[1]
+        else:
+            return None, 0  # (openat2: its flags are behind a pointer; bash never uses it)
+        name = verdict_name(self._read_path(address))
+        if name is None or libc.ioctl(self.listener, _NOTIF_ID_VALID, ctypes.byref(ctypes.c_uint64(notif.id))) != 0:
+            return None, 0
+        flags = (self._flags(notif) & _OPEN_FLAGS) | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(name, flags, mode & 0o666, dir_fd=self.folder)
+        self.written.add(name)
+        return fd, 0
+
+    def _read_path(self, address: int) -> bytes:
+        """The NUL-terminated path at ``address`` in the shell (at most PATH_MAX bytes)."""
+        out = b""
+        while len(out) < _PATH_MAX:
+            step = min(256, 4096 - (address + len(out)) % 4096)  # (never across a page)
+            buf = ctypes.create_string_buffer(step)
+            local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), step)
+            remote = _IoVec(ctypes.c_void_p(address + len(out)), step)
+            got = libc.process_vm_readv(self.shell, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if got <= 0:
+                return b""
+            chunk = buf.raw[:got]
+            if b"\0" in chunk:
+                return out + chunk[: chunk.index(b"\0")]
+            out += chunk
+        return b""
+
+    def files(self, limit: int) -> dict[str, bytes]:
+        """What the shell wrote (regular files of the private folder, each at most ``limit``)."""
+        out = {}
+        for name in sorted(self.written):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.folder)
+            except OSError:
+                continue
+            try:
+                data = os.read(fd, limit + 1)
+            finally:
+                os.close(fd)
+            if len(data) <= limit:
+                out[name] = data
+        return out
