@@ -9,7 +9,8 @@
   times a reset without (no packet leaves: nothing is asked);
 * ``evaluate`` overhead beyond test.sh's own time: at most 20 ms median, next to the same
   test.sh run by bash directly on the host; in a separate verifier environment (a fresh
-  pristine view plus the artifacts), at most 50 ms; and once more after 100 ms idle
+  pristine view plus the artifacts: for a task that declares it, started with the
+  episode; asked ad hoc, started then), at most 50 ms; and once more after 100 ms idle
   (reported: where the kernel's cgroup v1 moves a process only after an RCU grace
   period, idle makes that wait cold);
 * N concurrent episodes of an example task (reset, oracle, evaluate, close) with no
@@ -40,14 +41,15 @@ TEST_SH = "echo 1 > /logs/verifier/reward.txt\n"
 SETTLE = 0.1  # seconds before each measure (see main)
 
 
-def minimal_task(root: Path, *, base: str = "debian:12", environment: str = "") -> Path:
+def minimal_task(root: Path, *, base: str = "debian:12", environment: str = "", verifier: str = "") -> Path:
     """A task with nothing to do whose test.sh writes reward 1; ``environment``: lines of
-    its ``[environment]`` table (docker_bench names its image there)."""
+    its ``[environment]`` table (docker_bench names its image there); ``verifier``: more
+    lines of its ``[verifier]`` table."""
     task = root / "bench-task"
     for sub in ("tests", "environment", "solution"):
         (task / sub).mkdir(parents=True)
     (task / "instruction.md").write_text("Nothing to do.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n'
+    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n' + verifier
                                     + (f"[environment]\n{environment}" if environment else ""))
     (task / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /app\n")
     (task / "tests" / "test.sh").write_text(TEST_SH)
@@ -91,10 +93,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="seq-ep-bench-") as tmp:
         task = minimal_task(Path(tmp), environment="allow_internet = false\n")
         public = minimal_task(Path(tmp) / "public", environment="allow_internet = true\n")
+        separate_task = minimal_task(Path(tmp) / "separate", environment="allow_internet = false\n",
+                                     verifier='environment_mode = "separate"\n')
         bare = [bwrap_path(), "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--tmpfs",
                 "/tmp", "--proc", "/proc", "--dev", "/dev", "/bin/true"]
         podman = podman_start(Path(tmp))
-        resets, bares, evals, scripts, separates, networked, podmans, colds = [], [], [], [], [], [], [], []
+        resets, bares, evals, scripts, separates, networked, podmans, colds, spares = [], [], [], [], [], [], [], [], []
         with Episode() as warm:
             warm.reset(task)  # warm: the toolchain, the namespace helper
         for _ in range(args.runs):
@@ -128,6 +132,14 @@ def main() -> int:
             start = time.perf_counter()
             assert ep.evaluate().reward == 1.0
             colds.append(time.perf_counter() - start)
+            # A task whose verifier runs separately: its pristine view starts with the
+            # episode (a spare), evaluated after the agent's turn.
+            with Episode() as sep:
+                sep.reset(separate_task)
+                time.sleep(SETTLE)
+                start = time.perf_counter()
+                assert sep.evaluate().reward == 1.0
+                spares.append(time.perf_counter() - start)
             time.sleep(SETTLE)
             script = Path(tmp) / "logs"
             script.mkdir(exist_ok=True)
@@ -154,10 +166,13 @@ def main() -> int:
         rows.append(("evaluate overhead after 100 ms idle", f"{cold:.1f} ms",
                      f"back to back {overhead:.1f} ms (cgroup v1: a process joins the verifier's pids "
                      "cgroup after an RCU grace period, which idle makes cold)", "report", True))
-        separate = med(separates) - med(scripts)
-        rows.append(("evaluate overhead, separate verifier env", f"{separate:.1f} ms",
-                     f"shared mode's {overhead:.1f} ms (evaluate {med(separates):.1f} ms); "
-                     f"{separate / med(bares):.1f}x a bare bwrap start", "≤ 50 ms", separate <= 50))
+        separate = med(spares) - med(scripts)
+        ad_hoc = med(separates) - med(scripts)
+        rows.append(("evaluate overhead, separate verifier env (a task that declares it: its pristine view "
+                     "started with the episode), after the agent's turn", f"{separate:.1f} ms",
+                     f"{separate / med(bares):.1f}x a bare bwrap start; asked ad hoc of a shared-mode episode "
+                     f"(the view started then) {ad_hoc:.1f} ms ({ad_hoc / med(bares):.1f}x); shared mode's "
+                     f"{overhead:.1f} ms", "≤ 50 ms", separate <= 50))
 
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:

@@ -42,15 +42,14 @@ def _calls() -> dict[int, str]:
     return out
 
 
-def test_the_shells_reward_writes_land_in_the_private_folder_and_nothing_else_does(tmp_path):
-    """A child loads the filter and hands its listener over (as the verifier's shell does);
-    its own open of /logs/verifier/reward.txt gets a file of the private folder (the path
-    does not even exist here), its open of another file and its child's open of the reward
-    path go on unchanged. Fails without the filter, the listener or the supervisor."""
-    private = tmp_path / "private"
-    private.mkdir()
+def test_only_the_shells_own_reward_writes_are_kept(tmp_path):
+    """A child loads the filter and hands its listener over (as the verifier's shell does):
+    its own writes to /logs/verifier/reward.txt (which does not even exist here) are kept,
+    a truncating open starts over and an appending one goes on; what its child writes
+    into that same descriptor is not kept; its open of another file, and its child's
+    open of the reward path, go on unchanged. Fails without the filter, the listener,
+    the supervisor or the sender check."""
     visible = tmp_path / "visible.txt"
-    folder = os.open(private, os.O_RDONLY | os.O_DIRECTORY)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's life
@@ -63,34 +62,36 @@ def test_the_shells_reward_writes_land_in_the_private_folder_and_nothing_else_do
             socket.send_fds(theirs, [b"l"], [listener])
             os.close(listener)
             theirs.close()
-            with open("/logs/verifier/reward.txt", "w") as f:  # captured
-                f.write("1\n")
-            with open("/logs/verifier/reward.txt", "a") as f:  # appended to the same private file
-                f.write("more\n")
-            with open(visible, "w") as f:  # goes on
-                f.write("seen")
+            with open("/logs/verifier/reward.txt", "w") as f:  # captured, then started over
+                f.write("0\n")
+            fd = os.open("/logs/verifier/reward.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.write(fd, b"1\n")
             grandchild = os.fork()
             if grandchild == 0:
+                os.write(fd, b"9 from the child\n")  # into the shell's descriptor: not kept
                 try:
                     open("/logs/verifier/reward.json", "w")
                 except FileNotFoundError:
                     os._exit(0)  # not captured: the real path, which does not exist here
                 os._exit(1)
             code = os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1])
+            os.close(fd)
+            with open("/logs/verifier/reward.txt", "a") as f:  # appended
+                f.write("more\n")
+            with open(visible, "w") as f:  # goes on
+                f.write("seen")
         finally:
             os._exit(code)
     theirs.close()
     _, fds, _, _ = socket.recv_fds(ours, 1, 1)
     ours.close()
     assert fds, "no listener came"
-    capture = Capture(fds[0], child, folder, _calls())
+    capture = Capture(fds[0], child, _calls())
     try:
         status = capture.serve()
-        files = capture.files(1 << 20)
     finally:
         os.close(fds[0])
-        os.close(folder)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert files == {"reward.txt": b"1\nmore\n"}
+    assert capture.contents == {"reward.txt": b"1\nmore\n"}
+    assert capture.others == {"reward.txt"}
     assert visible.read_text() == "seen"
-    assert capture.handled >= 4

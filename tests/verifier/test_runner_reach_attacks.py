@@ -76,6 +76,18 @@ while os.pread(fd, 2, 0) != b"0\n":
 os.pwrite(fd, b"1\n", 0); os.ftruncate(fd, 2)
 """
 SCORER = "open('/logs/verifier/reward.txt', 'w').write('1')\n"
+# A program signals its own process group, which holds the script's shell: the shell
+# stops before its own write (red team).
+SIGNAL = """
+import os, signal
+open('/logs/verifier/reward.txt', 'w').write('1\\n')
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.kill(0, signal.SIGINT)
+"""
+# Run inside a compound command whose output is the reward file (red team): it writes
+# into the shell's own descriptor before the shell's 0.
+COMPOUND = "import os, sys\nos.write(1, b'1e')\nsys.exit(1)\n"
+JSON = "open('/logs/verifier/reward.json', 'w').write('{\"reward\": 1}')\n"
 
 
 def task(root, test_sh, files):
@@ -122,8 +134,15 @@ rewrite = task(WORK, "echo 0 > /logs/verifier/reward.txt\npython3 /app/rw.py\n",
 later = task(WORK, 'test "$(python3 /app/w.py)" = up || exit 3\necho 0 > /logs/verifier/reward.txt\nsleep 0.3\n',
              {"w.py": AFTER_END})
 scorer = task(WORK, "python3 /app/score.py\n", {"score.py": SCORER})
+signalled = task(WORK, "python3 /app/sig.py\nif [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; "
+                       "else echo 0 > /logs/verifier/reward.txt; fi\n", {"sig.py": SIGNAL})
+compound = task(WORK, "if python3 /app/c.py; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n",
+                {"c.py": COMPOUND})
+beside = task(WORK, "rm -f /logs/verifier/reward.json\npython3 /app/j.py\necho 0 > /logs/verifier/reward.txt\n",
+              {"j.py": JSON})
 for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
-    for name, t in (("rewrite", rewrite), ("later", later), ("scorer", scorer)):
+    for name, t in (("rewrite", rewrite), ("later", later), ("scorer", scorer), ("signal", signalled),
+                    ("compound", compound), ("beside", beside)):
         with Episode(settings()) as ep:
             ep.reset(t)
             out[f"{name}-{mode}"] = verdict(ep, **kw)
@@ -215,3 +234,34 @@ def test_a_reward_a_program_of_the_tests_writes_still_counts_and_is_named(seen, 
     case = seen[f"scorer-{mode}"]
     assert case["reward"] == 1.0, case
     assert any("not by the script's shell" in n for n in case["notes"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_program_that_signals_the_scripts_shell_gets_no_reward_it_wrote(seen, mode):
+    """It writes 1, then signals its own process group (the shell's): the shell stops
+    before its own write, and the reward the program wrote does not count (red team:
+    1.0 before, in every mode)."""
+    case = seen[f"signal-{mode}"]
+    assert case["reward"] == 0.0, case
+    assert any("stopped by a signal" in n for n in case["notes"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_program_writing_into_the_scripts_reward_descriptor_writes_nothing_that_counts(seen, mode):
+    """`if prog; then echo 1; else echo 0; fi > reward.txt`: prog's output is the shell's
+    reward descriptor; its "1e" before the shell's "0" made "1e0" (1.0; red team)."""
+    case = seen[f"compound-{mode}"]
+    assert case["reward"] == 0.0, case
+    assert any("wrote into the script's own" in n for n in case["notes"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_programs_reward_json_beside_the_scripts_reward_txt_does_not_count(seen, mode):
+    """The tests name reward.json (so it would count); a program writes it with 1, the
+    script writes reward.txt 0 itself: the script's own is the verdict (red team: 1.0)."""
+    case = seen[f"beside-{mode}"]
+    assert case["reward"] == 0.0, case
+    assert any("beside the script's own" in n for n in case["notes"]), case

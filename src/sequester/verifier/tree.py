@@ -108,6 +108,7 @@ TOOLS = (
     "curl",
 )
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+DEBIAN_PYTHONS_DIR = "debian-pythons"  # below the toolchain folder (see .debian_python)
 
 
 def _patchelf() -> str:
@@ -166,7 +167,7 @@ def ensure_runner(folder: Path) -> Path:
     shared lock on the tree it uses for as long as it runs; trees nobody holds are
     removed (each is a few hundred MB). Raises :class:`SandboxError` saying what is
     missing when it cannot be built."""
-    pythons = find_pythons()
+    pythons = find_pythons(folder / DEBIAN_PYTHONS_DIR)
     tools = _host_tools()
     uv_bin, uvx_bin = _uv_binaries()
     tree = folder / f"tree-{_stamp(pythons, tools, uv_bin)}"
@@ -281,11 +282,15 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
             programs.append(root / "libexec" / uv_source.name)
     libraries: list[Path] = []
     stdlibs: list[Path] = []
+    patchelf = _patchelf()
     for py in pythons:
         elves = copy_python(py, root / "python" / py.dir_name)
+        stdlibs.append(root / "python" / py.dir_name / "lib" / f"python{py.short}")
+        if py.sysroot is not None:  # Debian's build: its release's loader and libraries, its own
+            _own_libraries(patchelf, py, root / "python" / py.dir_name, elves)
+            continue
         programs.append(elves[0])
         libraries += elves[1:]
-        stdlibs.append(root / "python" / py.dir_name / "lib" / f"python{py.short}")
     # libgcc_s is loaded by glibc at run time (thread cancellation, unwinding), not named;
     # the others are what wheels may take from the system by the manylinux policy (numpy's
     # C++ parts need libstdc++): the tests' wheels load them from the tree, never the view.
@@ -308,8 +313,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     loader = root / "lib" / host_loader.name
     shutil.copy2(host_loader.resolve(), loader)
     _blank(loader, LOADER_PATHS)
-    patchelf = _patchelf()
-    rpath = [str(layout.LIB)] + [str(layout.PYTHONS / py.dir_name / "lib") for py in pythons]
+    rpath = [str(layout.LIB)] + [str(layout.PYTHONS / py.dir_name / "lib") for py in pythons if py.sysroot is None]
     for path in programs:
         _patch(patchelf, path, interpreter=str(layout.LIB / host_loader.name), rpath=":".join(rpath))
     for path in libraries:
@@ -322,6 +326,76 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     wheels = sorted((root / "wheels").glob("*.whl"))
     for stdlib in stdlibs:
         write_sitecustomize(stdlib, probed_names(runner_sources(stdlib, wheels)))
+
+
+def _own_libraries(patchelf: str, py: HostPython, dest: Path, elves: list[Path]) -> None:
+    """A Debian Python's libraries, from its own release's packages (``py.sysroot``):
+    each library its ELF files load (asked of patchelf, resolved in the release's
+    library folders only), the wheels' system libraries it has, the release's loader and
+    C library, all in ``dest/lib``, made to read nothing of the view (as the tree's own);
+    its programs and libraries patched to that loader and folder first, then the tree's."""
+    assert py.sysroot is not None
+    folders = [py.sysroot / sub / py.libdir.name for sub in ("usr/lib", "lib")] + [py.sysroot / "usr/lib"]
+    found, loader = sysroot_closure(patchelf, elves, py.sysroot, folders)
+    for name in WHEEL_SYSTEM_LIBRARIES:
+        there = next((f / name for f in folders if (f / name).exists()), None)
+        if there is not None and name not in found:
+            found[name] = there.resolve()
+    copied = []
+    for name, source in found.items():
+        if name == loader.name:
+            continue  # (the C library names the loader: copied below, never patched)
+        target = dest / "lib" / name
+        shutil.copy2(source, target, follow_symlinks=True)
+        _blank(target, LIBC_PATHS if name.startswith("libc.so") else None)
+        if not name.startswith("libc.so"):
+            copied.append(target)
+    own_loader = dest / "lib" / loader.name
+    shutil.copy2(loader.resolve(), own_loader)
+    _blank(own_loader, LOADER_PATHS)
+    lib = layout.PYTHONS / py.dir_name / "lib"
+    rpath = f"{lib}:{layout.LIB}"
+    _patch(patchelf, elves[0], interpreter=str(lib / loader.name), rpath=rpath)
+    for path in [*elves[1:], *copied]:
+        _patch(patchelf, path, interpreter=None, rpath=rpath)
+
+
+def sysroot_closure(
+    patchelf: str, files: list[Path], sysroot: Path, folders: list[Path]
+) -> tuple[dict[str, Path], Path]:
+    """Every library ``files`` load (name -> path in ``folders``, transitively) and the
+    loader the first names (below ``sysroot``), read with patchelf: the host's ``ldd``
+    cannot load a newer release's programs. A library in none of ``folders`` stops the
+    build."""
+    found: dict[str, Path] = {}
+    queue = list(files)
+    seen: set[Path] = set()
+    while queue:
+        path = queue.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        proc = subprocess.run([patchelf, "--print-needed", str(path)], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            continue  # (not a dynamic ELF file)
+        for name in proc.stdout.split():
+            if name in found:
+                continue
+            there = next((f / name for f in folders if (f / name).exists()), None)
+            if there is None:
+                raise SandboxError(f"{path.name} needs {name}, which Debian's packages unpacked in {sysroot} lack")
+            found[name] = there.resolve()
+            queue.append(found[name])
+    proc = subprocess.run([patchelf, "--print-interpreter", str(files[0])], capture_output=True, text=True, timeout=60)
+    interpreter = proc.stdout.strip()
+    if proc.returncode != 0 or not interpreter.startswith("/"):
+        raise SandboxError(f"{files[0].name} names no loader: {proc.stderr.strip()[:200]}")
+    there = sysroot / interpreter.lstrip("/")
+    if not there.exists():  # a merged-/usr release: /lib64 is a link its base-files package makes
+        there = sysroot / "usr" / interpreter.lstrip("/")
+    if not there.exists():
+        raise SandboxError(f"{files[0].name}'s loader {interpreter} is not in Debian's packages unpacked in {sysroot}")
+    return found, there.resolve()
 
 
 # The system libraries a manylinux wheel may load without bundling them (PEP 600's policy,

@@ -233,9 +233,9 @@ def _pip_download(
 def _runner_pythons() -> tuple[str, ...]:
     """``X.Y`` of every Python the runner offers (one of them is uv's choice when a script
     names none)."""
-    from sequester.verifier.pythons import find_pythons
+    from sequester.verifier.pythons import runner_versions
 
-    return tuple(dict.fromkeys(p.short for p in find_pythons()))
+    return runner_versions()
 
 
 _warned: set[tuple[str, tuple[str, ...]]] = set()

@@ -33,7 +33,9 @@ def test_only_declared_artifacts_reach_a_separate_verifier(tmp_path):
 def test_the_task_can_ask_for_separate_mode_and_missing_artifacts_are_noted(tmp_path):
     with Episode() as ep:
         ep.reset(_task(tmp_path, '["/app/out", "/app/nothing"]', 'environment_mode = "separate"\n'))
-        ep.exec("echo ok > /app/out; touch /app/other")
+        # (its pristine view is started with the episode: what the agent does after that
+        # must not be in it)
+        ep.exec("echo ok > /app/out; touch /app/other /usr/local/bin/planted")
         result = ep.evaluate()
     assert result.reward == 1.0 and any("/app/nothing does not exist" in n for n in result.notes)
 
@@ -122,3 +124,50 @@ def test_a_process_that_exits_right_after_a_separate_evaluation_leaves_no_enviro
     assert done.returncode == 0 and done.stdout.strip() == "1.0", done.stderr[-2000:]
     left = [p.name for p in state.iterdir() if not p.name.startswith("skeleton-")] if state.exists() else []
     assert left == [], left
+
+
+def _sandboxes() -> int:
+    """The sandboxes (bwrap processes) this test process runs."""
+    import os
+
+    from sequester.sandbox.procs import descendants
+
+    count = 0
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                count += f.read().strip() == "bwrap"
+        except OSError:
+            pass
+    return count
+
+
+def test_a_declared_separate_verifier_view_starts_with_the_episode_and_never_outlives_it(tmp_path):
+    """A task that declares separate mode: its pristine view is started with the episode
+    (a second sandbox while the agent works), used by the evaluation (which then starts
+    none), and removed by a reset to another task and by close; a shared-mode task has
+    none."""
+    import time
+
+    separate = _task(tmp_path / "s", '["/app/out"]', 'environment_mode = "separate"\n')
+    shared = _task(tmp_path / "h", '["/app/out"]')
+    before = _sandboxes()
+    with Episode() as ep:
+        ep.reset(separate)
+        deadline = time.monotonic() + 30
+        while _sandboxes() - before < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _sandboxes() - before == 2
+        ep.exec("echo ok > /app/out")
+        assert ep.evaluate().reward == 1.0
+        ep.reset(separate)  # a new spare; the old one was used
+        ep.reset(shared)  # ... removed: none for a shared-mode task
+        deadline = time.monotonic() + 10  # (the used view is removed a moment after its evaluation)
+        while _sandboxes() - before > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _sandboxes() - before == 1
+        ep.reset(separate)
+    deadline = time.monotonic() + 10
+    while _sandboxes() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandboxes() == before

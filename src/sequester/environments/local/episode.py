@@ -41,7 +41,7 @@ from sequester.environments.base import (
 )
 from sequester.environments.local.evaluation import run_tests
 from sequester.environments.local.layers import report_episode, view_points
-from sequester.environments.local.separate import evaluate_separately
+from sequester.environments.local.separate import Spare, evaluate_separately
 from sequester.environments.local.shell import SHELL_SETUP, Shell
 from sequester.environments.local.start import RunningEpisode
 from sequester.environments.local.system import start_system
@@ -128,6 +128,7 @@ class Episode:
         # A separate or pristine verifier's environment: the tests' installs as the agent's
         # episode had them (decided once per trial: never a second, different answer).
         self._installs_of: RunningEpisode | None = None
+        self._spare: Spare | None = None  # a separate verifier's environment, started ahead
         self._network_record: dict[str, object] | None = None
 
     # -- properties --------------------------------------------------------------------
@@ -257,6 +258,10 @@ class Episode:
             raise
         if shell and run.gpus is not None and run.gpus.ldconfig:
             self._update_ldcache(run.gpus.ldconfig)
+        if shell and not self._verifier_only and wanted_verifier_env(task, self.settings, None) == "separate":
+            # Its verifier runs in a fresh pristine view: started now, while the agent works,
+            # so the evaluation only copies the artifacts and runs the tests.
+            self._spare = Spare(self)
         return self
 
     def _update_ldcache(self, folders: tuple[str, ...]) -> None:
@@ -579,7 +584,11 @@ class Episode:
             run.network.verifier_phase()
         try:
             if mode == "separate":
-                ev, more = evaluate_separately(self, self._fresh(), self._nsexec, run.bwrap.pid)
+                spare, self._spare = self._spare, None
+                ready = spare.take() if spare is not None else None
+                ev, more = evaluate_separately(
+                    self, ready or self._fresh(), self._nsexec, run.bwrap.pid, started=ready is not None
+                )
                 notes += more
             else:
                 ev = run_tests(
@@ -630,6 +639,9 @@ class Episode:
     # -- teardown ------------------------------------------------------------------------
 
     def _stop(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.discard()
         run, self._run = self._run, None
         if run is None:
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from sequester.environments.base import separate_artifacts
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from sequester.environments.local.episode import Episode
     from sequester.sandbox.nsexec.client import NsExec
 
-__all__ = ["evaluate_separately", "ARTIFACT_LIMIT"]
+__all__ = ["evaluate_separately", "ARTIFACT_LIMIT", "Spare"]
 
 log = logging.getLogger("sequester.environments.local")
 
@@ -34,11 +35,18 @@ _CLOSE_AFTER = 0.05  # seconds after the tests end that the separate environment
 
 
 def evaluate_separately(
-    episode: Episode, fresh: Episode, nsexec: NsExec, agent_init: int, *, with_artifacts: bool = True
+    episode: Episode,
+    fresh: Episode,
+    nsexec: NsExec,
+    agent_init: int,
+    *,
+    with_artifacts: bool = True,
+    started: bool = False,
 ) -> tuple[Evaluation, tuple[str, ...]]:
     """The tests in ``fresh`` (a new, unstarted episode of the same settings) started as a
     pristine view of ``episode``'s task; ``with_artifacts``: with the task's artifacts
-    copied from the agent's view (else nothing of the agent's)."""
+    copied from the agent's view (else nothing of the agent's); ``started``: ``fresh``
+    is that view already (a :class:`Spare`'s)."""
     task, workdir = episode.task, episode.workdir
     notes: list[str] = ["the verifier ran in a separate environment (the task's pristine one plus its artifacts)"]
     artifacts, said = separate_artifacts(task, workdir) if with_artifacts else ((), None)
@@ -63,7 +71,8 @@ def evaluate_separately(
         if packing is not None:
             packing.start()
         try:
-            fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
+            if not started:
+                fresh.reset(task, workdir=workdir, shell=False, image=episode.image)  # the same image (or host)
         finally:
             if packing is not None:
                 packing.join()
@@ -100,6 +109,51 @@ def evaluate_separately(
         later.name, later.daemon = "sequester-separate-close", True
         later.start()
     return ev, tuple(notes)
+
+
+class Spare:
+    """A separate verifier's environment started ahead, in a thread, when an agent's
+    episode starts on a task whose verifier runs separately (a view of the task's
+    pristine environment with no process but its init: nothing of the agent's reaches
+    it, and nothing happens in it until the tests run). :meth:`take` hands it to the
+    next evaluation (which then copies the artifacts and runs the tests only);
+    :meth:`discard` removes it unused. Used once."""
+
+    def __init__(self, episode: Episode) -> None:
+        self.fresh = episode._fresh()  # noqa: SLF001 - the episode's own helper
+        self._started = _starter().submit(
+            self.fresh.reset, episode.task, workdir=episode.workdir, shell=False, image=episode.image
+        )
+
+    def take(self) -> Episode | None:
+        """The started environment, or None (it failed to start: removed)."""
+        if self._started.exception() is None:
+            return self.fresh
+        self.discard()
+        return None
+
+    def discard(self) -> None:
+        self._started.exception()  # (waits)
+        try:
+            self.fresh.close()
+        except SequesterError as exc:
+            log.warning("the spare separate verifier environment was not removed completely: %s", exc)
+
+
+_starters: ThreadPoolExecutor | None = None
+_starters_lock = threading.Lock()
+
+
+def _starter() -> ThreadPoolExecutor:
+    """The threads spares start on. A sandbox dies with the *thread* that started it
+    (``bwrap --die-with-parent`` is ``PR_SET_PDEATHSIG``, which follows the parent
+    thread), so not a thread of its own that ends when the start is done: a pool's,
+    whose threads live as long as the process."""
+    global _starters
+    with _starters_lock:
+        if _starters is None:
+            _starters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sequester-spare")
+        return _starters
 
 
 def _close(fresh: Episode) -> None:

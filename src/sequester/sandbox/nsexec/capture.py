@@ -14,17 +14,19 @@ sends it the notification descriptor before it execs bash. The worker answers ea
 call:
 
 * the shell's own open of ``/logs/verifier/reward.txt`` or ``reward.json`` (named by an
-  absolute path): the worker opens that name in a private folder (a tmpfs it detached
-  from every mount namespace before the shell was forked: no path names it) with the
-  call's flags, and installs that file as the call's result (``SECCOMP_IOCTL_NOTIF_ADDFD``).
-  The shell writes its verdict there; nothing else can name, open or trace it (the
-  shell is PID 1 of a namespace whose processes the tests' own namespace is below);
+  absolute path): the worker makes a unix stream socket pair, keeps one end (with
+  ``SO_PASSCRED``: the kernel tells it which process wrote each piece, and never joins
+  pieces of different writers) and installs the other as the call's result
+  (``SECCOMP_IOCTL_NOTIF_ADDFD``). The shell's ``echo 1 >`` writes into it; only what
+  the shell's own process wrote counts (a program the shell runs with that descriptor
+  as its output, ``if cmd; then ...; fi > reward.txt``, writes nothing that counts);
+  nothing else can name, open or trace the worker's end;
 * everything else (other processes, other paths): the call goes on unchanged
   (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``), so the visible folder holds what it always did.
 
-When the shell has ended, what it wrote there is the verdict, whatever the visible files
-say; where the shell wrote no reward file (a program it ran wrote one: a Python scorer,
-a subshell, a relative path), the visible file counts as before, and the notes say so.
+When the shell has ended, what it wrote is the verdict, whatever the visible files say
+(see ``server._captured``: where the shell wrote no reward file and ended normally, a
+program it ran, a Python scorer, wrote it, and the visible file counts, as under Docker).
 
 The path is read from the shell's memory with ``process_vm_readv`` (no program of the
 tests can write that memory: they cannot name the shell), and the notification checked
@@ -39,19 +41,20 @@ import errno
 import os
 import posixpath
 import select
+import socket
+import struct
 from dataclasses import dataclass, field
 
-from sequester.sandbox.nsexec.ns import MNT_DETACH, MS_NODEV, MS_NOEXEC, MS_NOSUID, check, libc
+from sequester.sandbox.nsexec.ns import libc
 
-__all__ = ["VERDICT_NAMES", "Capture", "private_folder", "verdict_name"]
+__all__ = ["VERDICT_NAMES", "Capture", "verdict_name"]
 
 VERDICT_NAMES = ("reward.txt", "reward.json")
 VERDICT_DIR = "/logs/verifier"
 _PATH_MAX = 4096
-_FOLDER_SIZE = 2 << 20  # the two reward files: the shell's own writes beyond it get ENOSPC
-
-_OPEN_FLAGS = os.O_ACCMODE | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_EXCL
+LIMIT = 1 << 20  # what the shell writes to one reward file; beyond it is not kept
 _AT_FDCWD = -100
+_UCRED = struct.Struct("iII")  # pid, uid, gid
 
 
 def verdict_name(path: bytes) -> str | None:
@@ -66,30 +69,6 @@ def verdict_name(path: bytes) -> str | None:
         return None
     folder, name = posixpath.split(posixpath.normpath("/" + text.lstrip("/")))
     return name if folder == VERDICT_DIR and name in VERDICT_NAMES else None
-
-
-def private_folder(point: str) -> int:
-    """A small tmpfs mounted at ``point`` (made here), opened, then detached and the
-    mount point removed: a descriptor of a folder no path reaches."""
-    os.mkdir(point, 0o700)
-    try:
-        check(
-            libc.mount(
-                b"tmpfs",
-                point.encode(),
-                b"tmpfs",
-                MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                f"mode=0700,size={_FOLDER_SIZE}".encode(),
-            ),
-            f"mount {point}",
-        )
-        try:
-            fd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        finally:
-            check(libc.umount2(point.encode(), MNT_DETACH), f"detach {point}")
-    finally:
-        os.rmdir(point)
-    return fd
 
 
 # -- the kernel's interface (linux/seccomp.h) -----------------------------------------
@@ -143,35 +122,85 @@ libc.process_vm_readv.restype = ctypes.c_ssize_t
 
 
 @dataclass
+class _Stream:
+    """One open of a reward file by the shell: the worker's end of its socket pair."""
+
+    name: str
+    sock: socket.socket
+
+
+@dataclass
 class Capture:
     """The worker's side: answers the shell's filter until the shell has ended."""
 
     listener: int
     shell: int
-    folder: int
     calls: dict[int, str]  # this machine's numbers of open, openat, creat, openat2 (the host's libseccomp)
-    written: set[str] = field(default_factory=set)
+    contents: dict[str, bytes] = field(default_factory=dict)  # what the shell wrote, by name
+    others: set[str] = field(default_factory=set)  # names others wrote into the shell's descriptors
     handled: int = 0
+    _streams: dict[int, _Stream] = field(default_factory=dict)
+    _poller: select.poll = field(default_factory=select.poll)
 
     def serve(self) -> int:
-        """Answer notifications until the shell ends; its wait status."""
+        """Answer notifications and read the shell's writes until the shell ends; its
+        wait status. (The shell's processes are all dead then: what is left in the
+        sockets is read to the end.)"""
         pidfd = os.pidfd_open(self.shell)
         try:
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
-            poller.register(self.listener, select.POLLIN)
+            self._poller.register(pidfd, select.POLLIN)
+            self._poller.register(self.listener, select.POLLIN)
             listening = True
             while True:
-                for fd, events in poller.poll():
+                for fd, events in self._poller.poll():
                     if fd == pidfd:
-                        return os.waitpid(self.shell, 0)[1]
-                    if events & select.POLLIN:
+                        status = os.waitpid(self.shell, 0)[1]
+                        for key in list(self._streams):
+                            self._drain(key)
+                        return status
+                    if fd in self._streams:
+                        self._drain(fd)
+                    elif events & select.POLLIN:
                         self._answer()
                     elif listening:  # (no filter user is left)
-                        poller.unregister(self.listener)
+                        self._poller.unregister(self.listener)
                         listening = False
         finally:
             os.close(pidfd)
+            for stream in self._streams.values():
+                stream.sock.close()
+            self._streams.clear()
+
+    def _drain(self, key: int) -> None:
+        """Read what is waiting on one stream; keep the shell's own bytes."""
+        stream = self._streams[key]
+        while True:
+            try:
+                data, ancillary, _, _ = stream.sock.recvmsg(
+                    1 << 16, socket.CMSG_SPACE(_UCRED.size), socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # every holder closed it
+                self._poller.unregister(key)
+                stream.sock.close()
+                del self._streams[key]
+                return
+            pid = next(
+                (
+                    _UCRED.unpack(cdata[: _UCRED.size])[0]
+                    for level, kind, cdata in ancillary
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+                ),
+                None,
+            )
+            if pid != self.shell:
+                self.others.add(stream.name)
+                continue
+            kept = self.contents.get(stream.name, b"")
+            self.contents[stream.name] = (kept + data)[:LIMIT]
 
     def _answer(self) -> None:
         notif = _Notif()
@@ -187,7 +216,7 @@ class Capture:
         if fd is not None:
             addfd = _AddFd(notif.id, _ADDFD_FLAG_SEND, fd, 0, os.O_CLOEXEC if self._flags(notif) & os.O_CLOEXEC else 0)
             libc.ioctl(self.listener, _NOTIF_ADDFD, ctypes.byref(addfd))  # (ENOENT: the shell is gone)
-            os.close(fd)
+            os.close(fd)  # (the shell's end: the shell holds its own copy now)
             return
         resp = _Resp(notif.id, 0, -error if error else 0, 0 if error else _FLAG_CONTINUE)
         libc.ioctl(self.listener, _NOTIF_SEND, ctypes.byref(resp))
@@ -214,13 +243,22 @@ class Capture:
             address, mode = args[0], args[2] if call == "open" else args[1]
         else:
             return None, 0  # (openat2: its flags are behind a pointer; bash never uses it)
+        del mode  # (a socket has none)
         name = verdict_name(self._read_path(address))
         if name is None or libc.ioctl(self.listener, _NOTIF_ID_VALID, ctypes.byref(ctypes.c_uint64(notif.id))) != 0:
             return None, 0
-        flags = (self._flags(notif) & _OPEN_FLAGS) | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(name, flags, mode & 0o666, dir_fd=self.folder)
-        self.written.add(name)
-        return fd, 0
+        flags = self._flags(notif)
+        # What the shell wrote before, all of it: then a truncating open starts over.
+        for key in [k for k, st in self._streams.items() if st.name == name]:
+            self._drain(key)
+        if not flags & os.O_APPEND or name not in self.contents:
+            self.contents[name] = b""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        ours.shutdown(socket.SHUT_WR)  # (the shell reads nothing from it)
+        self._streams[ours.fileno()] = _Stream(name, ours)
+        self._poller.register(ours.fileno(), select.POLLIN)
+        return theirs.detach(), 0
 
     def _read_path(self, address: int) -> bytes:
         """The NUL-terminated path at ``address`` in the shell (at most PATH_MAX bytes)."""
@@ -238,19 +276,3 @@ class Capture:
                 return out + chunk[: chunk.index(b"\0")]
             out += chunk
         return b""
-
-    def files(self, limit: int) -> dict[str, bytes]:
-        """What the shell wrote (regular files of the private folder, each at most ``limit``)."""
-        out = {}
-        for name in sorted(self.written):
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.folder)
-            except OSError:
-                continue
-            try:
-                data = os.read(fd, limit + 1)
-            finally:
-                os.close(fd)
-            if len(data) <= limit:
-                out[name] = data
-        return out

@@ -42,7 +42,7 @@ from typing import Any
 from sequester.guard.landlock import seal_special_files
 from sequester.guard.privileges import keep_capabilities
 from sequester.guard.seccomp import load_filter
-from sequester.sandbox.nsexec.capture import VERDICT_NAMES, Capture, private_folder
+from sequester.sandbox.nsexec.capture import VERDICT_NAMES, Capture
 from sequester.sandbox.nsexec.files import extract, op_files
 from sequester.sandbox.nsexec.ns import (
     CLONE_NEWNS,
@@ -188,7 +188,10 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     then the verdict read and reported. Why the shell is PID 1: when it ends, the kernel
     kills every process of the namespace (the tests' own namespace below it included)
     and reaps them before ``waitpid`` returns it, so nothing a program under test left
-    behind is alive when a reward file is read; and no program of the tests can signal it."""
+    behind is alive when a reward file is read. (Signals: as PID 1 it gets only those it
+    has a handler for, which bash installs for some; the tests' programs are in its
+    process group, so a program can stop the script early: then no reward file but the
+    shell's own counts, see :func:`_captured`.)"""
     result, tests, output, runner_pipe = fds[:4]
     # Its own pids cgroup: joined while the root is made (before the first fork).
     joining = start_joining(req.get("cgroup"))
@@ -197,7 +200,6 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
     finally:
         finish_joining(joining)  # before the first fork, and before this worker may end
     watch = req.get("watch")
-    folder = private_folder("/.sequester/verdict") if watch else None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     shell = os.fork()
     if shell == 0:
@@ -210,9 +212,9 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
         capture = None
         _, listeners, _, _ = socket.recv_fds(ours, 1, 1) if watch else (b"", [], 0, None)
         ours.close()
-        if watch and listeners and folder is not None:
+        if watch and listeners:
             calls = {int(nr): name for nr, name in watch["calls"].items()}
-            capture = Capture(listeners[0], shell, folder, calls)
+            capture = Capture(listeners[0], shell, calls)
             status = capture.serve()
         else:
             status = os.waitpid(shell, 0)[1]
@@ -223,18 +225,28 @@ def op_verify(req: dict[str, Any], fds: list[int]) -> None:
                 )
         files = _verdict_files()
         if capture is not None:
-            notes += _captured(capture, files)
+            notes += _captured(capture, files, status)
         report(result, {"exit_code": os.waitstatus_to_exitcode(status), "files": files, "notes": notes})
     except BaseException as exc:  # noqa: BLE001
         report(result, {"error": f"{type(exc).__name__}: {exc}"})
     os._exit(0)
 
 
-def _captured(capture: Capture, files: dict[str, str]) -> list[str]:
-    """Put what the shell itself wrote in ``files`` (the verdict), in place of the
-    visible reward files; the notes say where they differed or came from elsewhere."""
+def _captured(capture: Capture, files: dict[str, str], status: int) -> list[str]:
+    """The verdict files by who wrote them (see :mod:`.capture`): what the script's shell
+    wrote itself replaces the visible reward files, and then a reward file it did not
+    write does not count either (a program's reward.json beside the shell's reward.txt);
+    where the shell wrote none, the visible ones count (a scorer the script ran wrote
+    them, as under Docker) unless the shell was stopped by a signal (a program it ran can
+    signal its process group: the script never got to its own write). The notes say
+    which."""
     notes = []
-    own = capture.files(_FILE_LIMIT)
+    own = capture.contents
+    for name in sorted(capture.others):
+        notes.append(
+            f"a program the test script ran wrote into the script's own /logs/verifier/{name} (the shell's "
+            "descriptor, as its output): not counted"
+        )
     for name, data in own.items():
         encoded = base64.b64encode(data).decode()
         if name in files and files[name] != encoded:
@@ -245,10 +257,27 @@ def _captured(capture: Capture, files: dict[str, str]) -> list[str]:
         files[name] = encoded
     for name in VERDICT_NAMES:
         if name in files and name not in own:
-            notes.append(
-                f"/logs/verifier/{name} was written by a program the test script ran, not by the script's "
-                "shell: it counts as written (any program the tests ran could have written it, as under Docker)"
-            )
+            if own:
+                notes.append(
+                    f"/logs/verifier/{name} was written by a program the test script ran, beside the script's own "
+                    f"{', '.join(sorted(own))}: not counted"
+                )
+                del files[name]
+            elif os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) >= 128:
+                notes.append(
+                    f"/logs/verifier/{name} was written by a program the test script ran, and the script was "
+                    f"stopped by a signal (status {os.waitstatus_to_exitcode(status)}) before it wrote a reward "
+                    "itself: not counted"
+                )
+                del files[name]
+            else:
+                notes.append(
+                    f"/logs/verifier/{name} was written by a program the test script ran, not by the script's "
+                    "shell: it counts as written (any program the tests ran could have written it, as under Docker)"
+                )
+    extra = [n for n in files if n not in VERDICT_NAMES]
+    while extra and (len(files) > _FILES_READ or sum(len(v) for v in files.values()) * 3 // 4 > _FILES_TOTAL):
+        del files[extra.pop()]  # (the others were read in name order: the last go)
     return notes
 
 
@@ -485,6 +514,7 @@ def _hand_over_writes(watch: dict[str, Any] | None, worker: socket.socket) -> No
 
 
 _FILES_TOTAL = 8 << 20  # all files read back, together (the report must stay small)
+_FILES_READ = 64  # files read back, the reward files first
 _FILES_SCANNED = 4096  # folder entries looked at (the tests' programs can make millions)
 
 
@@ -513,7 +543,7 @@ def _verdict_files() -> dict[str, str]:
         first = [n for n in ("reward.json", "reward.txt") if n in names]
         names = first + [n for n in names if n not in first]
         total = 0
-        for name in names[:64]:
+        for name in names[:_FILES_READ]:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
             except OSError:

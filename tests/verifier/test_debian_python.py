@@ -1,0 +1,86 @@
+"""Debian's optimised Pythons for the runner (sequester.verifier.debian_python): the pure
+parts, and the runner's Pythons in a real verifier."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from tasks import make_task
+
+from sequester.environments.local.episode import Episode
+from sequester.verifier.debian_python import KEYRING, apt_options, package_names, parse_depends, sources_line
+from sequester.verifier.pythons import optimised
+
+DEPENDS = """python3.13-minimal
+  Depends: libpython3.13-minimal
+  Depends: libexpat1
+ |Depends: <libz1>
+    zlib1g
+libpython3.13-minimal
+  Depends: libc6
+libexpat1
+libc6
+debconf
+  Depends: perl-base
+<libz1>
+zlib1g
+tzdata
+"""
+
+
+def test_parse_depends_keeps_the_packages_and_drops_what_no_library_needs():
+    assert parse_depends(DEPENDS) == ["libc6", "libexpat1", "libpython3.13-minimal", "python3.13-minimal", "zlib1g"]
+
+
+def test_the_packages_are_the_interpreter_and_its_whole_standard_library():
+    assert package_names("3.13") == ("python3.13-minimal", "libpython3.13-minimal", "libpython3.13-stdlib")
+
+
+def test_apt_reads_none_of_the_hosts_configuration(tmp_path):
+    options = apt_options(tmp_path)
+    joined = " ".join(options)
+    assert f"Dir::State::status={tmp_path}/state/status" in joined  # (not the host's package database)
+    assert f"Dir::Etc::SourceList={tmp_path}/sources.list" in joined
+    assert "Dir::Etc::SourceParts=/nonexistent" in joined and "AllowUnauthenticated=false" in joined
+    assert sources_line("trixie", "http://m/debian", Path("/k.gpg")) == "deb [signed-by=/k.gpg] http://m/debian trixie main\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("'--enable-optimizations' '--with-lto'", True),
+        ("-O2 -flto=auto", True),
+        ("-fprofile-use -fprofile-correction", True),
+        ("'--prefix=/root/.pyenv/versions/3.13.0' '--enable-shared'", False),
+    ],
+)
+def test_optimised(flags, expected):
+    assert optimised(flags) is expected
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not KEYRING.exists() or shutil.which("apt-get") is None, reason="no apt or Debian keyring here")
+def test_the_runners_pythons_are_debians_and_load_their_whole_standard_library(tmp_path):
+    """`uvx -p 3.13` and `python3` in a real verifier: Debian's builds (trixie's 3.13,
+    bookworm's 3.11), on their own loader and C library, with the extension modules
+    tests use (ssl, sqlite3, ctypes, lzma, bz2, decimal's libmpdec, readline, uuid)."""
+    probe = (
+        "import sys, ssl, sqlite3, ctypes, lzma, bz2, decimal, readline, zlib, hashlib, uuid, _ctypes, sysconfig, "
+        "platform; print(sys.version.split()[0], 'debian' if chr(39) + '--prefix=/usr' + chr(39) in "
+        "sysconfig.get_config_var('CONFIG_ARGS') else 'other', platform.libc_ver()[1], ssl.OPENSSL_VERSION, "
+        "sqlite3.sqlite_version, decimal.__libmpdec_version__)"
+    )
+    test_sh = (
+        f'uvx -p 3.13 python -c "{probe}" > /logs/verifier/p313.txt 2>&1\n'
+        f'python3.11 -c "{probe}" > /logs/verifier/p311.txt 2>&1\n'
+        "echo 1 > /logs/verifier/reward.txt\n"
+    )
+    with Episode() as ep:
+        ep.reset(make_task(tmp_path, test_sh=test_sh, verifier_timeout=300))
+        result = ep.evaluate()
+    p313, p311 = result.files["p313.txt"].decode(), result.files["p311.txt"].decode()
+    assert p313.split()[:3] == [p313.split()[0], "debian", p313.split()[2]] and p313.startswith("3.13."), p313
+    assert p313.split()[2] >= "2.38", p313  # trixie's own C library (a Debian 12 host has 2.36)
+    assert p311.startswith("3.11.") and p311.split()[1] == "debian", p311
