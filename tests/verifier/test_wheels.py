@@ -240,3 +240,117 @@ def test_pip_installs_are_pinned_for_the_runners_default_python(script, pins):
     fetched when the episode starts, for the runner's default Python."""
     found = verifier_pins(script)
     assert found.requirements == pins and found.default_python == bool(pins), found
+
+
+# -- pins published only as source distributions -----------------------------------------------
+
+
+def _sdist(folder, name: str, version: str, pyproject: str, requires: list[str]):
+    import io
+    import tarfile
+
+    path = folder / f"{name}-{version}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for member, text in ((f"{name}-{version}/pyproject.toml", pyproject),
+                             (f"{name}-{version}/PKG-INFO", "Metadata-Version: 2.1\nName: demo\n"
+                              + "".join(f"Requires-Dist: {r}\n" for r in requires))):
+            data = text.encode()
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture
+def local_index(tmp_path, monkeypatch):
+    """A PEP 691 index on loopback serving one project, demo 1.0, as a source distribution."""
+    import hashlib
+    import http.server
+    import json
+    import threading
+
+    files = tmp_path / "files"
+    files.mkdir()
+    sdist = _sdist(files, "demo", "1.0", '[build-system]\nrequires = ["flit_core>=3.2"]\n', ["idna>=3", "six; extra == 'x'"])
+    digest = {"sha256": hashlib.sha256(sdist.read_bytes()).hexdigest()}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            port = self.server.server_address[1]
+            if self.path == "/simple/demo/":
+                body = json.dumps({"meta": {"api-version": "1.0"}, "name": "demo", "files": [
+                    {"filename": sdist.name, "url": f"http://127.0.0.1:{port}/files/{sdist.name}", "hashes": digest}]})
+                data, kind = body.encode(), "application/vnd.pypi.simple.v1+json"
+            elif self.path == f"/files/{sdist.name}":
+                data, kind = sdist.read_bytes(), "application/octet-stream"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/simple")
+    yield sdist, digest
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_source_distribution_is_fetched_with_its_hash_checked_and_its_needs_read(local_index, tmp_path):
+    from sequester.verifier.wheels import fetch_sdist
+
+    name, needs = fetch_sdist(["/nonexistent/pip"], "demo==1.0", tmp_path, 60)
+    assert name == "demo-1.0.tar.gz" and (tmp_path / name).read_bytes() == local_index[0].read_bytes()
+    assert needs == ["flit_core>=3.2", "idna>=3", "six; extra == 'x'"]  # (pip evaluates the markers)
+    assert fetch_sdist(["/nonexistent/pip"], "demo==2.0", tmp_path / "none", 60) == (None, [])
+
+
+def test_a_source_distribution_whose_bytes_are_not_the_indexs_is_refused(local_index, tmp_path):
+    from sequester.verifier.wheels import fetch_sdist
+
+    local_index[0].write_bytes(local_index[0].read_bytes() + b"tampered")
+    with pytest.raises(VerifierWheelsError, match="sha256"):
+        fetch_sdist(["/nonexistent/pip"], "demo==1.0", tmp_path, 60)
+    assert not (tmp_path / "demo-1.0.tar.gz").exists()
+
+
+@pytest.fixture(scope="module")
+def sdist_fetched(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("sdist-wheels")
+    try:
+        return fetch_verifier_wheels(["pytest==8.4.1", "chess==1.11.2"], dest, python="3.13")
+    except VerifierWheelsError as exc:
+        pytest.skip(f"needs the package index: {exc}")
+
+
+def test_a_pin_published_only_as_a_source_distribution_is_fetched_as_one(sdist_fetched):
+    """chess 1.11.2 has no wheel on PyPI (regex-chess pins it): its sdist, and wheels of
+    what building it needs, are in the folder; nothing was built on the host."""
+    import json
+
+    names = sorted(p.name for p in sdist_fetched.folder.iterdir())
+    assert "chess-1.11.2.tar.gz" in names and any(n.startswith("setuptools-") for n in names), names
+    manifest = json.loads((sdist_fetched.folder / ".sequester-pins.json").read_text())
+    assert manifest["source_distributions"] == {"chess==1.11.2": "chess-1.11.2.tar.gz"}
+    assert not any(n.startswith("chess-") and n.endswith(".whl") for n in names)
+
+
+@pytest.mark.slow
+@needs_313
+def test_the_verifier_builds_a_source_distribution_pin_offline(sdist_fetched, tmp_path):
+    """uvx -w chess==1.11.2 in the verifier: uv builds it there, offline, from the task's
+    folder (as under Docker, as the tests' own process), and the tests import it."""
+    script = ('uvx -p 3.13 -w chess==1.11.2 python -c "import chess; print(chess.__version__)" '
+              "> /logs/verifier/chess.txt 2> /logs/verifier/uv.txt\n"
+              'if [ "$(cat /logs/verifier/chess.txt)" = 1.11.2 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+    with Episode() as ep:
+        ep.reset(make_task(tmp_path, "sdist", test_sh=script, verifier_timeout=300))
+        result = ep.evaluate()
+    assert result.reward == 1.0, (result.files.get("chess.txt"), result.output[-2000:])

@@ -12,11 +12,16 @@ runner (:mod:`sequester.verifier`) is offline and holds only
   them offline from the runner's and the task's wheels, and when nothing there fits, the
   bootstrap fails and the evaluation raises
   :class:`~sequester.environments.verdict.VerifierCouldNotRun` (an error, not the agent's 0).
-* :func:`fetch_verifier_wheels`: the pins and their dependencies as wheels only (``pip
+* :func:`fetch_verifier_wheels`: the pins and their dependencies as wheels (``pip
   download --only-binary=:all:`` for the target Python and this host's platform, with the
-  host's pip configuration: the trusted operator's). Nothing from the index runs: no build
-  step, no sdist. One folder per hash of (Pythons, platform tags, sorted pins), made aside
-  and renamed into place.
+  host's pip configuration: the trusted operator's). A pin published only as a source
+  distribution (``chess==1.11.2``) is fetched as that file, from the index's JSON page
+  with its sha256 checked (:func:`fetch_sdist`: never through pip, which would run its
+  build code on the host to read its metadata), with wheels of what building and running
+  it needs (its ``build-system`` requirements and ``Requires-Dist``); uv builds it at
+  verify time, inside the verifier, as the tests' own process (as under Docker). Nothing
+  from the index runs on the host. One folder per hash of (Pythons, platform tags, sorted
+  pins), made aside and renamed into place.
 * :func:`ensure_task_wheels`, the call site: the folder a task needs, or ``None``.
 
 Trust: the folder is the host's, written only here; each evaluation copies its wheels into
@@ -56,6 +61,7 @@ __all__ = [
     "VerifierWheelsError",
     "verifier_pins",
     "fetch_verifier_wheels",
+    "fetch_sdist",
     "ensure_task_wheels",
     "host_platform_tags",
     "cache_key",
@@ -71,6 +77,10 @@ MANIFEST = ".sequester-pins.json"  # in each folder: what it was fetched for (uv
 
 class VerifierWheelsError(ImageError):
     """A task's pinned test dependencies could not be fetched; names the pin and pip's output."""
+
+    def __init__(self, message: str, pin: str | None = None) -> None:
+        super().__init__(message)
+        self.pin = pin  # the requirement pip found no wheel for, when it said which
 
 
 # -- fetching -------------------------------------------------------------------------------
@@ -162,16 +172,47 @@ def _fetch(
         shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".fetch-{folder.name}-", dir=folder.parent))
     try:
+        sdists: dict[str, str] = {}  # pin -> its source distribution's file name
+        wanted = list(requirements)
         for version in pythons:
-            _pip_download(pip, staging, requirements, version, tags, timeout)
-        others = sorted(p.name for p in staging.iterdir() if not p.name.endswith(".whl") or not p.is_file())
-        if others:  # --only-binary allows none: never hand uv anything it would build
+            while True:
+                try:
+                    _pip_download(pip, staging, tuple(wanted), version, tags, timeout)
+                    break
+                except VerifierWheelsError as exc:
+                    pin = exc.pin
+                    if (
+                        pin is None
+                        or pin in sdists
+                        or pin not in wanted
+                        or not re.fullmatch(r"[\w.-]+==[\w.!+-]+", pin)
+                    ):
+                        raise
+                    name, needs = fetch_sdist(pip, pin, staging, timeout)
+                    if name is None:
+                        raise
+                    sdists[pin] = name
+                    wanted = [r for r in wanted if r != pin] + [n for n in needs if n not in wanted]
+        built = set(sdists.values())
+        others = sorted(
+            p.name
+            for p in staging.iterdir()
+            if p.name not in built and (not p.name.endswith(".whl") or not p.is_file())
+        )
+        if others:  # --only-binary allows none: never hand uv anything it would build but the pins' own
             raise VerifierWheelsError(
                 f"pip left files that are not wheels for {', '.join(requirements)}: {', '.join(others[:5])}"
             )
         (staging / MANIFEST).write_text(
             json.dumps(
-                {"format": FORMAT, "requirements": requirements, "pythons": pythons, "platform_tags": tags}, indent=1
+                {
+                    "format": FORMAT,
+                    "requirements": requirements,
+                    "pythons": pythons,
+                    "platform_tags": tags,
+                    "source_distributions": sdists,
+                },
+                indent=1,
             )
             + "\n"
         )
@@ -223,7 +264,78 @@ def _pip_download(
         output = (proc.stdout + "\n" + proc.stderr).strip()
         failed = re.findall(r"(?:distribution found for|satisfies the requirement) (\S+)", output)
         pin = failed[-1] if failed else f"one of {', '.join(requirements)}"
-        raise VerifierWheelsError(f"{what}: {pin} (pip exited {proc.returncode}): ...{output[-1200:]}")
+        raise VerifierWheelsError(
+            f"{what}: {pin} (pip exited {proc.returncode}): ...{output[-1200:]}", pin=failed[-1] if failed else None
+        )
+
+
+def _index_url(pip: list[str]) -> str:
+    """The index the host's pip uses (its configuration: the operator's), as a simple URL."""
+    url = os.environ.get("PIP_INDEX_URL", "")
+    if not url:
+        try:
+            proc = subprocess.run(
+                [*pip, "config", "get", "global.index-url"], capture_output=True, text=True, timeout=60
+            )
+            url = proc.stdout.strip() if proc.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            url = ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def fetch_sdist(pip: list[str], pin: str, dest: Path, timeout: float) -> tuple[str | None, list[str]]:
+    """``pin``'s source distribution (``name==version``) into ``dest``, from the index's
+    JSON page (PEP 691), its sha256 checked; and what building and running it need: its
+    ``build-system.requires`` (PEP 517's default when it has none) and its
+    ``Requires-Dist``, read from the archive, never run. (None, []) when the index has
+    no source distribution of that version."""
+    import tarfile
+    import tomllib
+    import urllib.request
+    from email.parser import HeaderParser
+
+    name, version = pin.split("==", 1)
+    normal = re.sub(r"[-_.]+", "-", name).lower()
+    request = urllib.request.Request(
+        f"{_index_url(pip)}/{normal}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=min(timeout, 120)) as answer:
+            page = json.loads(answer.read(16 << 20))
+    except (OSError, ValueError):
+        return None, []
+    stem = re.sub(r"[-_.]+", "_", name).lower() + "-" + version
+    wanted = {f"{stem}.tar.gz", f"{normal}-{version}.tar.gz", f"{name}-{version}.tar.gz"}
+    entry = next(
+        (f for f in page.get("files", ()) if f.get("filename", "").lower() in {w.lower() for w in wanted}), None
+    )
+    if entry is None or "sha256" not in entry.get("hashes", {}):
+        return None, []
+    target = dest / entry["filename"]
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(entry["url"], timeout=min(timeout, 600)) as answer, open(target, "wb") as out:
+        while chunk := answer.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != entry["hashes"]["sha256"]:
+        target.unlink()
+        raise VerifierWheelsError(f"{entry['filename']}: its sha256 is not the index's")
+    build, runtime = ["setuptools>=40.8.0", "wheel"], []
+    with tarfile.open(target, "r:gz") as archive:
+        for member in archive.getmembers()[:10000]:
+            parts = member.name.split("/")
+            if len(parts) != 2 or not member.isfile() or member.size > 1 << 20:
+                continue
+            data = archive.extractfile(member)
+            if data is None:
+                continue
+            if parts[1] == "pyproject.toml":
+                requires = tomllib.loads(data.read().decode(errors="replace")).get("build-system", {}).get("requires")
+                if isinstance(requires, list):
+                    build = [str(r) for r in requires]
+            elif parts[1] == "PKG-INFO":
+                runtime = HeaderParser().parsestr(data.read().decode(errors="replace")).get_all("Requires-Dist") or []
+    return entry["filename"], [*build, *runtime]
 
 
 # -- the call site ----------------------------------------------------------------------------

@@ -131,6 +131,7 @@ def _run_tests(
                     "ino": st.st_ino,
                     "home_env": (runner / "etc" / "uv-env").read_text(),
                     "wheels": str(layout.TASK_WHEELS) if wheels_fd is not None else None,
+                    "run_size": run_size(wheels),
                     "installs": str(layout.TASK_INSTALLS) if installs is not None else None,
                     "packages": packages,
                 },
@@ -186,3 +187,19 @@ def _write_watch() -> dict[str, object]:
         "seccomp_nr": seccomp.syscall_number("seccomp"),
         "calls": calls,
     }
+
+
+_RUN_BASE = 2 << 30  # uv's cache and environments of a task with only small pins
+_wheel_bytes: dict[Path, int] = {}  # (a task's wheels folder never changes once made)
+
+
+def run_size(wheels: Path | None) -> int:
+    """The size of the runner's scratch folder (a tmpfs: memory, only as used) for a
+    task whose pinned wheels are ``wheels``: 2 GiB, plus three times the wheels, which
+    uv unpacks there (torch's CUDA build and its libraries: about 3 GB of wheels, more
+    than twice that unpacked). Bounded by the task's pins, never by the agent."""
+    if wheels is None:
+        return _RUN_BASE
+    if wheels not in _wheel_bytes:
+        _wheel_bytes[wheels] = sum(p.stat().st_size for p in wheels.glob("*.whl") if p.is_file())
+    return _RUN_BASE + 3 * _wheel_bytes[wheels]

@@ -64,7 +64,7 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     )
 
 
-def build_root(staging: str, runner_bin: str, run: str) -> list[str]:
+def build_root(staging: str, runner_bin: str, run: str, run_size: int = 2 << 30) -> list[str]:
     """Build the new root at ``staging`` (a mount point), pivot into it. ``run`` is the
     runner's private scratch folder (mounted here). The verifier's own mounts come first
     (the agent cannot make them fail by using up the namespace's mounts); then the
@@ -106,7 +106,7 @@ def build_root(staging: str, runner_bin: str, run: str) -> list[str]:
     check(libc.syscall(_SYS_PIVOT_ROOT[arch], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detach the old root")
     os.chdir("/")
-    _mount("tmpfs", run, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=2g")
+    _mount("tmpfs", run, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={run_size}")
     _check_shell(runner_bin)
     return notes
 
@@ -152,6 +152,19 @@ def _bind_fd(fd: int, target: str) -> None:
     tree = libc.syscall(_SYS_OPEN_TREE, fd, b"", _OPEN_TREE_CLONE | _AT_EMPTY_PATH | os.O_CLOEXEC)
     if tree < 0:
         check(-1, f"open_tree for {target}")
+    attach_tree(tree, target)
+
+
+def clone_tree(fd: int) -> int | None:
+    """A detached copy of the mount at ``fd`` (a folder), to attach later in another
+    mount namespace (:func:`attach_tree`); None where this process may not make one (an
+    ordinary user's, of a host folder)."""
+    tree = libc.syscall(_SYS_OPEN_TREE, fd, b"", _OPEN_TREE_CLONE | _AT_EMPTY_PATH | os.O_CLOEXEC)
+    return tree if tree >= 0 else None
+
+
+def attach_tree(tree: int, target: str) -> None:
+    """Put the detached mount ``tree`` at ``target`` (and close it)."""
     try:
         check(
             libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH),

@@ -66,10 +66,11 @@ from sequester.sandbox.nsexec.ns import (
     restrict,
     start_joining,
 )
-from sequester.sandbox.nsexec.root import build_root
+from sequester.sandbox.nsexec.root import attach_tree, build_root, clone_tree
 from sequester.sandbox.nsexec.router import op_net_link, op_net_nft, op_net_router, op_net_stack
 
 _PR_SET_DUMPABLE = 4
+_RUN_SIZE = 2 << 30  # the runner's scratch folder (uv's cache and environments), unless the request says
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
 
@@ -284,12 +285,16 @@ def _captured(capture: Capture, files: dict[str, str], status: int) -> list[str]
 def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]:
     """The verifier's root (see :func:`sequester.sandbox.nsexec.root.build_root`), the
     runner checked, its scratch folders, the task's wheels and the staged tests."""
+    runner = req["runner"]
+    # The task's wheels (gigabytes for a torch pin) bound read-only rather than copied into
+    # memory, where this worker may: a copy of the host's folder made before it leaves
+    # the host's mount namespace (root's: an ordinary user's worker copies them).
+    wheels_tree = clone_tree(fds[4]) if runner.get("wheels") else None
     enter(req["target"], user="parent", pid=False, cgroup=None)
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-    runner = req["runner"]
-    notes = build_root("/tests", runner["bin"], runner["run"])
+    notes = build_root("/tests", runner["bin"], runner["run"], runner.get("run_size") or _RUN_SIZE)
     _check_runner(runner)
     run = runner["run"]
     for folder in ("home/.local/bin", "cache", "tools"):
@@ -298,7 +303,13 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
         f.write(runner["home_env"])
     staged = iter(fds[4:])  # the wheels' folder, then the installs' tar, each when there
     if runner.get("wheels"):
-        _copy_wheels(next(staged), runner["wheels"])
+        source = next(staged)
+        if wheels_tree is not None:
+            os.mkdir(runner["wheels"], 0o755)
+            attach_tree(wheels_tree, runner["wheels"])
+            remount_readonly(runner["wheels"])
+        else:
+            _copy_wheels(source, runner["wheels"])
     if runner.get("installs"):
         _copy_installs(next(staged), runner["installs"], runner.get("packages") or [])
     for fd in fds[4:]:  # received without close-on-exec: nothing of the host's reaches the script
