@@ -76,6 +76,14 @@ def test_only_the_shells_own_reward_writes_are_kept(tmp_path):
                 os._exit(1)
             code = os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1])
             os.close(fd)
+            # `{ scorer; } > reward.json`: the shell opens it, only its child writes.
+            scored = os.open("/logs/verifier/reward.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            scorer = os.fork()
+            if scorer == 0:
+                os.write(scored, b'{"reward": 1}')
+                os._exit(0)
+            os.waitpid(scorer, 0)
+            os.close(scored)
             with open("/logs/verifier/reward.txt", "a") as f:  # appended
                 f.write("more\n")
             with open(visible, "w") as f:  # goes on
@@ -92,6 +100,6 @@ def test_only_the_shells_own_reward_writes_are_kept(tmp_path):
     finally:
         os.close(fds[0])
     assert os.waitstatus_to_exitcode(status) == 0
-    assert capture.contents == {"reward.txt": b"1\nmore\n"}
-    assert capture.others == {"reward.txt"}
+    assert capture.contents == {"reward.txt": b"1\nmore\n", "reward.json": b'{"reward": 1}'}
+    assert capture.others == {"reward.txt", "reward.json"} and capture.borrowed == {"reward.json"}
     assert visible.read_text() == "seen"

@@ -138,11 +138,12 @@ signalled = task(WORK, "python3 /app/sig.py\nif [ $? -eq 0 ]; then echo 1 > /log
                        "else echo 0 > /logs/verifier/reward.txt; fi\n", {"sig.py": SIGNAL})
 compound = task(WORK, "if python3 /app/c.py; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n",
                 {"c.py": COMPOUND})
+braced = task(WORK, "{ python3 /app/score.py; } > /logs/verifier/reward.txt\n", {"score.py": "print(1)\n"})
 beside = task(WORK, "rm -f /logs/verifier/reward.json\npython3 /app/j.py\necho 0 > /logs/verifier/reward.txt\n",
               {"j.py": JSON})
 for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
     for name, t in (("rewrite", rewrite), ("later", later), ("scorer", scorer), ("signal", signalled),
-                    ("compound", compound), ("beside", beside)):
+                    ("compound", compound), ("beside", beside), ("braced", braced)):
         with Episode(settings()) as ep:
             ep.reset(t)
             out[f"{name}-{mode}"] = verdict(ep, **kw)
@@ -265,3 +266,14 @@ def test_a_programs_reward_json_beside_the_scripts_reward_txt_does_not_count(see
     case = seen[f"beside-{mode}"]
     assert case["reward"] == 0.0, case
     assert any("beside the script's own" in n for n in case["notes"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_a_scorer_the_script_runs_with_its_reward_file_as_output_still_counts(seen, mode):
+    """Fidelity: `{ scorer; } > reward.txt` (the shell opens the file, only the scorer
+    writes): the scorer's 1 counts, as under Docker (red team: 0 before), and the notes
+    say who wrote it."""
+    case = seen[f"braced-{mode}"]
+    assert case["reward"] == 1.0, case
+    assert any("it counts, as under Docker" in n for n in case["notes"]), case

@@ -3,6 +3,8 @@ the view (a control shows the host's programs do)."""
 
 from __future__ import annotations
 
+import os
+
 import subprocess
 from pathlib import Path
 
@@ -23,6 +25,32 @@ def test_replacements_keep_length_and_never_point_into_the_view():
     data = b"\0/usr/lib/\0/lib/\0x/lib/\0"
     out, found = redirect_paths(data, (b"/lib/",))
     assert out == b"\0/usr/lib/\0/\0\0\0\0\0x/lib/\0" and found == [b"/lib/"]  # only whole strings
+
+
+def test_a_path_after_a_tables_flag_byte_is_blanked_too():
+    """glibc's loader keeps a copy of its system folders after a \\x01 (red team: the copy
+    was left as it was); a path inside a longer one still is not touched."""
+    data = b"\x01/lib/x86_64-linux-gnu/\0usr/lib/x86_64-linux-gnu/\0"
+    out, found = redirect_paths(data, (b"/lib/x86_64-linux-gnu/",))
+    assert found == [b"/lib/x86_64-linux-gnu/"] and b"\x01/lib/" not in out
+    assert out.endswith(b"\0usr/lib/x86_64-linux-gnu/\0")
+
+
+def test_the_runners_loaders_keep_no_system_folder():
+    """Each loader of the runner's tree (its own, and each Debian Python's) has no string
+    left that names /lib/<triplet>/ or /usr/lib/<triplet>/ or the preload and cache files."""
+    tree = ensure_runner(default_toolchain_dir())
+    loaders = [p for p in tree.rglob("ld-linux*.so*") if p.is_file()]
+    assert loaders
+    triplet = f"{os.uname().machine}-linux-gnu".encode()
+    for loader in loaders:
+        data = loader.read_bytes()
+        for path in (b"/etc/ld.so.preload", b"/etc/ld.so.cache", b"/lib/" + triplet + b"/"):
+            for i in range(len(data)):
+                i = data.find(path + b"\0", i)
+                if i < 0:
+                    break
+                assert 0x21 <= data[i - 1] <= 0x7E, (loader, path, data[i - 8 : i + len(path)])
 
 
 def test_runner_env_keeps_nothing_that_changes_how_programs_load():

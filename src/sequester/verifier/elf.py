@@ -90,17 +90,18 @@ def replacement(path: bytes) -> bytes:
 
 
 def redirect_paths(data: bytes, paths: tuple[bytes, ...]) -> tuple[bytes, list[bytes]]:
-    """``data`` with every NUL-delimited occurrence of each of ``paths`` replaced by
-    :func:`replacement`. Only whole C strings are touched: the byte before an occurrence
-    must be NUL (or the start) and the one after it NUL, so ``/lib/`` inside
-    ``/usr/lib/`` is left alone. Returns the new bytes and the paths found."""
+    """``data`` with every NUL-terminated occurrence of each of ``paths`` that starts a
+    string replaced by :func:`replacement`: the byte before it is not a printable one
+    (NUL, the start, or a length or flag byte of a table: glibc's loader keeps a copy of
+    its system folders after a ``\x01``; red team), and the one after it NUL, so
+    ``/lib/`` inside ``/usr/lib/`` is left alone. Returns the new bytes and the paths found."""
     out = bytearray(data)
     found: list[bytes] = []
     for path in paths:
         needle, new = path + b"\0", replacement(path)
         start = 0
         while (i := out.find(needle, start)) >= 0:
-            if i == 0 or out[i - 1] == 0:
+            if i == 0 or not 0x21 <= out[i - 1] <= 0x7E:
                 out[i : i + len(path)] = new
                 if path not in found:
                     found.append(path)

@@ -51,7 +51,7 @@ __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "9"
+BUILD_FORMAT = "10"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",
@@ -312,7 +312,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     # the tree's bash) and tells glibc from musl by its name.
     loader = root / "lib" / host_loader.name
     shutil.copy2(host_loader.resolve(), loader)
-    _blank(loader, LOADER_PATHS)
+    _blank(loader, LOADER_PATHS, _LOADER_REQUIRED)
     rpath = [str(layout.LIB)] + [str(layout.PYTHONS / py.dir_name / "lib") for py in pythons if py.sysroot is None]
     for path in programs:
         _patch(patchelf, path, interpreter=str(layout.LIB / host_loader.name), rpath=":".join(rpath))
@@ -326,6 +326,15 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     wheels = sorted((root / "wheels").glob("*.whl"))
     for stdlib in stdlibs:
         write_sitecustomize(stdlib, probed_names(runner_sources(stdlib, wheels)))
+
+
+_TRIPLET = f"{os.uname().machine}-linux-gnu".encode()
+_LOADER_REQUIRED = (
+    b"/etc/ld.so.preload",
+    b"/etc/ld.so.cache",
+    b"/lib/" + _TRIPLET + b"/",
+    b"/usr/lib/" + _TRIPLET + b"/",
+)
 
 
 def _own_libraries(patchelf: str, py: HostPython, dest: Path, elves: list[Path]) -> None:
@@ -352,7 +361,7 @@ def _own_libraries(patchelf: str, py: HostPython, dest: Path, elves: list[Path])
             copied.append(target)
     own_loader = dest / "lib" / loader.name
     shutil.copy2(loader.resolve(), own_loader)
-    _blank(own_loader, LOADER_PATHS)
+    _blank(own_loader, LOADER_PATHS, _LOADER_REQUIRED)
     lib = layout.PYTHONS / py.dir_name / "lib"
     rpath = f"{lib}:{layout.LIB}"
     _patch(patchelf, elves[0], interpreter=str(lib / loader.name), rpath=rpath)
@@ -441,12 +450,19 @@ def _copy_ca_bundle(dest: Path) -> None:
     dest.write_text("")
 
 
-def _blank(path: Path, paths: tuple[bytes, ...] | None) -> None:
-    """Redirect ``paths`` (None: every path into the view's system folders) in ``path``."""
+def _blank(path: Path, paths: tuple[bytes, ...] | None, required: tuple[bytes, ...] = ()) -> None:
+    """Redirect ``paths`` (None: every path into the view's system folders) in ``path``;
+    each of ``required`` must have been found (a loader: its preload and cache files and
+    this machine's system folders), and none may be left starting a string."""
     original = path.read_bytes()
     data, found = redirect_paths(original, view_paths_in(original) if paths is None else paths)
     if paths is not None and not found:
         raise SandboxError(f"{path.name}: none of the paths it should read were found; not a glibc this build knows")
+    missing = [p.decode() for p in required if p not in found or redirect_paths(data, (p,))[1]]
+    if missing:
+        raise SandboxError(
+            f"{path.name}: {', '.join(missing)} not found or not all blanked; not a glibc this build knows"
+        )
     if data == original:
         return
     mode = path.stat().st_mode

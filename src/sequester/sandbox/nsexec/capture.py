@@ -123,10 +123,24 @@ libc.process_vm_readv.restype = ctypes.c_ssize_t
 
 @dataclass
 class _Stream:
-    """One open of a reward file by the shell: the worker's end of its socket pair."""
+    """One open of a reward file by the shell: the worker's end of its socket pair, and
+    what arrived there from the shell itself and from others (a program the shell ran with
+    that descriptor as its output)."""
 
     name: str
     sock: socket.socket
+    own: bytearray = field(default_factory=bytearray)
+    others: bytearray = field(default_factory=bytearray)
+    open: bool = True
+
+    def content(self) -> tuple[bytes, bool]:
+        """What this open wrote, and whether it came from others: the shell's own bytes
+        when it wrote any (then nothing else counts: ``if prog; ...; fi > reward.txt``),
+        else what a program it ran wrote through it (``{ scorer; } > reward.txt``)."""
+        return (bytes(self.own), False) if self.own else (bytes(self.others), bool(self.others))
+
+
+_READS_PER_TURN = 64  # reads of one stream before the others get a turn (a writer that never stops)
 
 
 @dataclass
@@ -136,16 +150,32 @@ class Capture:
     listener: int
     shell: int
     calls: dict[int, str]  # this machine's numbers of open, openat, creat, openat2 (the host's libseccomp)
-    contents: dict[str, bytes] = field(default_factory=dict)  # what the shell wrote, by name
-    others: set[str] = field(default_factory=set)  # names others wrote into the shell's descriptors
     handled: int = 0
-    _streams: dict[int, _Stream] = field(default_factory=dict)
+    _opens: dict[str, list[_Stream]] = field(default_factory=dict)  # by name, since its last truncating open
+    _streams: dict[int, _Stream] = field(default_factory=dict)  # by the worker's descriptor, while open
     _poller: select.poll = field(default_factory=select.poll)
+    _ended: bool = False
+
+    @property
+    def contents(self) -> dict[str, bytes]:
+        """What the script wrote to each reward file it opened (see :meth:`_Stream.content`)."""
+        return {name: b"".join(st.content()[0] for st in opens)[:LIMIT] for name, opens in self._opens.items()}
+
+    @property
+    def borrowed(self) -> set[str]:
+        """Names whose content came (in part) from a program the shell ran, not the shell."""
+        return {name for name, opens in self._opens.items() if any(st.content()[1] for st in opens)}
+
+    @property
+    def others(self) -> set[str]:
+        """Names into whose shell descriptor another process wrote, counted or not."""
+        return {name for name, opens in self._opens.items() if any(st.others for st in opens)}
 
     def serve(self) -> int:
-        """Answer notifications and read the shell's writes until the shell ends; its
-        wait status. (The shell's processes are all dead then: what is left in the
-        sockets is read to the end.)"""
+        """Answer notifications and read the script's writes until the shell ends; its
+        wait status. (The tests' processes are all dead then: what is left in the sockets
+        is read, the shell's own; what arrives later, from an agent process that was
+        handed a descriptor, is not.)"""
         pidfd = os.pidfd_open(self.shell)
         try:
             self._poller.register(pidfd, select.POLLIN)
@@ -155,8 +185,9 @@ class Capture:
                 for fd, events in self._poller.poll():
                     if fd == pidfd:
                         status = os.waitpid(self.shell, 0)[1]
+                        self._ended = True
                         for key in list(self._streams):
-                            self._drain(key)
+                            self._drain(key, turns=LIMIT // (1 << 16) + 1)
                         return status
                     if fd in self._streams:
                         self._drain(fd)
@@ -171,10 +202,11 @@ class Capture:
                 stream.sock.close()
             self._streams.clear()
 
-    def _drain(self, key: int) -> None:
-        """Read what is waiting on one stream; keep the shell's own bytes."""
+    def _drain(self, key: int, turns: int = _READS_PER_TURN) -> None:
+        """Read what is waiting on one stream (at most ``turns`` reads); keep each byte
+        with who wrote it (the shell, or others), each side at most :data:`LIMIT`."""
         stream = self._streams[key]
-        while True:
+        for _ in range(turns):
             try:
                 data, ancillary, _, _ = stream.sock.recvmsg(
                     1 << 16, socket.CMSG_SPACE(_UCRED.size), socket.MSG_DONTWAIT
@@ -186,6 +218,7 @@ class Capture:
             if not data:  # every holder closed it
                 self._poller.unregister(key)
                 stream.sock.close()
+                stream.open = False
                 del self._streams[key]
                 return
             pid = next(
@@ -196,11 +229,10 @@ class Capture:
                 ),
                 None,
             )
-            if pid != self.shell:
-                self.others.add(stream.name)
-                continue
-            kept = self.contents.get(stream.name, b"")
-            self.contents[stream.name] = (kept + data)[:LIMIT]
+            side = stream.own if pid == self.shell else stream.others
+            if pid != self.shell and self._ended:
+                continue  # (after the shell's end: only an agent process handed a descriptor is left)
+            side += data[: max(0, LIMIT - len(side))]
 
     def _answer(self) -> None:
         notif = _Notif()
@@ -248,15 +280,18 @@ class Capture:
         if name is None or libc.ioctl(self.listener, _NOTIF_ID_VALID, ctypes.byref(ctypes.c_uint64(notif.id))) != 0:
             return None, 0
         flags = self._flags(notif)
-        # What the shell wrote before, all of it: then a truncating open starts over.
+        # What the shell wrote before comes first; a truncating open starts over.
         for key in [k for k, st in self._streams.items() if st.name == name]:
             self._drain(key)
-        if not flags & os.O_APPEND or name not in self.contents:
-            self.contents[name] = b""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         ours.shutdown(socket.SHUT_WR)  # (the shell reads nothing from it)
-        self._streams[ours.fileno()] = _Stream(name, ours)
+        stream = _Stream(name, ours)
+        if flags & os.O_APPEND and name in self._opens:
+            self._opens[name].append(stream)
+        else:
+            self._opens[name] = [stream]
+        self._streams[ours.fileno()] = stream
         self._poller.register(ours.fileno(), select.POLLIN)
         return theirs.detach(), 0
 

@@ -243,11 +243,24 @@ def _captured(capture: Capture, files: dict[str, str], status: int) -> list[str]
     which."""
     notes = []
     own = capture.contents
+    stopped = os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) >= 128
     for name in sorted(capture.others):
-        notes.append(
-            f"a program the test script ran wrote into the script's own /logs/verifier/{name} (the shell's "
-            "descriptor, as its output): not counted"
-        )
+        if name not in capture.borrowed:
+            notes.append(
+                f"a program the test script ran wrote into the script's own /logs/verifier/{name} (the shell's "
+                "descriptor, as its output) beside the script's own write: not counted"
+            )
+        elif stopped:
+            notes.append(
+                f"/logs/verifier/{name} was written by a program the test script ran (through the script's own "
+                "descriptor), and the script was stopped by a signal: not counted"
+            )
+            del own[name]
+        else:
+            notes.append(
+                f"/logs/verifier/{name} was written by a program the test script ran, through the script's own "
+                "descriptor (`{ scorer; } > reward.txt`): it counts, as under Docker"
+            )
     for name, data in own.items():
         encoded = base64.b64encode(data).decode()
         if name in files and files[name] != encoded:
@@ -264,7 +277,7 @@ def _captured(capture: Capture, files: dict[str, str], status: int) -> list[str]
                     f"{', '.join(sorted(own))}: not counted"
                 )
                 del files[name]
-            elif os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) >= 128:
+            elif stopped:
                 notes.append(
                     f"/logs/verifier/{name} was written by a program the test script ran, and the script was "
                     f"stopped by a signal (status {os.waitstatus_to_exitcode(status)}) before it wrote a reward "
