@@ -36,9 +36,10 @@ def test_rewards_are_read_strictly(tmp_path, episode, content, error):
 
 def test_a_deeply_nested_reward_file_is_the_agents_zero_not_an_error(tmp_path, episode):
     """Attack: a program the tests ran writes a reward.json nested deep enough to raise
-    RecursionError out of a JSON parser: refused before it is parsed, the agent's 0."""
+    RecursionError out of a JSON parser: refused before it is parsed, the agent's 0. (The
+    script writes no reward itself: a program's reward file counts then, and is parsed.)"""
     script = ("python3 -c \"import sys; sys.stdout.write('{\\\"reward\\\": ' + '[' * 200000 + ']' * 200000 + '}')\" "
-              "> /logs/verifier/reward.json\necho 1 > /logs/verifier/reward.txt\necho reward.json > /dev/null\n")
+              "> /logs/verifier/reward.json\necho reward.json > /dev/null\n")
     episode.reset(make_task(tmp_path, test_sh=script))
     result = episode.evaluate()
     assert result.rewards == {"reward": 0.0} and "not a flat object" in (result.zero_reason or ""), result
