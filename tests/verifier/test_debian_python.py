@@ -111,3 +111,25 @@ def test_an_extension_with_a_runpath_of_its_own_finds_glibcs_libraries(tmp_path)
         ep.write_file(f"/app/ext/{_EXT.name}", ext.read_bytes())
         result = ep.evaluate()
     assert result.files["ext.txt"].decode().strip() == "loaded", result.files["ext.txt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [
+    "uv venv -p 3.12 .tb\nsource .tb/bin/activate\nuv run pytest /tests/test_x.py\n"
+    "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+    "uvx -p 3.12 -w pytest==8.4.1 pytest /tests/test_x.py\n"
+    "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+])
+def test_a_python_the_runner_lacks_is_a_named_error_never_a_zero(tmp_path, script):
+    """mailman's script asks `uv venv -p 3.12` (no Debian release has 3.12): the set-up
+    fails the same way in the pristine environment, so the trial is VerifierCouldNotRun
+    naming the version (it scored 0 when the wheels fetch stopped failing first)."""
+    from sequester.environments.verdict import VerifierCouldNotRun
+
+    # (its tests then fail: what the missing environment would have held is not there)
+    task = make_task(tmp_path, test_sh=script, files={"tests/test_x.py": "def test_x():\n    assert False\n"},
+                     verifier_timeout=120)
+    with Episode() as ep:
+        ep.reset(task)
+        with pytest.raises(VerifierCouldNotRun, match=r"Python 3\.12, which the runner does not have"):
+            ep.evaluate()

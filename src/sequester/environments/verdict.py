@@ -331,6 +331,9 @@ def setup_failures(ev: Evaluation) -> list[str]:
         kind, _, what = mark.partition(":")
         if kind == "setup-failed":
             step, _, item = what.partition(":")
+            if step == "uv-python":
+                failed.append(f"the script asks uv for Python {item}, which the runner does not have")
+                continue
             failed.append(f"{step.replace('apt-get-', 'apt-get ')} {item}".strip() + " failed")
         elif kind == "installs":
             installs.add(what)

@@ -143,6 +143,25 @@ FINGERPRINT = (
 )
 
 
+def _asks_python(shorts: list[str]) -> str:
+    """Shell text that says ``setup-failed:uv-python:X.Y`` on the runner's pipe when uv is
+    asked (``-p``, ``--python``) for a CPython version none of ``shorts`` is."""
+    have = " ".join(shorts)
+    return (
+        "__sequester_want=; __sequester_next=\n"
+        'for a in "$@"; do\n'
+        '  if [ -n "$__sequester_next" ]; then __sequester_want=$a; __sequester_next=; continue; fi\n'
+        '  case "$a" in -p|--python) __sequester_next=1 ;; --python=*) __sequester_want=${a#--python=} ;;'
+        " -p?*) __sequester_want=${a#-p} ;; esac\n"
+        "done\n"
+        'case "$__sequester_want" in\n'
+        "  [0-9]*.[0-9]*)\n"
+        '    __sequester_short=$(printf %s "$__sequester_want" | cut -d. -f1,2)\n'
+        f'    case " {have} " in *" $__sequester_short "*) ;; *) __sequester_say "setup-failed:uv-python:$__sequester_want" ;; esac ;;\n'  # noqa: E501 - a program's text
+        "esac\n"
+    )
+
+
 def _real(py: HostPython) -> str:
     return str(layout.PYTHONS / py.dir_name / "bin" / f"python{py.short}")
 
@@ -166,12 +185,16 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         else:
             os.symlink(f"../libexec/{name}", bin_dir / name)
     os.symlink("bash", bin_dir / "sh")
-    _script(bin_dir / "uv", _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
+    # A Python the runner does not have (uv venv -p 3.12, uvx -p 3.12): told to the host as
+    # a set-up failure (an error after the pristine re-run, never the agent's 0), then uv
+    # fails as it would.
+    asks = _asks_python(sorted({py.short for py in pythons}))
+    _script(bin_dir / "uv", _SAY + asks + _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
     uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
     # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
-    _script(bin_dir / "uvx", said + _AGENT_HOME + f'exec {uvx} "$@"\n')
+    _script(bin_dir / "uvx", said + _SAY + asks + _AGENT_HOME + f'exec {uvx} "$@"\n')
     # python3, python, pip and pytest: the image's python3 version when the runner has it
     # (IMAGE_PYTHON_VAR, see sequester.verifier.image_python), else the first Python; their
     # Pythons find the image's packages after their own (pysite's SITE_VAR).
