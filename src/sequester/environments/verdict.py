@@ -351,8 +351,13 @@ def setup_failures(ev: Evaluation) -> list[str]:
 
 def runner_lacks(ev: Evaluation) -> list[str]:
     """The modules the tests imported that the runner must provide and lacks (the
-    standard library's, the test tools')."""
-    return [m.partition(":")[2] for m in ev.runner_said if m.startswith("runner-lacks:")]
+    standard library's, the test tools'), and the C extensions that could not load a
+    system library the runner does not carry."""
+    return [m.partition(":")[2] for m in ev.runner_said if m.startswith("runner-lacks:")] + [
+        f"a system library of {m.partition(':')[2]}'s C extension"
+        for m in ev.runner_said
+        if m.startswith("runner-lacks-library:")
+    ]
 
 
 def runner_works(ev: Evaluation) -> bool:

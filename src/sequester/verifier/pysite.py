@@ -271,6 +271,26 @@ def _trusted_find_spec(cls, name, path=None, target=None):
 # (A classmethod, as the path finder's own: a copy kept on another class, as pytest keeps
 # one, stays bound to the path finder.)
 _PathFinder.find_spec = classmethod(_trusted_find_spec)
+
+# A C extension that needs a system library the runner does not carry (opencv's libGL):
+# the runner's loader has no system folders and says "/: cannot read file data" (see
+# sequester.verifier.elf). The runner's shortfall, never the agent's 0: told to the host
+# ("runner-lacks-library:NAME"), whose pristine re-run decides.
+from importlib.machinery import ExtensionFileLoader as _ExtensionFileLoader
+
+_create_extension = _ExtensionFileLoader.create_module
+
+
+def _create_module(self, spec):
+    try:
+        return _create_extension(self, spec)
+    except ImportError as exc:
+        if "cannot read file data: Is a directory" in str(exc):
+            _say("runner-lacks-library:" + str(spec.name))
+        raise
+
+
+_ExtensionFileLoader.create_module = _create_module
 _extra = os.environ.pop({PYTHONPATH_VAR!r}, None)
 if _extra is not None:
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
