@@ -358,7 +358,8 @@ def _copy_wheels(source: int, target: str) -> None:
     names, total = [], 0
     with os.scandir(source) as entries:
         for entry in entries:
-            if entry.name.endswith(".whl") and not entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+            wanted = entry.name.endswith((".whl", ".tar.gz"))  # (a pin's source distribution: uv builds it)
+            if wanted and not entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
                 names.append(entry.name)
                 total += entry.stat(follow_symlinks=False).st_size
     os.mkdir(target, 0o755)
