@@ -247,9 +247,12 @@ class Capture:
             error = exc.errno or errno.EIO
         if fd is not None:
             addfd = _AddFd(notif.id, _ADDFD_FLAG_SEND, fd, 0, os.O_CLOEXEC if self._flags(notif) & os.O_CLOEXEC else 0)
-            libc.ioctl(self.listener, _NOTIF_ADDFD, ctypes.byref(addfd))  # (ENOENT: the shell is gone)
+            added = libc.ioctl(self.listener, _NOTIF_ADDFD, ctypes.byref(addfd))
+            failed = ctypes.get_errno() if added < 0 else 0
             os.close(fd)  # (the shell's end: the shell holds its own copy now)
-            return
+            if added >= 0 or failed == errno.ENOENT:  # (ENOENT: the shell is gone)
+                return
+            error = failed or errno.EIO  # (its descriptor table full: the open fails, never waits)
         resp = _Resp(notif.id, 0, -error if error else 0, 0 if error else _FLAG_CONTINUE)
         libc.ioctl(self.listener, _NOTIF_SEND, ctypes.byref(resp))
 
