@@ -64,7 +64,7 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     )
 
 
-def build_root(staging: str, runner_bin: str, run: str, run_size: int = 2 << 30) -> list[str]:
+def build_root(staging: str, runner_bin: str, run: str, run_size: int) -> list[str]:
     """Build the new root at ``staging`` (a mount point), pivot into it. ``run`` is the
     runner's private scratch folder (mounted here). The verifier's own mounts come first
     (the agent cannot make them fail by using up the namespace's mounts); then the

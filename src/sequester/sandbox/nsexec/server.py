@@ -70,7 +70,6 @@ from sequester.sandbox.nsexec.root import attach_tree, build_root, clone_tree
 from sequester.sandbox.nsexec.router import op_net_link, op_net_nft, op_net_router, op_net_stack
 
 _PR_SET_DUMPABLE = 4
-_RUN_SIZE = 2 << 30  # the runner's scratch folder (uv's cache and environments), unless the request says
 _FILE_LIMIT = 1 << 20  # each file read back from /logs/verifier
 
 
@@ -307,7 +306,7 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-    notes = build_root("/tests", runner["bin"], runner["run"], runner.get("run_size") or _RUN_SIZE)
+    notes = build_root("/tests", runner["bin"], runner["run"], runner["run_size"])
     _check_runner(runner)
     run = runner["run"]
     for folder in ("home/.local/bin", "cache", "tools"):
