@@ -88,6 +88,39 @@ os.kill(0, signal.SIGINT)
 # into the shell's own descriptor before the shell's 0.
 COMPOUND = "import os, sys\nos.write(1, b'1e')\nsys.exit(1)\n"
 JSON = "open('/logs/verifier/reward.json', 'w').write('{\"reward\": 1}')\n"
+# A program writes a .pth into every Python environment of the runner's it can find (each
+# later Python start there exits 0 at once: a later pytest "passes"), and points the
+# runner's uvx index at a pytest of its own that exits 0.
+POISON = """
+import os, sys
+seen = []
+top = "/opt/sequester-verifier/run"
+for root, dirs, _ in os.walk(top):
+    if root.endswith("site-packages"):
+        dirs[:] = []
+        try:
+            with open(os.path.join(root, "zz_sequester_poison.pth"), "w") as f:
+                f.write("import os; os._exit(0)\\n")
+            seen.append("wrote " + root)
+        except OSError as exc:
+            seen.append(exc.strerror)
+try:
+    os.makedirs("/tmp/fake/bin", exist_ok=True)
+    with open("/tmp/fake/bin/pytest", "w") as f:
+        f.write("#!/bin/sh\\nexit 0\\n")
+    os.chmod("/tmp/fake/bin/pytest", 0o755)
+    with open(top + "/uvx-tools", "a") as f:
+        f.write("/tmp/fake/bin\\tpytest\\t-w\\x1fpytest==8.4.1\\x1fpytest\\n")
+    seen.append("index")
+except OSError as exc:
+    seen.append("index: " + exc.strerror)
+with open("/logs/verifier/poison-" + sys.argv[1] + ".txt", "w") as f:
+    f.write(repr(seen))
+"""
+# The tests' own first file runs the program (as a test would run the agent's), the second fails.
+CALLS_POISON = ("import subprocess\n"
+                "def test_a():\n    subprocess.run(['python3', '/app/poison.py', 'pytest'], check=True)\n")
+UVX = "uvx -w pytest==8.4.1 pytest"
 
 
 def task(root, test_sh, files):
@@ -141,6 +174,31 @@ compound = task(WORK, "if python3 /app/c.py; then echo 1; else echo 0; fi > /log
 braced = task(WORK, "{ python3 /app/score.py; } > /logs/verifier/reward.txt\n", {"score.py": "print(1)\n"})
 beside = task(WORK, "rm -f /logs/verifier/reward.json\npython3 /app/j.py\necho 0 > /logs/verifier/reward.txt\n",
               {"j.py": JSON})
+# A program the script runs before its uvx pytest (the agent's make), and one pytest runs
+# before the script's second uvx pytest: both poison the runner for the later step.
+direct = task(WORK, f"python3 /app/poison.py direct\n{UVX} /tests/test_x.py\n"
+                    "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+              {"poison.py": POISON})
+(direct / "tests" / "test_x.py").write_text("def test_x():\n    assert False\n")
+within = task(WORK, f"{UVX} /tests/test_a.py\n{UVX} /tests/test_x.py\n"
+                    "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+              {"poison.py": POISON})
+(within / "tests" / "test_a.py").write_text(CALLS_POISON)
+pip = task(WORK, "pip install pytest==8.4.1\npython3 /app/poison.py pip\npytest /tests/test_x.py\n"
+                 "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+           {"poison.py": POISON})
+for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
+    for name, t in (("poison-direct", direct), ("poison-within", within), ("poison-pip", pip)):
+        with Episode(settings()) as ep:
+            ep.reset(t)
+            try:
+                r = ep.evaluate(**kw)
+                out[f"{name}-{mode}"] = {"reward": r.reward, "notes": list(r.notes), "output": r.output[-3000:],
+                                         "seen": {k: v.decode(errors="replace") for k, v in r.files.items()
+                                                  if k.startswith("poison")}}
+            except Exception as exc:
+                out[f"{name}-{mode}"] = {"reward": None, "error": f"{type(exc).__name__}: {exc}", "seen": {},
+                                         "output": str(getattr(exc, "output", ""))[-3000:]}
 for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
     for name, t in (("rewrite", rewrite), ("later", later), ("scorer", scorer), ("signal", signalled),
                     ("compound", compound), ("beside", beside), ("braced", braced)):
@@ -277,3 +335,21 @@ def test_a_scorer_the_script_runs_with_its_reward_file_as_output_still_counts(se
     case = seen[f"braced-{mode}"]
     assert case["reward"] == 1.0, case
     assert any("it counts, as under Docker" in n for n in case["notes"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+@pytest.mark.parametrize("where", ["direct", "within", "pip"])
+def test_no_program_the_script_runs_can_change_the_test_runner_of_a_later_step(seen, where, mode):
+    """A program the script runs before its `uvx pytest` (`direct`: the agent's make), or
+    one that pytest runs before the script's second `uvx pytest` (`within`), writes a .pth
+    that ends every later Python start with status 0 into each of the runner's Python
+    environments, and adds a pytest of its own to the runner's uvx index: the later
+    pytest still runs the failing test (0). The runner's environments were installed
+    before the script ran and are read-only to all it starts. (`pip`: the script's
+    `pip install` then `pytest`, the program run between them.)"""
+    case = seen[f"poison-{where}-{mode}"]
+    assert case["reward"] == 0.0, case
+    poison = case["seen"].get(f"poison-{where if where != 'within' else 'pytest'}.txt", "")
+    assert "Read-only file system" in poison and "wrote " not in poison, case
+    assert "'index'" not in poison, case

@@ -277,6 +277,15 @@ def judge(
             "the verifier's Python did not run the import lines of the image's .pth files (start-up code the "
             f"agent could write; a package that needs one to be found is not found): {', '.join(skipped[:8])}",
         )
+    unsealed = [m.partition(":")[2] for m in ev.runner_said if m.startswith("runner-unsealed:")]
+    if unsealed:
+        notes = (
+            *notes,
+            "the test script installed with "
+            f"{', '.join(f'`{u}`' for u in dict.fromkeys(unsealed))} what could not be read from its text ahead "
+            "(a word the shell expands, uv itself): that environment was made as the script ran, in a folder the "
+            "programs it ran before could write (every one installed ahead is read-only to them)",
+        )
     if imported:
         shown = ", ".join(imported[:8]) + (f" and {len(imported) - 8} more" if len(imported) > 8 else "")
         notes = (

@@ -54,6 +54,7 @@ _RUNNER_INPUTS = (
     "XDG_CONFIG_HOME",
     "XDG_CONFIG_DIRS",
     "REQUESTS_CA_BUNDLE",
+    "SEQUESTER_PIP_ENV",  # (the runner's own, for what it installs before the script runs)
 )
 
 
@@ -82,8 +83,8 @@ def runner_env(
             "UV_NO_INDEX": "1",
             "UV_NO_CONFIG": "1",
             "UV_FIND_LINKS": ",".join([str(layout.WHEELS), *find_links]),  # uv's list is comma-separated
-            "UV_CACHE_DIR": str(layout.RUN_CACHE),
-            "UV_TOOL_DIR": str(layout.RUN_TOOLS),
+            "UV_CACHE_DIR": str(layout.SCRATCH_CACHE),  # (what is installed ahead: RUN_CACHE)
+            "UV_TOOL_DIR": str(layout.SCRATCH_TOOLS),
             "UV_PYTHON_INSTALL_DIR": str(layout.PYTHONS),
             "UV_PYTHON_PREFERENCE": "only-managed",
             "UV_PYTHON_DOWNLOADS": "never",

@@ -24,6 +24,12 @@ __all__ = [
     "RUN_CACHE",
     "RUN_TOOLS",
     "RUN_PIP",
+    "SCRATCH",
+    "SCRATCH_CACHE",
+    "SCRATCH_TOOLS",
+    "SCRATCH_PIP",
+    "TOOL_INDEX",
+    "PIP_LINES",
     "PINNED",
     "TASK_WHEELS",
     "TASK_INSTALLS",
@@ -37,11 +43,25 @@ LIBEXEC = RUNNER_MOUNT / "libexec"  # the real binaries behind the wrappers in b
 PYTHONS = RUNNER_MOUNT / "python"  # uv's managed installations: cpython-X.Y.Z-linux-ARCH-gnu/
 WHEELS = RUNNER_MOUNT / "wheels"  # the pinned wheels uv installs from, offline
 ETC = RUNNER_MOUNT / "etc"  # the runner's own configuration files
-RUN = RUNNER_MOUNT / "run"  # an empty folder: a private tmpfs at verify time
-RUN_HOME = RUN / "home"  # HOME of the test script's own shell
-RUN_CACHE = RUN / "cache"  # uv's cache (its tool environments)
+# An empty folder: a private tmpfs at verify time. What the runner installs for the script
+# (sequester.verifier.ahead: its uvx tools, its pip lines) is installed here before the
+# script's shell runs anything, and the folder is then read-only for the script and every
+# program it starts (see sequester.sandbox.nsexec.server): nothing they run can change
+# the test runner of a later step, or of this one.
+RUN = RUNNER_MOUNT / "run"
+RUN_HOME = RUN / "home"  # HOME of the test script's own shell (read-only: its .local/bin/env)
+RUN_CACHE = RUN / "cache"  # uv's cache of what was installed ahead (the uvx tools' environments)
 RUN_TOOLS = RUN / "tools"
-RUN_PIP = RUN / "pip"  # the environment the runner's pip installs into (and pytest, python3 use)
+RUN_PIP = RUN / "pip"  # the environment the runner's pip installed the script's pip lines into
+TOOL_INDEX = RUN / "uvx-tools"  # the uvx commands installed ahead: bin folder, command, words
+PIP_LINES = RUN_PIP / ".sequester-lines"  # the pip install lines installed ahead, one a line
+# A writable tmpfs of its own inside RUN: what the script installs that could not be read
+# from its text ahead (``uvx $TOOL``, ``uv venv``, ``pip install "$PKG"``) is installed
+# here as the script runs, where the programs it ran before can write (the trial says so).
+SCRATCH = RUN / "scratch"
+SCRATCH_CACHE = SCRATCH / "cache"
+SCRATCH_TOOLS = SCRATCH / "tools"
+SCRATCH_PIP = SCRATCH / "pip"
 # A task's own pinned wheels (sequester.verifier.wheels), copied from the host at verify time
 # into a read-only tmpfs of the verifier's namespace; only when the task needs them.
 TASK_WHEELS = RUN / "task-wheels"

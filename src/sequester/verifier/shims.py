@@ -66,13 +66,13 @@ case "$cmd" in
       __sequester_say "setup-failed:apt-get-install:$p"
       echo "E: Unable to locate package $p (the verifier installs only what it prepared from test.sh)" >&2; exit 100
     done
-    if [ -n "$unpack" ] && [ ! -e {layout.RUN}/apt-unpacked ]; then
+    if [ -n "$unpack" ] && [ ! -e {layout.SCRATCH}/apt-unpacked ]; then
       if ! {layout.BIN}/tar -xpf {layout.TASK_INSTALLS}/install.tar -C / \\
           --keep-directory-symlink --no-overwrite-dir; then
         for p in "${{pkgs[@]}}"; do __sequester_say "setup-failed:apt-get-install:$p"; done
         echo "E: the verifier could not unpack ${{pkgs[*]}}" >&2; exit 100
       fi
-      : > {layout.RUN}/apt-unpacked
+      : > {layout.SCRATCH}/apt-unpacked
     fi
     echo "sequester: ${{pkgs[*]}} installed (by the verifier, with the task's image's own apt)"; exit 0 ;;
   *) __sequester_say "setup-failed:apt-get-$cmd"
@@ -92,54 +92,117 @@ BASH_ENV_TEXT = (
 
 
 def _pip_env(python: object) -> str:
-    """The shell functions of the runner's pip environment (:data:`layout.RUN_PIP`): made by
-    the runner's uv from ``python``, offline, from the runner's and the task's wheels."""
+    """The shell functions of the runner's pip environments: :data:`layout.RUN_PIP`, made
+    before the script ran from its own pip lines (:mod:`.ahead`), read-only; else
+    :data:`layout.SCRATCH_PIP`, made as the script runs (its ``pip install "$PKG"``) from
+    ``python``, with the lines made ahead again, then the new one: offline, from the
+    runner's and the task's wheels."""
+    pinned = next(p for p in layout.PINNED if p.startswith("pytest=="))
     return (
-        f"__sequester_venv() {{ [ -x {layout.RUN_PIP}/bin/python ] || "
-        f"{layout.LIBEXEC}/uv venv -q --python {python} {layout.RUN_PIP}; }}\n"
-        f"__sequester_pytest() {{ [ -x {layout.RUN_PIP}/bin/pytest ] || {layout.LIBEXEC}/uv pip install -q "
-        f"--python {layout.RUN_PIP}/bin/python {' '.join(p for p in layout.PINNED if p.startswith('pytest=='))}; }}\n"
+        # __sequester_pip: the environment in use (the scratch one once there is one)
+        "__sequester_pick() { __sequester_pip=\n"
+        f"  if [ -x {layout.SCRATCH_PIP}/bin/python ]; then __sequester_pip={layout.SCRATCH_PIP}\n"
+        f"  elif [ -x {layout.RUN_PIP}/bin/python ]; then __sequester_pip={layout.RUN_PIP}; fi\n"
+        "}\n"
+        # Where this pip installs: the scratch environment (the installs made before the
+        # script ran name the runner's own, sequester.verifier.ahead, with the variable).
+        f'__sequester_target="${{SEQUESTER_PIP_ENV:-{layout.SCRATCH_PIP}}}"\n'
+        # What `pip install` takes that uv pip does not (or need not): left out.
+        "__sequester_args() { __args=()\n"
+        '  for a in "$@"; do\n'
+        '    case "$a" in\n'
+        "      --break-system-packages|--user|--no-cache-dir|--root-user-action=*|--disable-pip-version-check) ;;\n"
+        "      --no-warn-script-location|-q|--quiet|-U|--upgrade) ;;\n"
+        '      *) __args+=("$a") ;;\n'
+        "    esac\n"
+        "  done\n"
+        "}\n"
+        "__sequester_venv() {\n"
+        f"  [ -x $__sequester_target/bin/python ] && return 0\n"
+        '  __sequester_say "runner-unsealed:pip"\n'
+        f"  {layout.LIBEXEC}/uv venv -q --python {python} $__sequester_target || return 1\n"
+        f"  [ -r {layout.PIP_LINES} ] || return 0\n"
+        "  while IFS= read -r __l; do\n"
+        "    IFS=$'\\x1f' read -r -a __w <<< \"$__l\"\n"
+        '    __sequester_args "${__w[@]}"\n'
+        f"    {layout.LIBEXEC}/uv pip install -q --python $__sequester_target/bin/python "
+        '"${__args[@]}" || return 1\n'
+        f"  done < {layout.PIP_LINES}\n"
+        "}\n"
+        "__sequester_pytest() {\n"
+        '  __sequester_pick; [ -n "$__sequester_pip" ] && [ -x "$__sequester_pip/bin/pytest" ] && return 0\n'
+        f"  __sequester_venv && {layout.LIBEXEC}/uv pip install -q --python $__sequester_target/bin/python {pinned}\n"
+        "}\n"
     )
 
 
 # The script asked for pytest (``pytest``, ``python3 -m pytest``, ``python3 -m pip``): the
 # pip environment, with the runner's pinned pytest unless the script installed one.
 _ENSURE = (
-    "{ __sequester_venv && __sequester_pytest; } >/dev/null 2>&1 || "
+    "{ __sequester_pytest; } >/dev/null 2>&1 || "
     '{ __sequester_say "setup-failed:pytest-install"; '
-    'echo "sequester: the verifier could not set up pytest" >&2; exit 1; }'
+    'echo "sequester: the verifier could not set up pytest" >&2; exit 1; }\n'
+    "__sequester_pick"
 )
 
-# pip: `pip install` by the runner's uv into its own environment, offline, from the
-# runner's and the task's wheels (the script's pins are fetched when the episode starts);
-# none of the agent's pip, pip.conf or PIP_* is read.
+# pip: `pip install` by the runner's uv, offline, from the runner's and the task's wheels
+# (the script's pins are fetched when the episode starts): a line of the script's made
+# ahead is done; another goes into the scratch environment. None of the agent's pip,
+# pip.conf or PIP_* is read.
 _PIP = f"""sub=${{1:-}}; [ $# -gt 0 ] && shift
 case "$sub" in
   install) ;;
   --version|-V) echo "pip (the sequester verifier's: uv pip)"; exit 0 ;;
-  list|freeze|show) __sequester_venv >/dev/null 2>&1
-    exec {layout.LIBEXEC}/uv pip "$sub" --python {layout.RUN_PIP}/bin/python "$@" ;;
+  list|freeze|show) __sequester_pick
+    exec {layout.LIBEXEC}/uv pip "$sub" --python "${{__sequester_pip:-$real}}/bin/python" "$@" ;;
   *) __sequester_say "setup-failed:pip-$sub"; echo "sequester: pip $sub is not available in the verifier" >&2; exit 1 ;;
 esac
-args=()
 for a in "$@"; do
-  case "$a" in
-    --break-system-packages|--user|--no-cache-dir|--root-user-action=*|--disable-pip-version-check) ;;
-    --no-warn-script-location|-q|--quiet|-U|--upgrade) ;;
-    -*) args+=("$a") ;;
-    *) args+=("$a"); n=${{a%%[=<>!~;[ ]*}}; __sequester_say "installs:$n" ;;
-  esac
+  case "$a" in -*) ;; *) n=${{a%%[=<>!~;[ ]*}}; __sequester_say "installs:$n" ;; esac
 done
+__line=$(IFS=$'\x1f'; printf '%s' "$*")
+if [ -r {layout.PIP_LINES} ]; then
+  while IFS= read -r __l; do
+    if [ "$__l" = "$__line" ]; then echo "sequester: installed before the script ran: $*"; exit 0; fi
+  done < {layout.PIP_LINES}
+fi
 __sequester_venv || {{ __sequester_say "setup-failed:pip-install:environment"; exit 1; }}
-{layout.LIBEXEC}/uv pip install --python {layout.RUN_PIP}/bin/python "${{args[@]}}"
+__sequester_args "$@"
+{layout.LIBEXEC}/uv pip install --python $__sequester_target/bin/python "${{__args[@]}}"
 rc=$?
-[ $rc -eq 0 ] || __sequester_say "setup-failed:pip-install:${{args[*]}}"
+[ $rc -eq 0 ] || __sequester_say "setup-failed:pip-install:${{__args[*]}}"
 exit $rc
+"""
+
+# uvx: a command installed before the script ran (sequester.verifier.ahead) runs from its
+# environment, as uvx runs it (its bin first on PATH, UV set); another is made as the
+# script runs, in the scratch folder (told to the host).
+_UVX_AHEAD = f"""if [ -r {layout.TOOL_INDEX} ]; then
+  while IFS=$'\t' read -r __b __c __ws; do
+    IFS=$'\x1f' read -r -a __w <<< "$__ws"
+    __n=${{#__w[@]}}
+    [ "$__n" -gt 0 ] && [ $# -ge "$__n" ] && [ -x "$__b/$__c" ] || continue
+    __i=0; __ok=1
+    for __x in "${{__w[@]}}"; do __i=$((__i + 1)); [ "${{!__i}}" = "$__x" ] || {{ __ok=; break; }}; done
+    if [ -n "$__ok" ]; then
+      shift "$__n"; PATH="$__b:$PATH"; UV={layout.LIBEXEC}/uv; export PATH UV
+      {_AGENT_HOME.strip()}
+      exec "$__b/$__c" "$@"
+    fi
+  done < {layout.TOOL_INDEX}
+fi
+__sequester_say "runner-unsealed:uvx"
 """
 
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
 FINGERPRINT = (
-    _APT + BASH_ENV_TEXT + _PIP + _ENSURE + _pip_env("") + "python3: the image's version when the runner has it"
+    _APT
+    + BASH_ENV_TEXT
+    + _PIP
+    + _ENSURE
+    + _pip_env("")
+    + _UVX_AHEAD
+    + "python3: the image's version when the runner has it; uv's runtime installs told"
 )
 
 
@@ -189,12 +252,17 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     # a set-up failure (an error after the pristine re-run, never the agent's 0), then uv
     # fails as it would.
     asks = _asks_python(sorted({py.short for py in pythons}))
-    _script(bin_dir / "uv", _SAY + asks + _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
+    # uv itself (uv venv, uv pip install, uv run): nothing of it is installed ahead; what it
+    # installs goes into the scratch folder's cache as the script runs (told to the host).
+    unsealed = (
+        'case "${1:-}" in ""|-V|--version|version|help|-h|--help) ;; *) __sequester_say "runner-unsealed:uv" ;; esac\n'
+    )
+    _script(bin_dir / "uv", _SAY + unsealed + asks + _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
     uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
     # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
-    _script(bin_dir / "uvx", said + _SAY + asks + _AGENT_HOME + f'exec {uvx} "$@"\n')
+    _script(bin_dir / "uvx", said + _SAY + _UVX_AHEAD + asks + _AGENT_HOME + f'exec {uvx} "$@"\n')
     # python3, python, pip and pytest: the image's python3 version when the runner has it
     # (IMAGE_PYTHON_VAR, see sequester.verifier.image_python), else the first Python; their
     # Pythons find the image's packages after their own (pysite's SITE_VAR).
@@ -210,7 +278,8 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         _script(bin_dir / name, _SAY + _AGENT_HOME + f'exec {_real(py)} -s "$@"\n')
     default = (
         f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
-        f'if [ -x "{layout.RUN_PIP}/bin/python" ]; then exec "{layout.RUN_PIP}/bin/python" -s "$@"; fi\n'
+        "__sequester_pick\n"
+        'if [ -n "$__sequester_pip" ]; then exec "$__sequester_pip/bin/python" -s "$@"; fi\n'
         'exec "$real" -s "$@"\n'
     )
     for name in ("python3", "python"):
@@ -219,13 +288,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     for name in ("pip", "pip3"):
         _script(bin_dir / name, pip)
     pytest = (
-        select
-        + _SAY
-        + _pip_env('"$real"')
-        + _ENSURE
-        + "\n"
-        + _AGENT_HOME
-        + f'exec "{layout.RUN_PIP}/bin/pytest" "$@"\n'
+        select + _SAY + _pip_env('"$real"') + _ENSURE + "\n" + _AGENT_HOME + 'exec "$__sequester_pip/bin/pytest" "$@"\n'
     )
     for name in ("pytest", "py.test"):
         _script(bin_dir / name, pytest)

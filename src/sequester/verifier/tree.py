@@ -51,7 +51,7 @@ __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "12"
+BUILD_FORMAT = "13"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sequester.verifier.script_commands import commands, program_words
 from sequester.verifier.tree import PINNED
+from sequester.verifier.uv_args import AT_VERSION, PYTHON_COMMAND, scan
 
 __all__ = ["VerifierPins", "verifier_pins"]
 
@@ -44,25 +44,11 @@ class VerifierPins:
         return tuple(r for r in self.requirements if r not in PINNED)
 
 
-# uv's options that take a value (the others are flags), long and short.
-_LONG_VALUE = set(
-    """
-    with with-editable with-requirements from python index default-index index-url extra-index-url find-links
-    index-strategy keyring-provider config-setting resolution prerelease fork-strategy exclude-newer
-    exclude-newer-package link-mode cache-dir directory project color config-file upgrade-package reinstall-package
-    no-binary-package no-build-package refresh-package env-file build-constraints build-constraint constraints
-    constraint overrides override python-platform python-version torch-backend allow-insecure-host requirements
-    requirement target prefix extra group only-group no-group package script editable optional tag branch rev
-    bounds marker no-binary only-binary""".split()
-)
-_SHORT_VALUE = set("wpifCPcbre")
 _PIN = re.compile(
     r"^([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[([A-Za-z0-9._,\s-]*)\])?\s*===?\s*"
     r"([A-Za-z0-9][A-Za-z0-9.+!_-]*)$"
 )
-_AT_VERSION = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)@([0-9][A-Za-z0-9.+!_-]*)$")  # uvx pytest@8.4.1
 _PYTHON_VERSION = re.compile(r"(?<![\d.])3\.(\d{1,2})(?!\d)")
-_PYTHON_COMMAND = re.compile(r"^c?python(?:3(?:\.\d+)?)?$")  # "uvx python" runs an interpreter, no package
 
 Found = tuple[list[str], "str | None", list[str]]  # an invocation's requirements, Python, requirement files
 
@@ -108,11 +94,11 @@ def _invocation(words: list[str]) -> Found | None:
     program, args = os.path.basename(words[0]), words[1:]
     if program == "uvx":
         return _tool_run(args, python)
-    if _PYTHON_COMMAND.match(program) and args[:3] == ["-m", "pip", "install"]:
+    if PYTHON_COMMAND.match(program) and args[:3] == ["-m", "pip", "install"]:
         program, args = "pip", args[2:]
     if program in ("pip", "pip3") and args[:1] == ["install"]:  # the runner's pip (see shims): its default Python
         return _collect(args[1:], python, stop=False)
-    scanned = list(_scan(args, stop=True))  # uv's global options, then the subcommand
+    scanned = list(scan(args, stop=True))  # uv's global options, then the subcommand
     if program != "uv" or not scanned or scanned[-1][0] is not None:
         return None
     sub, rest = scanned[-1][1], args[scanned[-1][2] :]
@@ -123,38 +109,12 @@ def _invocation(words: list[str]) -> Found | None:
     return None
 
 
-def _scan(args: list[str], *, stop: bool) -> Iterator[tuple[str | None, str | None, int]]:
-    """uv's command line as (option, value, end): value None for a flag, option None for a
-    positional, ``end`` the index after the item; with ``stop``, nothing after the first
-    positional (``--`` ends the options)."""
-    i = 0
-    while i < len(args):
-        arg, i = args[i], i + 1
-        if arg == "--":
-            yield from ((None, args[k], k + 1) for k in range(i, min(len(args), i + 1 if stop else len(args))))
-            return
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            takes, attached = name[2:] in _LONG_VALUE, value if eq else ""
-        elif arg.startswith("-") and len(arg) > 1:
-            name, takes, attached = arg[:2], arg[1] in _SHORT_VALUE, arg[2:].removeprefix("=")
-            name = name if takes else arg
-        else:
-            yield None, arg, i
-            if stop:
-                return
-            continue
-        if takes and not attached and not (arg.startswith("--") and "=" in arg):
-            attached, i = (args[i] if i < len(args) else ""), i + 1
-        yield name, (attached if takes or "=" in arg else None), i
-
-
 def _collect(args: list[str], python: str | None, *, stop: bool) -> Found:
     """``uv run`` (``stop``: the command after the options is not a requirement),
     ``uv pip install`` and ``uv add`` (the positionals are requirements)."""
     reqs: list[str] = []
     files: list[str] = []
-    for option, value, _ in _scan(args, stop=stop):
+    for option, value, _ in scan(args, stop=stop):
         if value is None:
             continue
         if option in ("-w", "--with"):
@@ -172,11 +132,11 @@ def _tool_run(args: list[str], python: str | None) -> Found:
     """``uvx``/``uv tool run``: the ``--with`` requirements, plus the tool's own package
     (``--from``'s, else the command's: ``pytest``, ``pytest==8.4.1``, ``pytest@8.4.1``)."""
     reqs, python, files = _collect(args, python, stop=True)
-    scanned = list(_scan(args, stop=True))
+    scanned = list(scan(args, stop=True))
     source = next((v for o, v, _ in scanned if o == "--from" and v), None)
     tool = source or (scanned[-1][1] if scanned and scanned[-1][0] is None else None)
-    if tool and not (source is None and _PYTHON_COMMAND.match(tool)):
-        at = _AT_VERSION.match(tool)
+    if tool and not (source is None and PYTHON_COMMAND.match(tool)):
+        at = AT_VERSION.match(tool)
         reqs.append(f"{at[1]}=={at[2]}" if at else tool.removesuffix("@latest"))
     return reqs, python, files
 

@@ -117,6 +117,27 @@ def test_scripts_that_pip_install_pytest_or_call_it_get_the_runners(tmp_path, ep
     assert episode.evaluate().reward == (1.0 if solved else 0.0)
 
 
+def test_an_install_the_script_names_by_a_variable_is_made_as_it_runs_and_named(tmp_path, episode):
+    """Fidelity: `pip install "$PKG"` and `uvx -w "$PKG" pytest` cannot be read ahead: they
+    are installed as the script runs (the scratch folder), work, and the notes say so."""
+    script = 'cd /app\nPKG=pytest==8.4.1\npip install "$PKG"\nuvx -w "$PKG" pytest /tests/test_x.py -rA' + _VERDICT
+    episode.reset(make_task(tmp_path, test_sh=script, files=_X_TEST))
+    episode.exec("printf ok > /app/out.txt")
+    result = episode.evaluate()
+    assert result.reward == 1.0, result.output
+    assert any("`pip`, `uvx` what could not be read from its text ahead" in n for n in result.notes), result.notes
+
+
+def test_the_tests_can_write_a_large_file_into_a_folder_they_make_at_the_top(tmp_path, episode):
+    """Fidelity: path-tracing's tests `mkdir /jail` and its program writes a 48 MB image
+    there; the verifier's root held 16 MiB (the image cut short: the oracle's 0)."""
+    script = ("mkdir /jail && head -c 64M /dev/zero > /jail/f && test \"$(stat -c %s /jail/f)\" = 67108864"
+              + _VERDICT)
+    episode.reset(make_task(tmp_path, test_sh=script))
+    result = episode.evaluate()
+    assert result.reward == 1.0, result.output
+
+
 def test_the_agents_pytest_and_pip_are_never_the_runners(tmp_path, episode):
     """Attack: a pytest that passes everything ahead on the agent's PATH, a pytest.py in the
     working folder, a pip that writes the reward: none of them runs."""

@@ -9,6 +9,7 @@ Called by :meth:`.episode.Episode.evaluate` (which freezes and thaws the agent a
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import os
 import threading
@@ -23,7 +24,7 @@ from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.cgroups.limits import make_limit_groups
 from sequester.sandbox.nsexec.client import HeadTail, NsExec, write_and_close
 from sequester.tasks import Task
-from sequester.verifier import invocation, layout
+from sequester.verifier import ahead, invocation, layout
 from sequester.verifier.image_python import ImagePython
 
 __all__ = ["run_tests"]
@@ -97,6 +98,7 @@ def _run_tests(
 ) -> Evaluation:
     st = os.stat(runner)
     tests = invocation.tests_archive(task)
+    argv = invocation.verifier_argv(task)
     # The task's pinned wheels (sequester.verifier.wheels): the host's folder, by descriptor;
     # the helper copies them into a read-only tmpfs of the verifier's own namespace.
     wheels_fd = os.open(wheels, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if wheels is not None else None
@@ -115,7 +117,7 @@ def _run_tests(
             {
                 "op": "verify",
                 "target": init_pid,
-                "argv": invocation.verifier_argv(task),
+                "argv": argv,
                 "env": invocation.verifier_env(task, task_wheels=wheels_fd is not None, image_python=image_python),
                 "cwd": workdir,
                 "caps": list(CONTAINER_CAPS),
@@ -134,6 +136,7 @@ def _run_tests(
                     "run_size": run_size(wheels),
                     "installs": str(layout.TASK_INSTALLS) if installs is not None else None,
                     "packages": packages,
+                    "ahead": _ahead(task, argv),
                 },
                 "runner_fd": invocation.RUNNER_FD,
                 "cgroup": cgroups,
@@ -167,15 +170,42 @@ def _run_tests(
     return Evaluation(report, output.bytes(), marks, time.monotonic() - started)
 
 
+_plans: dict[tuple[str, int, int], dict[str, object] | None] = {}
+
+
+def _ahead(task: Task, argv: list[str]) -> dict[str, object] | None:
+    """What the runner installs before the script runs (:mod:`sequester.verifier.ahead`),
+    read from the script's text (test.sh, or the runner's own script without one)."""
+    if argv[1:2] == ["-c"]:
+        plan = ahead.plan(argv[2])
+        return ahead.request(plan) if plan else None
+    script = task.test_script
+    if script is None:
+        return None
+    try:
+        st = os.stat(script)
+    except OSError:
+        return None
+    key = (str(script), st.st_mtime_ns, st.st_size)
+    if key not in _plans:
+        plan = ahead.plan(script.read_text(errors="replace"))
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = ahead.request(plan) if plan else None
+    return _plans[key]
+
+
 def _proc_submounts(pid: int) -> list[str]:
     with open(f"/proc/{pid}/mountinfo") as f:
         return [p for p in (line.split()[4] for line in f) if p.startswith("/proc/")]
 
 
+@functools.cache
 def _write_watch() -> dict[str, object]:
     """The filter that hands the test script's opens for writing to the helper, which
     captures the script's own reward writes (:mod:`sequester.sandbox.nsexec.capture`),
-    with the numbers of the calls it hands over."""
+    with the numbers of the calls it hands over. Made once (libseccomp takes a third of a
+    millisecond); the request only reads it."""
     calls = {}
     for name in ("open", "openat", "creat", "openat2"):
         try:

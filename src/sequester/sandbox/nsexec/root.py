@@ -66,12 +66,15 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 
 def build_root(staging: str, runner_bin: str, run: str, run_size: int) -> list[str]:
     """Build the new root at ``staging`` (a mount point), pivot into it. ``run`` is the
-    runner's private scratch folder (mounted here). The verifier's own mounts come first
-    (the agent cannot make them fail by using up the namespace's mounts); then the
-    agent's top-level entries. Returns notes (what of the agent's root was left out)."""
+    runner's private scratch folder (mounted here); the root and it are each ``run_size``.
+    The verifier's own mounts come first (the agent cannot make them fail by using up the
+    namespace's mounts); then the agent's top-level entries. Returns notes (what of the agent's root was left out)."""
     notes: list[str] = []
     agent_bin = _agent_bin()
-    _mount("tmpfs", staging, "tmpfs", MS_NOSUID, "mode=0755,size=16m")
+    # Its own top level holds what the tests make there (path-tracing's `mkdir /jail`, a
+    # 48 MB image written into it: 16 MiB cut it short, the oracle's 0): as large as the
+    # runner's folder (a tmpfs takes memory only as it is filled).
+    _mount("tmpfs", staging, "tmpfs", MS_NOSUID, f"mode=0755,size={run_size}")
     for name in _OWN:
         os.mkdir(os.path.join(staging, name), 0o755)
     for name in ("tests", "logs"):

@@ -313,6 +313,18 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
         os.makedirs(f"{run}/{folder}", 0o755)
     with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
         f.write(runner["home_env"])
+    # The one folder of the runner's the script's programs may write (see _script_shell):
+    # what it installs as it runs, which could not be installed ahead.
+    scratch = f"{run}/scratch"
+    os.mkdir(scratch, 0o755)
+    check(
+        libc.mount(
+            b"tmpfs", scratch.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={runner['run_size']}".encode()
+        ),
+        f"mount {scratch}",
+    )
+    for folder in ("cache", "tools"):
+        os.mkdir(f"{scratch}/{folder}", 0o755)
     staged = iter(fds[4:])  # the wheels' folder, then the installs' tar, each when there
     if runner.get("wheels"):
         source = next(staged)
@@ -503,7 +515,19 @@ def _script_shell(req: dict[str, Any], result: int, output: int, runner_pipe: in
         except OSError:
             os.chdir("/")
         _set_rlimits(req.get("rlimits"))
+        runner = req.get("runner") or {}
+        if runner.get("ahead"):
+            _install_ahead(runner["ahead"], req)
         tests_proc = _nest_the_tests(req.get("proc_submounts", []))
+        # Attack: a program the script runs (the agent's make before the script's uvx
+        # pytest) writing the runner's uv cache or pip environment, so that a later step
+        # runs its pytest; a program pytest starts rewriting a module of the running
+        # pytest's environment. What the runner installed ahead (sequester.verifier.ahead)
+        # is read-only from here on for the shell and all it starts, as a mount of the
+        # tests' own mount namespace (no CAP_SYS_ADMIN over it: they cannot make it
+        # writable); only its scratch folder, a mount of its own, stays writable.
+        if "run" in runner:
+            remount_readonly(runner["run"])
         # Attack: a program the tests run making /logs/verifier/reward.txt a FIFO (the
         # script's own `echo 0 >` blocks on it until the program has put its 1 in place)
         # or a link elsewhere. The test shell and all it starts make no FIFO, socket,
@@ -520,6 +544,74 @@ def _script_shell(req: dict[str, Any], result: int, output: int, runner_pipe: in
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"sequester: the verifier could not start: {exc}\n".encode())
     os._exit(127)
+
+
+def _install_ahead(ahead: dict[str, Any], req: dict[str, Any]) -> None:
+    """Install what the script's text asks for (:mod:`sequester.verifier.ahead`) before
+    the script runs anything: each step a child of this process (the shell-to-be, so in
+    the verifier's namespaces, not the tests'), with the agent's restrictions, the
+    runner's environment (telling the host nothing: a step that fails here is made again
+    as the script runs, and fails there as it would have), its output the script's. A
+    tool's environment is recorded in the runner's uvx index, a pip line in its list,
+    each only on success."""
+    env = {**req["env"], **ahead["env"]}
+    for name in ("SEQUESTER_RUNNER_FD", "BASH_ENV"):
+        env.pop(name, None)
+    sep = ahead["separator"]
+    index, lines = [], []
+    for step in ahead["steps"]:
+        if step.get("unless") and os.path.exists(step["unless"]):
+            continue
+        out = _run_step(step["argv"], env, req, capture=bool(step.get("tool")))
+        if out is None:
+            continue
+        if step.get("tool"):
+            tool = step["tool"]
+            bin_dir = out.decode(errors="replace").strip().split(":", 1)[0]
+            fields = [bin_dir, tool["command"], *tool["words"]]
+            if bin_dir.startswith("/") and all(f and not {"\t", "\n", sep} & set(f) for f in fields):
+                index.append(f"{bin_dir}\t{tool['command']}\t{sep.join(tool['words'])}\n")
+        else:
+            lines.append(sep.join(step["pip_line"]) + "\n")
+    if index:
+        with open(ahead["index"], "w") as f:
+            f.writelines(index)
+    if lines and os.path.isdir(os.path.dirname(ahead["pip_lines"])):
+        with open(ahead["pip_lines"], "w") as f:
+            f.writelines(lines)
+
+
+_STEP_OUTPUT = 64 << 10  # what a step prints on its standard output that is kept (a PATH)
+
+
+def _run_step(argv: list[str], env: dict[str, str], req: dict[str, Any], *, capture: bool) -> bytes | None:
+    """Run one install step (see :func:`_install_ahead`): its standard output (bounded),
+    or None if it failed. Its standard error is the script's output."""
+    read, write = os.pipe() if capture else (-1, -1)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - a forked child's life
+        try:
+            if capture:
+                os.close(read)
+                os.dup2(write, 1)
+                os.close(write)
+            os.chdir("/")
+            restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
+            os.execve(argv[0], argv, env)
+        except BaseException as exc:  # noqa: BLE001
+            os.write(2, f"sequester: the runner could not install ahead: {exc}\n".encode())
+        os._exit(127)
+    out = b""
+    if capture:
+        os.close(write)
+        try:
+            while chunk := os.read(read, 65536):
+                if len(out) < _STEP_OUTPUT:
+                    out += chunk[: _STEP_OUTPUT - len(out)]
+        finally:
+            os.close(read)
+    status = os.waitpid(pid, 0)[1]
+    return out if os.waitstatus_to_exitcode(status) == 0 else None
 
 
 def _hand_over_writes(watch: dict[str, Any] | None, worker: socket.socket) -> None:
