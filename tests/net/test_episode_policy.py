@@ -20,7 +20,13 @@ from sequester.net.episode.hostnet import parse_fib_trie, parse_route
 from sequester.net.episode.layout import DNS_ADDRESS, resolv_conf
 from sequester.net.episode.policy import episode_policy, parse_operator_hosts, parse_run_network
 from sequester.net.episode.records import traffic_record
-from sequester.net.episode.ruleset import Grant, grant_commands, ruleset, verifier_phase_commands
+from sequester.net.episode.ruleset import (
+    Grant,
+    agent_phase_commands,
+    grant_commands,
+    ruleset,
+    verifier_phase_commands,
+)
 from sequester.net.episode.stack import slirp_argv
 from sequester.net.episode.upstream import parse_resolv_conf, parse_server
 
@@ -92,7 +98,17 @@ def test_grants_replace_an_element_and_the_verifier_phase_cuts_the_operators_flo
     commands = grant_commands([Grant("task_any", ipaddress.IPv4Address("203.0.113.7"), None, 60)])
     assert commands == [("delete element inet sequester task_any { 203.0.113.7 }", True),
                         ("add element inet sequester task_any { 203.0.113.7 timeout 60s }", False)]
-    assert any("ct mark" in c and "jump refuse" in c for c in verifier_phase_commands())
+    operator = episode_policy("allowlist", ["pypi.org"], agent_hosts=parse_operator_hosts(["10.1.2.3:3141"]))
+    assert any("ct mark" in c and "jump refuse" in c for c in verifier_phase_commands(operator))
+    assert any("agent_hosts" in c for c in agent_phase_commands(operator))
+
+
+def test_without_operator_hosts_both_phases_are_the_same_rules():
+    """No host of the operator's: nothing can carry the agent's mark, so an evaluation
+    changes no rule (and pays no round trip to the helper for it)."""
+    for policy in (episode_policy("public"), episode_policy("allowlist", ["pypi.org"])):
+        assert verifier_phase_commands(policy) == [] and agent_phase_commands(policy) == []
+        assert "agent_ports" in ruleset(policy)  # (the agent's chains match empty sets)
 
 
 def test_nft_accepts_the_ruleset(tmp_path):

@@ -227,8 +227,13 @@ def grant_commands(grants: Iterable[Grant]) -> list[tuple[str, bool]]:
     return commands
 
 
-def verifier_phase_commands() -> list[str]:
-    """The operator's hosts withdrawn: no new flow to them, and their flows cut."""
+def verifier_phase_commands(policy: EpisodePolicy) -> list[str]:
+    """The operator's hosts withdrawn: no new flow to them, and their flows cut. None when
+    the policy gives the agent no host of the operator's: no address can then enter the
+    agent's sets, no flow carries the agent's mark, and both phases are the same rules
+    (an evaluation then pays no change of rules: two round trips to the helper)."""
+    if not policy.agent:
+        return []
     return [
         f"flush chain inet {TABLE} agent_explicit",
         f"flush chain inet {TABLE} agent_hosts",
@@ -238,7 +243,10 @@ def verifier_phase_commands() -> list[str]:
 
 
 def agent_phase_commands(policy: EpisodePolicy) -> list[str]:
-    """Back to the agent's phase: the operator's hosts as :func:`ruleset` made them."""
+    """Back to the agent's phase: the operator's hosts as :func:`ruleset` made them (none
+    to restore when :func:`verifier_phase_commands` withdrew none)."""
+    if not policy.agent:
+        return []
     explicit, hosts = _agent_chains(policy)
     return [
         f"flush chain inet {TABLE} phase",

@@ -174,13 +174,17 @@ class EpisodeNetwork:
             self.responder.answers.agent_phase = False
         if self.relay is not None:
             self.relay.set_agent_phase(False)
-        self.nsexec.net_nft(self.router, verifier_phase_commands())
+        commands = verifier_phase_commands(self.policy)
+        if commands:
+            self.nsexec.net_nft(self.router, commands)
 
     def agent_phase(self) -> None:
         """Back to the agent's phase (the agent goes on after an evaluation)."""
         if self.in_agent_phase or self._closed:
             return
-        self.nsexec.net_nft(self.router, agent_phase_commands(self.policy))
+        commands = agent_phase_commands(self.policy)
+        if commands:
+            self.nsexec.net_nft(self.router, commands)
         if self.responder is not None:
             self.responder.answers.agent_phase = True
         if self.relay is not None:
