@@ -25,7 +25,7 @@ if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/ve
 def test_tb2s_uvx_line_is_installed_ahead_with_its_own_options():
     got = plan(TB2)
     words = ("-p", "3.13", "-w", "pytest==8.4.1", "-w", "pytest-json-ctrf==0.3.5", "pytest")
-    uv_args = ("tool", "run", *words[:-1], "--from", "pytest", "printenv", "PATH")
+    uv_args = ("tool", "run", *words[:-1], "--from", "pytest", str(layout.BIN / "env"))
     assert got.tools == (Tool(words, "pytest", uv_args),)
     assert got.pip_lines == () and not got.pytest
 
@@ -37,9 +37,10 @@ def test_a_tool_with_from_or_a_version_runs_its_command():
         (("pytest@8.4.1",), "pytest"),
         (("-w", "numpy", "pytest@latest"), "pytest"),
     ]
-    assert got.tools[0].uv_args == ("tool", "run", "--from", "ruff==0.5.0", "printenv", "PATH")
-    assert got.tools[1].uv_args[-4:] == ("--from", "pytest@8.4.1", "printenv", "PATH")
-    assert got.tools[2].uv_args[-4:] == ("--from", "pytest", "printenv", "PATH")
+    env = str(layout.BIN / "env")
+    assert got.tools[0].uv_args == ("tool", "run", "--from", "ruff==0.5.0", env)
+    assert got.tools[1].uv_args[-3:] == ("--from", "pytest@8.4.1", env)
+    assert got.tools[2].uv_args[-3:] == ("--from", "pytest", env)
 
 
 def test_what_a_shell_would_expand_is_made_as_the_script_runs():
@@ -49,6 +50,11 @@ def test_what_a_shell_would_expand_is_made_as_the_script_runs():
     )
     got = plan(script)
     assert got.tools == () and got.pip_lines == ()
+
+
+def test_the_scripts_beside_test_sh_are_read_too():
+    got = plan("bash /tests/run.sh\n", "pip install numpy==2.0.0\npytest /tests -rA\n")
+    assert got.pip_lines == (("numpy==2.0.0",),) and got.pytest
 
 
 def test_pip_lines_in_order_and_pytest_when_the_script_runs_it():
@@ -74,8 +80,10 @@ def test_the_request_names_the_runners_folders_and_pins_pytest_last():
     assert steps[0]["argv"][0] == str(layout.LIBEXEC / "uv") and steps[0]["tool"]["command"] == "pytest"
     assert steps[1] == {"argv": [str(layout.BIN / "pip"), "install", "numpy==2.0.0"], "pip_line": ["numpy==2.0.0"]}
     assert steps[2]["pip_line"] == ["pytest==8.4.1"] and steps[2]["unless"] == str(layout.RUN_PIP / "bin" / "pytest")
+    # While it installs, nothing of the view's PATH (red team: the agent's printenv ran).
     assert got["env"] == {"UV_CACHE_DIR": str(layout.RUN_CACHE), "UV_TOOL_DIR": str(layout.RUN_TOOLS),
-                          "SEQUESTER_PIP_ENV": str(layout.RUN_PIP)}
+                          "SEQUESTER_PIP_ENV": str(layout.RUN_PIP), "PATH": str(layout.BIN)}
+    assert got["roots"] == [str(layout.RUN_CACHE), str(layout.RUN_TOOLS)]
     assert got["index"] == str(layout.TOOL_INDEX) and got["separator"] == SEPARATOR
 
 

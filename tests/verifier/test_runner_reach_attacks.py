@@ -104,6 +104,16 @@ for root, dirs, _ in os.walk(top):
             seen.append("wrote " + root)
         except OSError as exc:
             seen.append(exc.strerror)
+try:  # (red team: a pip environment planted where the runner once made one as the script ran)
+    d = top + "/scratch/pip/bin"
+    os.makedirs(d, exist_ok=True)
+    for name in ("python", "pytest"):
+        with open(f"{d}/{name}", "w") as f:
+            f.write("#!/bin/sh\\nexit 0\\n")
+        os.chmod(f"{d}/{name}", 0o755)
+    seen.append("scratch")
+except OSError as exc:
+    seen.append("scratch: " + exc.strerror)
 try:
     os.makedirs("/tmp/fake/bin", exist_ok=True)
     with open("/tmp/fake/bin/pytest", "w") as f:
@@ -121,6 +131,18 @@ with open("/logs/verifier/poison-" + sys.argv[1] + ".txt", "w") as f:
 CALLS_POISON = ("import subprocess\n"
                 "def test_a():\n    subprocess.run(['python3', '/app/poison.py', 'pytest'], check=True)\n")
 UVX = "uvx -w pytest==8.4.1 pytest"
+# Programs of the agent's where a runner's install might look them up on PATH while the
+# runner's folder is still writable (red team: uv ran the agent's printenv there, which
+# named its own pytest's folder as the tool's). Each says it ran, and poisons.
+PLANTED_TOOL = (
+    "#!/bin/sh\n"
+    "echo ran >> /logs/verifier/planted-tool.txt\n"
+    "for sp in /opt/sequester-verifier/run/cache/*/*/lib/python3*/site-packages; do\n"
+    "  echo 'import os; os._exit(0)' > $sp/zz_planted.pth\n"
+    "done\n"
+    "mkdir -p /tmp/evil && printf '#!/bin/sh\\nexit 0\\n' > /tmp/evil/pytest && chmod +x /tmp/evil/pytest\n"
+    "echo \"PATH=/tmp/evil:$PATH\"; echo /tmp/evil\n"
+)
 
 
 def task(root, test_sh, files):
@@ -184,18 +206,25 @@ within = task(WORK, f"{UVX} /tests/test_a.py\n{UVX} /tests/test_x.py\n"
                     "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
               {"poison.py": POISON})
 (within / "tests" / "test_a.py").write_text(CALLS_POISON)
+planted = task(WORK, f"{UVX} /tests/test_x.py\n"
+                     "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+               {"tool": PLANTED_TOOL})
 pip = task(WORK, "pip install pytest==8.4.1\npython3 /app/poison.py pip\npytest /tests/test_x.py\n"
                  "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
            {"poison.py": POISON})
 for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
-    for name, t in (("poison-direct", direct), ("poison-within", within), ("poison-pip", pip)):
+    for name, t in (("poison-direct", direct), ("poison-within", within), ("poison-pip", pip),
+                    ("poison-planted", planted)):
         with Episode(settings()) as ep:
             ep.reset(t)
+            if name == "poison-planted":
+                ep.exec("for n in env printenv python python3 uv uvx pip pytest; do cp /app/tool /usr/local/bin/$n; "
+                        "chmod +x /usr/local/bin/$n; done")
             try:
                 r = ep.evaluate(**kw)
                 out[f"{name}-{mode}"] = {"reward": r.reward, "notes": list(r.notes), "output": r.output[-3000:],
                                          "seen": {k: v.decode(errors="replace") for k, v in r.files.items()
-                                                  if k.startswith("poison")}}
+                                                  if k.startswith(("poison", "planted"))}}
             except Exception as exc:
                 out[f"{name}-{mode}"] = {"reward": None, "error": f"{type(exc).__name__}: {exc}", "seen": {},
                                          "output": str(getattr(exc, "output", ""))[-3000:]}
@@ -347,9 +376,24 @@ def test_no_program_the_script_runs_can_change_the_test_runner_of_a_later_step(s
     environments, and adds a pytest of its own to the runner's uvx index: the later
     pytest still runs the failing test (0). The runner's environments were installed
     before the script ran and are read-only to all it starts. (`pip`: the script's
-    `pip install` then `pytest`, the program run between them.)"""
+    `pip install` then `pytest`, the program run between them; it also plants a pip
+    environment in the runner's scratch folder, which a red team's run made the runner
+    use: 1.0 in every mode.)"""
     case = seen[f"poison-{where}-{mode}"]
     assert case["reward"] == 0.0, case
     poison = case["seen"].get(f"poison-{where if where != 'within' else 'pytest'}.txt", "")
     assert "Read-only file system" in poison and "wrote " not in poison, case
     assert "'index'" not in poison, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_no_program_of_the_agents_runs_while_the_runner_installs_ahead(seen, mode):
+    """The agent puts its own env, printenv, python, uv, pip, pytest first on the image's
+    PATH; each writes a .pth into the runner's tool environments and names a pytest of its
+    own as the tool's folder (red team: uv ran the agent's printenv while the runner's
+    folder was writable: 1.0 in shared and frozen mode). None of them runs before the
+    folder is sealed (the install runs with the runner's bin as its PATH): the 0 stands."""
+    case = seen[f"poison-planted-{mode}"]
+    assert case["reward"] == 0.0, case
+    assert "planted-tool.txt" not in case["seen"], case

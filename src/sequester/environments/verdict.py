@@ -343,6 +343,12 @@ def setup_failures(ev: Evaluation) -> list[str]:
             if step == "uv-python":
                 failed.append(f"the script asks uv for Python {item}, which the runner does not have")
                 continue
+            if (step, item) == ("pip-install", "not-read-ahead"):
+                failed.append(
+                    "a `pip install` was not read from the script ahead (a word the shell expands): the runner "
+                    "installs only the pip lines it reads from the script's text, before it runs"
+                )
+                continue
             failed.append(f"{step.replace('apt-get-', 'apt-get ')} {item}".strip() + " failed")
         elif kind == "installs":
             installs.add(what)

@@ -10,16 +10,21 @@ and then the folder that holds them is read-only for the script and everything i
 
 * every ``uvx`` command whose words before the command are plain text (no ``$``, no
   glob, nothing a shell would expand): its tool environment, made by ``uv tool run`` with
-  the same options and ``printenv PATH`` as the command, whose first entry is the
-  environment's ``bin``. The runner's ``uvx`` finds its own words there and runs the
+  the same options and the runner's own ``env`` as the command (``PATH`` is the runner's
+  ``bin`` only while it installs: nothing of the agent's view runs before the folder is
+  sealed), whose ``PATH`` begins with the environment's ``bin`` (accepted only inside the
+  runner's cache). The runner's ``uvx`` finds its own words there and runs the
   command from that folder, as uvx would (its ``bin`` first on ``PATH``, ``UV`` set);
 * every ``pip install`` line (``pip``, ``pip3``), in the script's order, into the runner's
   pip environment, and pinned pytest there when the script runs ``pytest`` or
-  ``python -m pytest`` (what :mod:`.shims` does on demand otherwise);
+  ``python -m pytest``. The runner's ``python3``, ``pytest`` and ``pip`` use that
+  environment only; a ``pip install`` that was not read ahead (``pip install "$PKG"``)
+  is refused, a set-up failure (an environment anything the script ran could have
+  written first is never the runner's).
 
-An install that could not be read ahead (``uvx $TOOL``, ``pip install "$PKG"``, ``uv venv``)
-is made as the script runs, in a writable folder of its own, where the programs the script
-ran before could write: the trial says so.
+A ``uvx`` or ``uv`` command that could not be read ahead (``uvx -w "$PKG" ...``, ``uv venv``)
+is made as the script runs, with uv's cache in a writable folder of its own, where the
+programs the script ran before could write: the trial says so.
 """
 
 from __future__ import annotations
@@ -61,12 +66,13 @@ class Ahead:
         return bool(self.tools or self.pip_lines or self.pytest)
 
 
-def plan(script: str) -> Ahead:
-    """What of ``script`` (a test script's text) the runner installs ahead (see the module)."""
+def plan(*scripts: str) -> Ahead:
+    """What of ``scripts`` (the texts of a test script and the scripts beside it, which it
+    may run) the runner installs ahead (see the module)."""
     tools: dict[tuple[str, ...], Tool] = {}
     pip: dict[tuple[str, ...], None] = {}
     pytest = False
-    for command in commands(script):
+    for command in (c for script in scripts for c in commands(script)):
         assigned, words = program_words(command)
         if not words:
             continue
@@ -103,7 +109,7 @@ def _tool(args: list[str]) -> Tool | None:
     if not command or "/" in command:
         return None
     extra = () if source is not None else ("--from", command_word.removesuffix("@latest"))
-    return Tool(words, command, ("tool", "run", *options, *extra, "printenv", "PATH"))
+    return Tool(words, command, ("tool", "run", *options, *extra, str(layout.BIN / "env")))
 
 
 def request(ahead: Ahead) -> dict[str, object]:
@@ -125,7 +131,9 @@ def request(ahead: Ahead) -> dict[str, object]:
             "UV_CACHE_DIR": str(layout.RUN_CACHE),
             "UV_TOOL_DIR": str(layout.RUN_TOOLS),
             "SEQUESTER_PIP_ENV": str(layout.RUN_PIP),
+            "PATH": str(layout.BIN),  # (nothing of the view's runs while the folder is writable)
         },
+        "roots": [str(layout.RUN_CACHE), str(layout.RUN_TOOLS)],  # where a tool's bin may be
         "index": str(layout.TOOL_INDEX),  # a line a tool: its bin folder, command, words (SEPARATOR)
         "separator": SEPARATOR,
         "pip_lines": str(layout.PIP_LINES),

@@ -27,7 +27,6 @@ __all__ = [
     "SCRATCH",
     "SCRATCH_CACHE",
     "SCRATCH_TOOLS",
-    "SCRATCH_PIP",
     "TOOL_INDEX",
     "PIP_LINES",
     "PINNED",
@@ -55,13 +54,12 @@ RUN_TOOLS = RUN / "tools"
 RUN_PIP = RUN / "pip"  # the environment the runner's pip installed the script's pip lines into
 TOOL_INDEX = RUN / "uvx-tools"  # the uvx commands installed ahead: bin folder, command, words
 PIP_LINES = RUN_PIP / ".sequester-lines"  # the pip install lines installed ahead, one a line
-# A writable tmpfs of its own inside RUN: what the script installs that could not be read
-# from its text ahead (``uvx $TOOL``, ``uv venv``, ``pip install "$PKG"``) is installed
+# A writable mount of its own inside RUN: uv's cache for what the script has uv install
+# that could not be read from its text ahead (``uvx -w "$PKG"``, ``uv venv``), installed
 # here as the script runs, where the programs it ran before can write (the trial says so).
 SCRATCH = RUN / "scratch"
 SCRATCH_CACHE = SCRATCH / "cache"
 SCRATCH_TOOLS = SCRATCH / "tools"
-SCRATCH_PIP = SCRATCH / "pip"
 # A task's own pinned wheels (sequester.verifier.wheels), copied from the host at verify time
 # into a read-only tmpfs of the verifier's namespace; only when the task needs them.
 TASK_WHEELS = RUN / "task-wheels"

@@ -8,7 +8,7 @@ home they expect. ``curl`` reads no ``.curlrc`` of the agent's. ``apt-get``/``ap
 never run the agent's apt: ``update`` does nothing; ``install`` of what the runner
 provides succeeds; of what the host prepared from the script's install lines on the
 task's pristine image (:mod:`sequester.imagebuild.apt_install`) unpacks it into the system
-the tests run on, once (it runs nothing of the system's: not even its ``ldconfig``, which
+the tests run on (it runs nothing of the system's: not even its ``ldconfig``, which
 the agent may have replaced); anything else fails (exit 100) and is told to the host as a
 set-up failure.
 """
@@ -66,13 +66,12 @@ case "$cmd" in
       __sequester_say "setup-failed:apt-get-install:$p"
       echo "E: Unable to locate package $p (the verifier installs only what it prepared from test.sh)" >&2; exit 100
     done
-    if [ -n "$unpack" ] && [ ! -e {layout.SCRATCH}/apt-unpacked ]; then
+    if [ -n "$unpack" ]; then
       if ! {layout.BIN}/tar -xpf {layout.TASK_INSTALLS}/install.tar -C / \\
           --keep-directory-symlink --no-overwrite-dir; then
         for p in "${{pkgs[@]}}"; do __sequester_say "setup-failed:apt-get-install:$p"; done
         echo "E: the verifier could not unpack ${{pkgs[*]}}" >&2; exit 100
       fi
-      : > {layout.SCRATCH}/apt-unpacked
     fi
     echo "sequester: ${{pkgs[*]}} installed (by the verifier, with the task's image's own apt)"; exit 0 ;;
   *) __sequester_say "setup-failed:apt-get-$cmd"
@@ -92,21 +91,15 @@ BASH_ENV_TEXT = (
 
 
 def _pip_env(python: object) -> str:
-    """The shell functions of the runner's pip environments: :data:`layout.RUN_PIP`, made
-    before the script ran from its own pip lines (:mod:`.ahead`), read-only; else
-    :data:`layout.SCRATCH_PIP`, made as the script runs (its ``pip install "$PKG"``) from
-    ``python``, with the lines made ahead again, then the new one: offline, from the
-    runner's and the task's wheels."""
-    pinned = next(p for p in layout.PINNED if p.startswith("pytest=="))
+    """The shell functions of the runner's pip environment :data:`layout.RUN_PIP`: made
+    before the script runs from its own pip lines (:mod:`.ahead`, which names it with
+    ``SEQUESTER_PIP_ENV`` then), from ``python``, offline, from the runner's and the task's
+    wheels; read-only once the script runs. Nothing else is ever the runner's pip
+    environment (a folder the script's programs could write first never is)."""
     return (
-        # __sequester_pip: the environment in use (the scratch one once there is one)
+        # __sequester_pip: the environment, when there is one
         "__sequester_pick() { __sequester_pip=\n"
-        f"  if [ -x {layout.SCRATCH_PIP}/bin/python ]; then __sequester_pip={layout.SCRATCH_PIP}\n"
-        f"  elif [ -x {layout.RUN_PIP}/bin/python ]; then __sequester_pip={layout.RUN_PIP}; fi\n"
-        "}\n"
-        # Where this pip installs: the scratch environment (the installs made before the
-        # script ran name the runner's own, sequester.verifier.ahead, with the variable).
-        f'__sequester_target="${{SEQUESTER_PIP_ENV:-{layout.SCRATCH_PIP}}}"\n'
+        f"  [ -x {layout.RUN_PIP}/bin/python ] && __sequester_pip={layout.RUN_PIP}; }}\n"
         # What `pip install` takes that uv pip does not (or need not): left out.
         "__sequester_args() { __args=()\n"
         '  for a in "$@"; do\n'
@@ -117,38 +110,28 @@ def _pip_env(python: object) -> str:
         "    esac\n"
         "  done\n"
         "}\n"
-        "__sequester_venv() {\n"
-        f"  [ -x $__sequester_target/bin/python ] && return 0\n"
-        '  __sequester_say "runner-unsealed:pip"\n'
-        f"  {layout.LIBEXEC}/uv venv -q --python {python} $__sequester_target || return 1\n"
-        f"  [ -r {layout.PIP_LINES} ] || return 0\n"
-        "  while IFS= read -r __l; do\n"
-        "    IFS=$'\\x1f' read -r -a __w <<< \"$__l\"\n"
-        '    __sequester_args "${__w[@]}"\n'
-        f"    {layout.LIBEXEC}/uv pip install -q --python $__sequester_target/bin/python "
-        '"${__args[@]}" || return 1\n'
-        f"  done < {layout.PIP_LINES}\n"
-        "}\n"
+        '__sequester_venv() { [ -x "$SEQUESTER_PIP_ENV/bin/python" ] || '
+        f'{layout.LIBEXEC}/uv venv -q --python {python} "$SEQUESTER_PIP_ENV"; }}\n'
         "__sequester_pytest() {\n"
-        '  __sequester_pick; [ -n "$__sequester_pip" ] && [ -x "$__sequester_pip/bin/pytest" ] && return 0\n'
-        f"  __sequester_venv && {layout.LIBEXEC}/uv pip install -q --python $__sequester_target/bin/python {pinned}\n"
+        '  __sequester_pick; [ -n "$__sequester_pip" ] && [ -x "$__sequester_pip/bin/pytest" ]\n'
         "}\n"
     )
 
 
 # The script asked for pytest (``pytest``, ``python3 -m pytest``, ``python3 -m pip``): the
-# pip environment, with the runner's pinned pytest unless the script installed one.
+# pip environment, with the runner's pinned pytest unless the script installed one (both
+# installed before the script ran, when its text asks for them).
 _ENSURE = (
-    "{ __sequester_pytest; } >/dev/null 2>&1 || "
+    "__sequester_pytest || "
     '{ __sequester_say "setup-failed:pytest-install"; '
-    'echo "sequester: the verifier could not set up pytest" >&2; exit 1; }\n'
-    "__sequester_pick"
+    "echo \"sequester: the verifier has no pytest for this (the script's text names none it could install "
+    'before running)" >&2; exit 1; }'
 )
 
-# pip: `pip install` by the runner's uv, offline, from the runner's and the task's wheels
-# (the script's pins are fetched when the episode starts): a line of the script's made
-# ahead is done; another goes into the scratch environment. None of the agent's pip,
-# pip.conf or PIP_* is read.
+# pip: a `pip install` line of the script's own text was installed before it ran (by this
+# program, with SEQUESTER_PIP_ENV naming the runner's environment: its uv, offline, from
+# the runner's and the task's wheels): it is done. Any other is refused, a set-up
+# failure. None of the agent's pip, pip.conf or PIP_* is read.
 _PIP = f"""sub=${{1:-}}; [ $# -gt 0 ] && shift
 case "$sub" in
   install) ;;
@@ -166,12 +149,15 @@ if [ -r {layout.PIP_LINES} ]; then
     if [ "$__l" = "$__line" ]; then echo "sequester: installed before the script ran: $*"; exit 0; fi
   done < {layout.PIP_LINES}
 fi
-__sequester_venv || {{ __sequester_say "setup-failed:pip-install:environment"; exit 1; }}
+if [ -z "${{SEQUESTER_PIP_ENV:-}}" ]; then
+  __sequester_say "setup-failed:pip-install:not-read-ahead"
+  echo "sequester: pip install $* was not read from the test script before it ran (a word the shell expands?): \
+the verifier installs only what it installs then" >&2
+  exit 1
+fi
+__sequester_venv || exit 1
 __sequester_args "$@"
-{layout.LIBEXEC}/uv pip install --python $__sequester_target/bin/python "${{__args[@]}}"
-rc=$?
-[ $rc -eq 0 ] || __sequester_say "setup-failed:pip-install:${{__args[*]}}"
-exit $rc
+exec {layout.LIBEXEC}/uv pip install --python "$SEQUESTER_PIP_ENV/bin/python" "${{__args[@]}}"
 """
 
 # uvx: a command installed before the script ran (sequester.verifier.ahead) runs from its

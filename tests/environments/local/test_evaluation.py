@@ -117,15 +117,27 @@ def test_scripts_that_pip_install_pytest_or_call_it_get_the_runners(tmp_path, ep
     assert episode.evaluate().reward == (1.0 if solved else 0.0)
 
 
-def test_an_install_the_script_names_by_a_variable_is_made_as_it_runs_and_named(tmp_path, episode):
-    """Fidelity: `pip install "$PKG"` and `uvx -w "$PKG" pytest` cannot be read ahead: they
-    are installed as the script runs (the scratch folder), work, and the notes say so."""
-    script = 'cd /app\nPKG=pytest==8.4.1\npip install "$PKG"\nuvx -w "$PKG" pytest /tests/test_x.py -rA' + _VERDICT
+def test_a_uvx_tool_the_script_names_by_a_variable_is_made_as_it_runs_and_named(tmp_path, episode):
+    """Fidelity: `uvx -w "$PKG" pytest` cannot be read ahead: uv makes it as the script
+    runs (its cache in the scratch folder), it works, and the notes say so."""
+    script = 'cd /app\nPKG=pytest==8.4.1\nuvx -w "$PKG" pytest /tests/test_x.py -rA' + _VERDICT
     episode.reset(make_task(tmp_path, test_sh=script, files=_X_TEST))
     episode.exec("printf ok > /app/out.txt")
     result = episode.evaluate()
     assert result.reward == 1.0, result.output
-    assert any("`pip`, `uvx` what could not be read from its text ahead" in n for n in result.notes), result.notes
+    assert any("`uvx` what could not be read from its text ahead" in n for n in result.notes), result.notes
+
+
+def test_a_pip_install_the_script_names_by_a_variable_is_refused_an_error_not_a_zero(tmp_path, episode):
+    """`pip install "$PKG"` cannot be read ahead, and the runner's pip environment is only
+    ever what was installed before the script ran (one that a program the script ran
+    first could have planted is never used: red team): a named set-up failure."""
+    script = 'cd /app\nPKG=pytest-json-ctrf==0.3.5\npip install "$PKG"\npytest /tests/test_x.py -rA' + _VERDICT
+    episode.reset(make_task(tmp_path, test_sh=script, files=_X_TEST))
+    with pytest.raises(VerifierCouldNotRun, match="not read from the script ahead"):
+        episode.evaluate()  # (the tests fail: without the refusal this was the agent's 0)
+    episode.exec("printf ok > /app/out.txt")
+    assert episode.evaluate().reward == 1.0  # (a pass stands: what was refused was not needed)
 
 
 def test_the_tests_can_write_a_large_file_into_a_folder_they_make_at_the_top(tmp_path, episode):

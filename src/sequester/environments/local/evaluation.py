@@ -170,12 +170,14 @@ def _run_tests(
     return Evaluation(report, output.bytes(), marks, time.monotonic() - started)
 
 
-_plans: dict[tuple[str, int, int], dict[str, object] | None] = {}
+_plans: dict[tuple[object, ...], dict[str, object] | None] = {}
+_SCRIPTS_READ = 64  # the tests' own shell scripts read beside test.sh (a task's folder is the task's)
 
 
 def _ahead(task: Task, argv: list[str]) -> dict[str, object] | None:
     """What the runner installs before the script runs (:mod:`sequester.verifier.ahead`),
-    read from the script's text (test.sh, or the runner's own script without one)."""
+    read from the script's text (test.sh and the shell scripts beside it, which it may run;
+    without one, the runner's own script)."""
     if argv[1:2] == ["-c"]:
         plan = ahead.plan(argv[2])
         return ahead.request(plan) if plan else None
@@ -183,12 +185,12 @@ def _ahead(task: Task, argv: list[str]) -> dict[str, object] | None:
     if script is None:
         return None
     try:
-        st = os.stat(script)
+        scripts = sorted(p for p in script.parent.glob("*.sh") if p.is_file())[:_SCRIPTS_READ]
+        key = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in scripts)
     except OSError:
         return None
-    key = (str(script), st.st_mtime_ns, st.st_size)
     if key not in _plans:
-        plan = ahead.plan(script.read_text(errors="replace"))
+        plan = ahead.plan(*(p.read_text(errors="replace") for p in scripts))
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = ahead.request(plan) if plan else None

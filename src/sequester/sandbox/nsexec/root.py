@@ -31,7 +31,7 @@ import stat
 
 from sequester.sandbox.nsexec.ns import MNT_DETACH, MS_REC, check, libc
 
-__all__ = ["build_root", "RUNNER_SHELL_NAMES"]
+__all__ = ["build_root", "RUNNER_SHELL_NAMES", "ROOT_SIZE"]
 
 MS_BIND, MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1000, 1, 2, 4, 8
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -64,17 +64,20 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     )
 
 
+ROOT_SIZE = 1 << 30  # what the tests make at the verifier's top level (/jail), together
+
+
 def build_root(staging: str, runner_bin: str, run: str, run_size: int) -> list[str]:
     """Build the new root at ``staging`` (a mount point), pivot into it. ``run`` is the
-    runner's private scratch folder (mounted here); the root and it are each ``run_size``.
+    runner's private folder (mounted here, ``run_size``); the root's own top level holds
+    :data:`ROOT_SIZE` (each a tmpfs: memory, only as used).
     The verifier's own mounts come first (the agent cannot make them fail by using up the
     namespace's mounts); then the agent's top-level entries. Returns notes (what of the agent's root was left out)."""
     notes: list[str] = []
     agent_bin = _agent_bin()
     # Its own top level holds what the tests make there (path-tracing's `mkdir /jail`, a
-    # 48 MB image written into it: 16 MiB cut it short, the oracle's 0): as large as the
-    # runner's folder (a tmpfs takes memory only as it is filled).
-    _mount("tmpfs", staging, "tmpfs", MS_NOSUID, f"mode=0755,size={run_size}")
+    # 48 MB image written into it: 16 MiB cut it short, the oracle's 0).
+    _mount("tmpfs", staging, "tmpfs", MS_NOSUID, f"mode=0755,size={ROOT_SIZE}")
     for name in _OWN:
         os.mkdir(os.path.join(staging, name), 0o755)
     for name in ("tests", "logs"):

@@ -48,6 +48,7 @@ from sequester.sandbox.nsexec.ns import (
     CLONE_NEWNS,
     CLONE_NEWPID,
     MNT_DETACH,
+    MS_BIND,
     MS_NODEV,
     MS_NOEXEC,
     MS_NOSUID,
@@ -314,17 +315,13 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
     with open(f"{run}/home/.local/bin/env", "w") as f:  # what TB2 scripts source after the uv installer
         f.write(runner["home_env"])
     # The one folder of the runner's the script's programs may write (see _script_shell):
-    # what it installs as it runs, which could not be installed ahead.
+    # uv's cache for what it installs as it runs, which could not be installed ahead. A
+    # mount of its own (bound onto itself: the same tmpfs, one budget), so it stays
+    # writable when the runner's folder is sealed.
     scratch = f"{run}/scratch"
-    os.mkdir(scratch, 0o755)
-    check(
-        libc.mount(
-            b"tmpfs", scratch.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={runner['run_size']}".encode()
-        ),
-        f"mount {scratch}",
-    )
-    for folder in ("cache", "tools"):
-        os.mkdir(f"{scratch}/{folder}", 0o755)
+    for folder in ("", "/cache", "/tools"):
+        os.mkdir(scratch + folder, 0o755)
+    check(libc.mount(scratch.encode(), scratch.encode(), None, MS_BIND, None), f"bind {scratch}")
     staged = iter(fds[4:])  # the wheels' folder, then the installs' tar, each when there
     if runner.get("wheels"):
         source = next(staged)
@@ -567,9 +564,9 @@ def _install_ahead(ahead: dict[str, Any], req: dict[str, Any]) -> None:
             continue
         if step.get("tool"):
             tool = step["tool"]
-            bin_dir = out.decode(errors="replace").strip().split(":", 1)[0]
-            fields = [bin_dir, tool["command"], *tool["words"]]
-            if bin_dir.startswith("/") and all(f and not {"\t", "\n", sep} & set(f) for f in fields):
+            bin_dir = _tool_bin(out, ahead["roots"], tool["command"])
+            fields = [bin_dir or "", tool["command"], *tool["words"]]
+            if bin_dir and all(f and not {"\t", "\n", sep} & set(f) for f in fields):
                 index.append(f"{bin_dir}\t{tool['command']}\t{sep.join(tool['words'])}\n")
         else:
             lines.append(sep.join(step["pip_line"]) + "\n")
@@ -579,6 +576,20 @@ def _install_ahead(ahead: dict[str, Any], req: dict[str, Any]) -> None:
     if lines and os.path.isdir(os.path.dirname(ahead["pip_lines"])):
         with open(ahead["pip_lines"], "w") as f:
             f.writelines(lines)
+
+
+def _tool_bin(out: bytes, roots: list[str], command: str) -> str | None:
+    """The tool environment's ``bin`` folder from what the runner's ``env`` printed as uv
+    ran it there (uv puts that folder first on ``PATH``): only a folder inside one of the
+    runner's cache ``roots``, holding ``command``."""
+    for line in out.decode(errors="replace").splitlines():
+        if line.startswith("PATH="):
+            first = os.path.realpath(line[5:].split(":", 1)[0])
+            inside = any(first.startswith(root.rstrip("/") + "/") for root in roots)
+            if inside and os.path.isfile(os.path.join(first, command)):
+                return first
+            return None
+    return None
 
 
 _STEP_OUTPUT = 64 << 10  # what a step prints on its standard output that is kept (a PATH)
