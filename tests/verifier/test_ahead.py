@@ -7,6 +7,8 @@ import subprocess
 
 from sequester.verifier import ahead, layout
 from sequester.verifier.ahead import SEPARATOR, Tool, plan
+from sequester.verifier.environ import runner_env
+from sequester.verifier.image_python import IMAGE_PYTHON_VAR, IMAGE_SITE_VAR
 
 TB2 = """#!/bin/bash
 apt-get update
@@ -74,17 +76,38 @@ def test_pip_lines_in_order_and_pytest_when_the_script_runs_it():
 
 
 def test_the_request_names_the_runners_folders_and_pins_pytest_last():
-    got = ahead.request(plan("pip install numpy==2.0.0\npytest /tests\n" + TB2))
+    got = ahead.request(plan("pip install numpy==2.0.0\npytest /tests\n" + TB2), {"HOME": "/x"})
     steps = got["steps"]
     assert isinstance(steps, list)
     assert steps[0]["argv"][0] == str(layout.LIBEXEC / "uv") and steps[0]["tool"]["command"] == "pytest"
     assert steps[1] == {"argv": [str(layout.BIN / "pip"), "install", "numpy==2.0.0"], "pip_line": ["numpy==2.0.0"]}
     assert steps[2]["pip_line"] == ["pytest==8.4.1"] and steps[2]["unless"] == str(layout.RUN_PIP / "bin" / "pytest")
     # While it installs, nothing of the view's PATH (red team: the agent's printenv ran).
-    assert got["env"] == {"UV_CACHE_DIR": str(layout.RUN_CACHE), "UV_TOOL_DIR": str(layout.RUN_TOOLS),
+    assert got["env"] == {"HOME": "/x", "UV_CACHE_DIR": str(layout.RUN_CACHE), "UV_TOOL_DIR": str(layout.RUN_TOOLS),
                           "SEQUESTER_PIP_ENV": str(layout.RUN_PIP), "PATH": str(layout.BIN)}
     assert got["roots"] == [str(layout.RUN_CACHE), str(layout.RUN_TOOLS)]
     assert got["index"] == str(layout.TOOL_INDEX) and got["separator"] == SEPARATOR
+
+
+def test_the_installs_get_nothing_of_the_images_environment():
+    """Red team: the image's PYTHONPATH (/app) reached uv's interpreter query, which
+    imported the agent's /app/_manylinux.py while the runner's folder was writable."""
+    runner = runner_env({"PYTHONPATH": "/app", "UV_PYTHON": "/app/python", "VIRTUAL_ENV": "/app/v",
+                         "PIP_INDEX_URL": "http://x", "LD_PRELOAD": "/app/x.so"}, {"UV_CONSTRAINT": "/app/c"},
+                        runner_fd=3)
+    env = ahead.install_env({**runner, IMAGE_PYTHON_VAR: "3.13", IMAGE_SITE_VAR: "/usr/lib/python3/dist-packages"})
+    assert not {k for k in env if "PYTHONPATH" in k or k in ("UV_PYTHON", "VIRTUAL_ENV", "PIP_INDEX_URL",
+                                                                "UV_CONSTRAINT", "BASH_ENV", IMAGE_SITE_VAR)}
+    assert not any(k.startswith("SEQUESTER_") and k not in (IMAGE_PYTHON_VAR, "SEQUESTER_PIP_ENV") for k in env)
+    assert env["PATH"] == str(layout.BIN) and env["UV_OFFLINE"] == "1" and env[IMAGE_PYTHON_VAR] == "3.13"
+
+
+def test_words_naming_files_are_not_installed_ahead():
+    """What a path names is the agent's (a setup.py would run while the folder is writable)."""
+    got = plan("pip install -r /app/req.txt\npip install ./pkg\npip install -e /app\nuvx --from /app/x x\n"
+               "uvx -w ~/w.whl pytest\npip install pkg/sub\n")
+    assert got.tools == () and got.pip_lines == ()
+    assert plan("uvx --index https://download.pytorch.org/whl/cpu -w torch==2.5.0 pytest\n").tools
 
 
 def _uvx_lookup(index: str, args: list[str]) -> str:

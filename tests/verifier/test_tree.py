@@ -98,6 +98,17 @@ def test_the_trees_python_never_imports_a_planted_module_first(tree, tmp_path):
     assert "PLANTED" not in out and str(layout.PYTHONS) in out and str(app) in out
 
 
+def test_the_names_uvs_interpreter_query_tries_are_never_the_agents(tree, tmp_path):
+    """Red team: uv's interpreter query (inside the uv binary) tries packaging's
+    `_manylinux`; with the image's PYTHONPATH naming /app, the agent's module ran."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "_manylinux.py").write_text("print('PLANTED')\n")
+    out = _in_view(tree, tmp_path, f"SEQUESTER_PYTHONPATH={app} python3 -c 'import _manylinux' 2>&1; "
+                   f"SEQUESTER_PYTHONPATH={app} python3 -c 'import sys; print(\"{app}\" in sys.path)'")
+    assert "PLANTED" not in out and "ModuleNotFoundError" in out and "True" in out, out
+
+
 def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
     """Each tree is a few hundred MB: the ones nobody uses go, one a live process holds
     (a shared lock on its ready file) stays, whatever its age."""

@@ -31,16 +31,21 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sequester.verifier import layout
+from sequester.verifier.image_python import IMAGE_PYTHON_VAR
 from sequester.verifier.script_commands import commands, program_words
 from sequester.verifier.uv_args import AT_VERSION, PYTHON_COMMAND, scan
 
-__all__ = ["Ahead", "Tool", "plan", "request", "SEPARATOR"]
+__all__ = ["Ahead", "Tool", "plan", "request", "install_env", "SEPARATOR"]
 
 SEPARATOR = "\x1f"  # between the words of an index line (see the shims)
 _PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./<>!~\[\]-]+$")  # a word no shell expands (quotes already gone)
+# A word naming a file (``-r /app/req.txt``, ``/app/pkg``, ``./x.whl``): what it names is
+# the agent's, whose code (a setup.py) would run while the runner's folder is writable.
+_PATH = re.compile(r"^(?:[./~]|[^:]*/)")
 _PYTEST = re.compile(r"^(?:py\.test|pytest)$")
 _PYTHON = re.compile(r"^python(?:3(?:\.\d+)?)?$")
 
@@ -86,9 +91,14 @@ def plan(*scripts: str) -> Ahead:
             if tool is not None:
                 tools.setdefault(tool.words, tool)
         elif program in ("pip", "pip3") and args[:1] == ["install"] and len(args) > 1:
-            if all(_PLAIN.match(w) for w in args[1:]):
+            if all(_ok(w) for w in args[1:]):
                 pip.setdefault(tuple(args[1:]), None)
     return Ahead(tuple(tools.values()), tuple(pip), pytest)
+
+
+def _ok(word: str) -> bool:
+    """A word installable ahead: plain text, naming no file (a URL is no file)."""
+    return bool(_PLAIN.match(word)) and ("://" in word or not _PATH.match(word))
 
 
 def _tool(args: list[str]) -> Tool | None:
@@ -99,7 +109,7 @@ def _tool(args: list[str]) -> Tool | None:
     end = scanned[-1][2]
     words, options = tuple(args[:end]), args[: end - 1]
     command_word = args[end - 1]
-    if "--" in options or not all(_PLAIN.match(w) for w in words):
+    if "--" in options or not all(_ok(w) for w in words):
         return None
     source = next((v for o, v, _ in scanned if o == "--from" and v), None)
     if source is None and PYTHON_COMMAND.match(command_word):
@@ -112,7 +122,46 @@ def _tool(args: list[str]) -> Tool | None:
     return Tool(words, command, ("tool", "run", *options, *extra, str(layout.BIN / "env")))
 
 
-def request(ahead: Ahead) -> dict[str, object]:
+# What of the runner's environment the installs ahead get (an allowlist): nothing of the
+# image's ENV (red team: its PYTHONPATH naming /app had uv's interpreter query import the
+# agent's module; a UV_PYTHON could name the agent's interpreter) but the Python version
+# the runner's python3 follows.
+_INSTALL_KEEP = frozenset(
+    {
+        "HOME",
+        "LANG",
+        "TERM",
+        "SHELL",
+        "UV_OFFLINE",
+        "UV_NO_INDEX",
+        "UV_NO_CONFIG",
+        "UV_FIND_LINKS",
+        "UV_PYTHON_INSTALL_DIR",
+        "UV_PYTHON_PREFERENCE",
+        "UV_PYTHON_DOWNLOADS",
+        "UV_NO_PROGRESS",
+        IMAGE_PYTHON_VAR,
+    }
+)
+
+
+def install_env(runner_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the installs ahead, from the script's (``runner_env``): only
+    :data:`_INSTALL_KEEP`, then the runner's own folders and ``PATH`` (its ``bin`` only:
+    nothing of the view runs while the runner's folder is writable)."""
+    env = {k: v for k, v in runner_env.items() if k in _INSTALL_KEEP}
+    env.update(
+        {
+            "UV_CACHE_DIR": str(layout.RUN_CACHE),
+            "UV_TOOL_DIR": str(layout.RUN_TOOLS),
+            "SEQUESTER_PIP_ENV": str(layout.RUN_PIP),
+            "PATH": str(layout.BIN),
+        }
+    )
+    return env
+
+
+def request(ahead: Ahead, runner_env: Mapping[str, str]) -> dict[str, object]:
     """The namespace helper's part of a verify request: the programs to run, in order,
     each with what it records on success (see :func:`sequester.sandbox.nsexec.server`)."""
     uv, pip = str(layout.LIBEXEC / "uv"), str(layout.BIN / "pip")
@@ -127,12 +176,7 @@ def request(ahead: Ahead) -> dict[str, object]:
         )
     return {
         "steps": steps,
-        "env": {
-            "UV_CACHE_DIR": str(layout.RUN_CACHE),
-            "UV_TOOL_DIR": str(layout.RUN_TOOLS),
-            "SEQUESTER_PIP_ENV": str(layout.RUN_PIP),
-            "PATH": str(layout.BIN),  # (nothing of the view's runs while the folder is writable)
-        },
+        "env": install_env(runner_env),
         "roots": [str(layout.RUN_CACHE), str(layout.RUN_TOOLS)],  # where a tool's bin may be
         "index": str(layout.TOOL_INDEX),  # a line a tool: its bin folder, command, words (SEPARATOR)
         "separator": SEPARATOR,

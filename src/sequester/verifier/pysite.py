@@ -48,6 +48,7 @@ __all__ = [
     "SITECUSTOMIZE",
     "write_sitecustomize",
     "probed_names",
+    "UV_PROBED",
     "runner_sources",
     "PYTHONPATH_VAR",
     "RUNNER_FD_VAR",
@@ -381,6 +382,12 @@ def write_sitecustomize(stdlib: Path, probed: Iterable[str] = ()) -> None:
 
 
 _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+# What uv's own interpreter query (get_interpreter_info.py, inside the uv binary: no source
+# of the tree's to read) tries and does without: packaging's ``_manylinux`` (red team: an
+# image whose ENV PYTHONPATH names /app had uv run the agent's /app/_manylinux.py).
+UV_PROBED = frozenset({"_manylinux"})
 
 
 def probed_names(sources: Iterable[tuple[str, bytes]]) -> set[str]:

@@ -43,7 +43,7 @@ from sequester.verifier import layout
 from sequester.verifier.closure import library_closure
 from sequester.verifier.elf import LIBC_PATHS, LOADER_PATHS, is_elf, redirect_paths, view_paths_in
 from sequester.verifier.layout import PINNED
-from sequester.verifier.pysite import SITECUSTOMIZE, probed_names, runner_sources, write_sitecustomize
+from sequester.verifier.pysite import SITECUSTOMIZE, UV_PROBED, probed_names, runner_sources, write_sitecustomize
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
 from sequester.verifier.shims import FINGERPRINT, write_shims
 
@@ -51,7 +51,7 @@ __all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "13"
+BUILD_FORMAT = "14"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",
@@ -326,7 +326,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     # alone too (see pysite.probed_names).
     wheels = sorted((root / "wheels").glob("*.whl"))
     for stdlib in stdlibs:
-        write_sitecustomize(stdlib, probed_names(runner_sources(stdlib, wheels)))
+        write_sitecustomize(stdlib, probed_names(runner_sources(stdlib, wheels)) | UV_PROBED)
 
 
 _TRIPLET = f"{os.uname().machine}-linux-gnu".encode()

@@ -99,6 +99,8 @@ def _run_tests(
     st = os.stat(runner)
     tests = invocation.tests_archive(task)
     argv = invocation.verifier_argv(task)
+    env = invocation.verifier_env(task, task_wheels=wheels is not None, image_python=image_python)
+    planned = _ahead(task, argv)
     # The task's pinned wheels (sequester.verifier.wheels): the host's folder, by descriptor;
     # the helper copies them into a read-only tmpfs of the verifier's own namespace.
     wheels_fd = os.open(wheels, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if wheels is not None else None
@@ -118,7 +120,7 @@ def _run_tests(
                 "op": "verify",
                 "target": init_pid,
                 "argv": argv,
-                "env": invocation.verifier_env(task, task_wheels=wheels_fd is not None, image_python=image_python),
+                "env": env,
                 "cwd": workdir,
                 "caps": list(CONTAINER_CAPS),
                 "seccomp": base64.b64encode(seccomp.compile_filter("agent")).decode(),
@@ -136,7 +138,7 @@ def _run_tests(
                     "run_size": run_size(wheels),
                     "installs": str(layout.TASK_INSTALLS) if installs is not None else None,
                     "packages": packages,
-                    "ahead": _ahead(task, argv),
+                    "ahead": ahead.request(planned, env) if planned else None,
                 },
                 "runner_fd": invocation.RUNNER_FD,
                 "cgroup": cgroups,
@@ -170,17 +172,16 @@ def _run_tests(
     return Evaluation(report, output.bytes(), marks, time.monotonic() - started)
 
 
-_plans: dict[tuple[object, ...], dict[str, object] | None] = {}
+_plans: dict[tuple[object, ...], ahead.Ahead] = {}
 _SCRIPTS_READ = 64  # the tests' own shell scripts read beside test.sh (a task's folder is the task's)
 
 
-def _ahead(task: Task, argv: list[str]) -> dict[str, object] | None:
+def _ahead(task: Task, argv: list[str]) -> ahead.Ahead | None:
     """What the runner installs before the script runs (:mod:`sequester.verifier.ahead`),
     read from the script's text (test.sh and the shell scripts beside it, which it may run;
     without one, the runner's own script)."""
     if argv[1:2] == ["-c"]:
-        plan = ahead.plan(argv[2])
-        return ahead.request(plan) if plan else None
+        return ahead.plan(argv[2])
     script = task.test_script
     if script is None:
         return None
@@ -190,10 +191,9 @@ def _ahead(task: Task, argv: list[str]) -> dict[str, object] | None:
     except OSError:
         return None
     if key not in _plans:
-        plan = ahead.plan(*(p.read_text(errors="replace") for p in scripts))
         if len(_plans) > 4096:
             _plans.clear()
-        _plans[key] = ahead.request(plan) if plan else None
+        _plans[key] = ahead.plan(*(p.read_text(errors="replace") for p in scripts))
     return _plans[key]
 
 

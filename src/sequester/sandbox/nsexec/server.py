@@ -515,16 +515,17 @@ def _script_shell(req: dict[str, Any], result: int, output: int, runner_pipe: in
         runner = req.get("runner") or {}
         if runner.get("ahead"):
             _install_ahead(runner["ahead"], req)
-        tests_proc = _nest_the_tests(req.get("proc_submounts", []))
         # Attack: a program the script runs (the agent's make before the script's uvx
         # pytest) writing the runner's uv cache or pip environment, so that a later step
         # runs its pytest; a program pytest starts rewriting a module of the running
         # pytest's environment. What the runner installed ahead (sequester.verifier.ahead)
-        # is read-only from here on for the shell and all it starts, as a mount of the
-        # tests' own mount namespace (no CAP_SYS_ADMIN over it: they cannot make it
-        # writable); only its scratch folder, a mount of its own, stays writable.
+        # is read-only from here on: in the verifier's mount namespace (nothing but the
+        # worker is left in it) and so in the tests' copy of it (they hold no
+        # CAP_SYS_ADMIN over it: they cannot make it writable); only its scratch folder,
+        # a mount of its own, stays writable.
         if "run" in runner:
             remount_readonly(runner["run"])
+        tests_proc = _nest_the_tests(req.get("proc_submounts", []))
         # Attack: a program the tests run making /logs/verifier/reward.txt a FIFO (the
         # script's own `echo 0 >` blocks on it until the program has put its 1 in place)
         # or a link elsewhere. The test shell and all it starts make no FIFO, socket,
@@ -551,9 +552,7 @@ def _install_ahead(ahead: dict[str, Any], req: dict[str, Any]) -> None:
     as the script runs, and fails there as it would have), its output the script's. A
     tool's environment is recorded in the runner's uvx index, a pip line in its list,
     each only on success."""
-    env = {**req["env"], **ahead["env"]}
-    for name in ("SEQUESTER_RUNNER_FD", "BASH_ENV"):
-        env.pop(name, None)
+    env = ahead["env"]  # (the host's allowlist of the script's: see sequester.verifier.ahead)
     sep = ahead["separator"]
     index, lines = [], []
     for step in ahead["steps"]:
@@ -607,8 +606,15 @@ def _run_step(argv: list[str], env: dict[str, str], req: dict[str, Any], *, capt
                 os.dup2(write, 1)
                 os.close(write)
             os.chdir("/")
-            restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
-            os.execve(argv[0], argv, env)
+            # Attack (red team): a process a step leaves behind (a build's) writing the
+            # runner's folder after it was sealed for the tests. Each step is PID 1 of a
+            # namespace of its own: when it ends, the kernel kills all it left.
+            check(libc.unshare(CLONE_NEWPID), "unshare(pid) for an install step")
+            step = os.fork()
+            if step == 0:
+                restrict(base64.b64decode(req["seccomp"]), req["seccomp_nr"], req["caps"])
+                os.execve(argv[0], argv, env)
+            os._exit(os.waitstatus_to_exitcode(os.waitpid(step, 0)[1]) & 0xFF)
         except BaseException as exc:  # noqa: BLE001
             os.write(2, f"sequester: the runner could not install ahead: {exc}\n".encode())
         os._exit(127)
