@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -144,7 +145,7 @@ class Limits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise PolicyError(f"limits.{f.name}: {value!r} is not a positive number")
             if f.type == "int" and not isinstance(value, int):
                 raise PolicyError(f"limits.{f.name}: {value!r} is not a whole number")

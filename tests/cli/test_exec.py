@@ -90,3 +90,20 @@ def test_exec_syntax_error_shows_the_users_code_only(tmp_path):
     assert r.returncode == 1 and r.stderr.startswith('  File "<stdin>", line 1') and "ast.py" not in r.stderr
 
 
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_timeout_that_is_not_a_positive_number_is_exit_2_naming_it(value):
+    """It was a raw ValueError traceback, exit 1."""
+    r = sequester("exec", "--timeout", value, "-", stdin="print(1)\n")
+    assert r.returncode == 2 and f"'{value}' is not a positive number" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("table, key", [("limits", "cell_timeout"), ("limits", "kernel_timeout")])
+def test_a_nan_in_the_config_is_exit_2_naming_the_key(tmp_path, table, key):
+    """`cell_timeout = nan` was accepted (then every cell failed)."""
+    config = tmp_path / "c.toml"
+    config.write_text(f"[{table}]\n{key} = nan\n")
+    r = sequester("exec", "--config", str(config), "-", stdin="print(1)\n")
+    assert r.returncode == 2 and f"{table}.{key}: nan is not a positive number" in r.stderr, r.stderr

@@ -89,3 +89,18 @@ def test_a_task_this_host_cannot_run_is_an_error_of_its_trial(tmp_path, backend)
         assert result["verifier_result"] is None and result["exception_info"]["exception_type"] == "UnsupportedByBackend"
         said = result["exception_info"]["exception_message"]
         assert ("gpus = 1" in said) if name == "gpu" else ("docker-compose.yml" in said), said
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_a_nan_exec_timeout_is_exit_2_naming_it_and_nothing_runs(tmp_path, how):
+    """`--exec-timeout nan` and `[episodes] exec_timeout = nan` were accepted: every command
+    then failed, and commands.jsonl held a bare NaN (not JSON)."""
+    args = ["--exec-timeout", "nan"]
+    if how == "config":
+        config = tmp_path / "c.toml"
+        config.write_text("[episodes]\nexec_timeout = nan\n")
+        args = ["--config", str(config)]
+    r = sequester("run", str(EXAMPLES), "--agent", "oracle", "--jobs-dir", str(tmp_path / "jobs"), *args)
+    assert r.returncode == 2, r.stderr
+    assert ("'nan' is not a positive number" if how == "flag" else "episodes.exec_timeout: nan") in r.stderr
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())

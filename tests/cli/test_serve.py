@@ -151,3 +151,29 @@ def test_sigterm_closes_every_session_and_agents_cannot_read_the_token(tmp_path)
                 proc.wait()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_a_clean_stop_exit_0(tmp_path):
+    """Ctrl-C (SIGINT) closes every session and exits 0, as the docs say (it was 130:
+    uvicorn re-raised SIGINT into Python's KeyboardInterrupt)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "sequester.cli", "serve", "--port", "0", "--token-file",
+                             str(token_file)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        first = proc.stderr.readline()
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", first).group(1))
+
+        async def go():
+            server = type("S", (), {"ws_url": f"ws://127.0.0.1:{port}/ws", "token": TOKEN})()
+            async with connect(server) as k:
+                await ask(k, {"type": "reset", "data": {"kind": "kernel"}})
+                proc.send_signal(signal.SIGINT)
+                return await asyncio.to_thread(proc.wait, 60)
+
+        assert asyncio.run(go()) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -4,6 +4,7 @@ argparse types, the error console."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from rich.console import Console
@@ -54,8 +55,8 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
         return value
 
     return parse

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sequester.cli.common import add_policy_flags, policy_of
+from sequester.cli.common import add_policy_flags, policy_of, positive
 from sequester.errors import PolicyError
 
 __all__ = ["add_exec_command"]
@@ -15,7 +15,7 @@ __all__ = ["add_exec_command"]
 def add_exec_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("exec", help="run a program in a fresh kernel")
     add_policy_flags(p, overrides=True)
-    p.add_argument("--timeout", type=float, help="seconds (default: limits.cell_timeout)")
+    p.add_argument("--timeout", type=positive(float), help="seconds (default: limits.cell_timeout)")
     p.add_argument("file", metavar="FILE|-")
     p.set_defaults(func=cmd_exec)
 

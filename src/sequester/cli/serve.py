@@ -119,12 +119,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     verbose = logging.getLogger().level <= logging.INFO
     server = uvicorn.Server(uvicorn_config(app, settings, access_log=verbose))
     # uvicorn shuts down gracefully on SIGTERM and SIGINT (every session closed), then
-    # raises SIGTERM again for the handler it found: a quiet one, so a clean stop is exit 0.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # raises the signal again for the handler it found: a quiet one, so a clean stop is
+    # exit 0 (Ctrl-C too: Python's own SIGINT handler would make it 130).
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
     try:
         server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

@@ -100,7 +100,7 @@ class EpisodeSettings:
     def __post_init__(self) -> None:
         for name in ("exec_timeout", "output_bytes", "max_processes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")
         if self.verifier_env not in (None, "shared", "separate"):
             raise PolicyError(f"episodes.verifier_env: {self.verifier_env!r} is not 'shared' or 'separate'")

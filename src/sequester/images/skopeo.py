@@ -30,7 +30,16 @@ from sequester.images.manifest import Platform
 if TYPE_CHECKING:
     from sequester.images.progress import Progress
 
-__all__ = ["skopeo_path", "inspect_argv", "copy_argv", "run_skopeo", "POLICY", "select_manifest", "progress_lines"]
+__all__ = [
+    "explain",
+    "skopeo_path",
+    "inspect_argv",
+    "copy_argv",
+    "run_skopeo",
+    "POLICY",
+    "select_manifest",
+    "progress_lines",
+]
 
 log = logging.getLogger("sequester.images")
 
@@ -159,8 +168,33 @@ def run_skopeo(
     finally:
         reader.join(5)
     if proc.returncode != 0:
-        raise ImageError(f"{what}: {_reason(err.decode(errors='replace'))}")
+        raise ImageError(f"{what}: {explain(_reason(err.decode(errors='replace')))}")
     return bytes(out)
+
+
+_UNREACHABLE = re.compile(
+    r'(?:Error parsing image name "[^"]*": )?pinging (?:container|docker) registry (?P<host>[^:\s]+(?::\d+)?): '
+    r".*?(?P<why>connection refused|no such host|i/o timeout|network is unreachable|no route to host|"
+    r"connection reset by peer|context deadline exceeded|server gave HTTP response to HTTPS client|"
+    r"tls: [^\n]*|x509: [^\n]*)",
+)
+
+
+def explain(reason: str) -> str:
+    """skopeo's reason as a user should read it: a registry that cannot be reached is said
+    to be one (skopeo words it "Error parsing image name ...", which reads like a typo)."""
+    m = _UNREACHABLE.search(reason)
+    if m is None:
+        return reason
+    host, why = m["host"], m["why"]
+    hint = (
+        "the registry speaks plain HTTP: list it in [images] insecure"
+        if "HTTP response to HTTPS" in why
+        else "a certificate problem"
+        if why.startswith(("tls:", "x509:"))
+        else "check the network, the registry's address and [images] mirrors"
+    )
+    return f"cannot reach the registry {host} ({why}): {hint}"
 
 
 def _reason(stderr: str) -> str:
