@@ -100,7 +100,7 @@ def test_a_nan_exec_timeout_is_exit_2_naming_it_and_nothing_runs(tmp_path, how):
         config = tmp_path / "c.toml"
         config.write_text("[episodes]\nexec_timeout = nan\n")
         args = ["--config", str(config)]
-    r = sequester("run", str(EXAMPLES), "--agent", "oracle", "--jobs-dir", str(tmp_path / "jobs"), *args)
+    r = sequester("run", str(EXAMPLES), "--agent", "oracle", "-o", str(tmp_path / "jobs"), *args)
     assert r.returncode == 2, r.stderr
     assert ("'nan' is not a positive number" if how == "flag" else "episodes.exec_timeout: nan") in r.stderr
     assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())
