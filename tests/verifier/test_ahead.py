@@ -137,3 +137,21 @@ def test_the_runners_uvx_runs_what_was_installed_ahead_for_exactly_its_words(tmp
     assert _uvx_lookup(str(index), ["-p", "3.12", "-w", "pytest==8.4.1", "pytest", "x"]).startswith("fallback")
     assert _uvx_lookup(str(index), ["-p", "3.13", "pytest"]).startswith("fallback")
     assert _uvx_lookup(str(tmp_path / "none"), words).startswith("fallback")
+
+
+def test_a_tool_whose_install_ahead_failed_is_a_set_up_failure_never_made_as_the_script_runs(tmp_path):
+    """Red team: an agent made the install ahead fail (a jemalloc setting of the view's
+    aborted uv); the runner's uvx then made the tool as the script ran, where the agent's
+    program could write, and the failing tests passed."""
+    from sequester.verifier.shims import _UVX_AHEAD
+
+    index = tmp_path / "index"
+    words = ["-w", "pytest==8.4.1", "pytest"]
+    index.write_text(f"-\tpytest\t{SEPARATOR.join(words)}\n")
+    said = tmp_path / "said"
+    script = (f'__sequester_say() {{ echo "$1" >> {said}; }}\n' + _UVX_AHEAD.replace(str(layout.TOOL_INDEX), str(index))
+              + 'echo "fallback $*"\n')
+    done = subprocess.run(["bash", "-c", script, "uvx", *words, "/tests/t.py"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 1 and "fallback" not in done.stdout
+    assert said.read_text().split() == ["setup-failed:uvx-ahead"]

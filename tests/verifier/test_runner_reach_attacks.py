@@ -230,6 +230,33 @@ within = task(WORK, f"{UVX} /tests/test_a.py\n{UVX} /tests/test_x.py\n"
 planted = task(WORK, f"{UVX} /tests/test_x.py\n"
                      "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
                {"tool": PLANTED_TOOL})
+# Red team, round 3: the agent makes the install ahead fail (jemalloc's abort_conf, read by
+# the runner's uv from the view's /etc), then a program the script runs first waits for
+# the tool to be made as the script runs and puts a .pth into it.
+SCRATCH_WATCH = """
+import os, time
+try:
+    os.unlink("/etc/_rjem_malloc.conf")
+except OSError:
+    pass
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        end = time.time() + 40
+        while time.time() < end:
+            for root, dirs, files in os.walk("/opt/sequester-verifier/run/scratch"):
+                if root.endswith("site-packages"):
+                    try:
+                        with open(root + "/aaa_poison.pth", "w") as f:
+                            f.write("import sys, os; any('pytest' in a for a in sys.orig_argv) and os._exit(0)\\n")
+                    except OSError:
+                        pass
+            time.sleep(0.005)
+    os._exit(0)
+"""
+aborted = task(WORK, f"python3 /app/watch.py\n{UVX} /tests/test_x.py\n"
+                     "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+               {"watch.py": SCRATCH_WATCH})
 manylinux = task(WORK, f"{UVX} /tests/test_x.py\n"
                        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
                  {"_manylinux.py": MANYLINUX})
@@ -240,9 +267,11 @@ pip = task(WORK, "pip install pytest==8.4.1\npython3 /app/poison.py pip\npytest 
            {"poison.py": POISON})
 for mode, kw in (("shared", {}), ("frozen", {"freeze": True}), ("separate", {"verifier_env": "separate"})):
     for name, t in (("poison-direct", direct), ("poison-within", within), ("poison-pip", pip),
-                    ("poison-planted", planted), ("poison-manylinux", manylinux)):
+                    ("poison-planted", planted), ("poison-manylinux", manylinux), ("poison-aborted", aborted)):
         with Episode(settings()) as ep:
             ep.reset(t)
+            if name == "poison-aborted":
+                ep.exec("ln -sf 'abort_conf:true,x:1' /etc/_rjem_malloc.conf")
             if name == "poison-planted":
                 ep.exec("for n in env printenv python python3 uv uvx pip pytest; do cp /app/tool /usr/local/bin/$n; "
                         "chmod +x /usr/local/bin/$n; done")
@@ -436,3 +465,16 @@ def test_the_images_environment_runs_nothing_of_the_agents_in_the_runners_instal
     case = seen[f"poison-manylinux-{mode}"]
     assert case["reward"] == 0.0, case
     assert "manylinux-ran.txt" not in case["seen"], case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "frozen", "separate"])
+def test_an_install_ahead_the_agent_made_fail_is_never_made_where_its_programs_write(seen, mode):
+    """The agent makes the runner's uv abort while it installs ahead (jemalloc's
+    abort_conf in the view's /etc), then a program the script runs first waits to put a
+    .pth into the tool when it is made as the script runs, in the writable scratch folder
+    (red team, round 3: 1.0 in shared and frozen mode). A tool whose install ahead failed
+    is a set-up failure: the pristine re-run installs it, the tests fail there too, and
+    it is the agent's 0."""
+    case = seen[f"poison-aborted-{mode}"]
+    assert case["reward"] == 0.0, case

@@ -343,6 +343,9 @@ def setup_failures(ev: Evaluation) -> list[str]:
             if step == "uv-python":
                 failed.append(f"the script asks uv for Python {item}, which the runner does not have")
                 continue
+            if step == "uvx-ahead":
+                failed.append("a uvx tool of the script's could not be installed before it ran")
+                continue
             if (step, item) == ("pip-install", "not-read-ahead"):
                 failed.append(
                     "a `pip install` was not read from the script ahead (a word the shell expands): the runner "

@@ -55,6 +55,8 @@ _RUNNER_INPUTS = (
     "XDG_CONFIG_DIRS",
     "REQUESTS_CA_BUNDLE",
     "SEQUESTER_PIP_ENV",  # (the runner's own, for what it installs before the script runs)
+    "MALLOC_CONF",  # jemalloc's (uv's allocator) options: abort_conf makes the runner's uv abort
+    "_RJEM_MALLOC_CONF",
 )
 
 

@@ -161,20 +161,26 @@ exec {layout.LIBEXEC}/uv pip install --python "$SEQUESTER_PIP_ENV/bin/python" "$
 """
 
 # uvx: a command installed before the script ran (sequester.verifier.ahead) runs from its
-# environment, as uvx runs it (its bin first on PATH, UV set); another is made as the
-# script runs, in the scratch folder (told to the host).
+# environment, as uvx runs it (its bin first on PATH, UV set); one whose install failed
+# then (its folder "-") is a set-up failure, never made as the script runs (red team: an
+# agent that made the install fail had it made where its own program could write);
+# another is made as the script runs, in the scratch folder (told to the host).
 _UVX_AHEAD = f"""if [ -r {layout.TOOL_INDEX} ]; then
   while IFS=$'\t' read -r __b __c __ws; do
     IFS=$'\x1f' read -r -a __w <<< "$__ws"
     __n=${{#__w[@]}}
-    [ "$__n" -gt 0 ] && [ $# -ge "$__n" ] && [ -x "$__b/$__c" ] || continue
+    [ "$__n" -gt 0 ] && [ $# -ge "$__n" ] || continue
     __i=0; __ok=1
     for __x in "${{__w[@]}}"; do __i=$((__i + 1)); [ "${{!__i}}" = "$__x" ] || {{ __ok=; break; }}; done
-    if [ -n "$__ok" ]; then
-      shift "$__n"; PATH="$__b:$PATH"; UV={layout.LIBEXEC}/uv; export PATH UV
-      {_AGENT_HOME.strip()}
-      exec "$__b/$__c" "$@"
+    [ -n "$__ok" ] || continue
+    if [ "$__b" = - ] || [ ! -x "$__b/$__c" ]; then
+      __sequester_say "setup-failed:uvx-ahead"
+      echo "sequester: the verifier could not install this uvx tool before the script ran (its output says why)" >&2
+      exit 1
     fi
+    shift "$__n"; PATH="$__b:$PATH"; UV={layout.LIBEXEC}/uv; export PATH UV
+    {_AGENT_HOME.strip()}
+    exec "$__b/$__c" "$@"
   done < {layout.TOOL_INDEX}
 fi
 __sequester_say "runner-unsealed:uvx"

@@ -551,7 +551,10 @@ def _install_ahead(ahead: dict[str, Any], req: dict[str, Any]) -> None:
     runner's environment (telling the host nothing: a step that fails here is made again
     as the script runs, and fails there as it would have), its output the script's. A
     tool's environment is recorded in the runner's uvx index, a pip line in its list,
-    each only on success."""
+    each only on success; a tool that could not be installed is recorded as failed (its
+    folder "-"): the runner's uvx then fails it as a set-up failure, never installs it as
+    the script runs (red team: an agent that made the install fail, through a setting of
+    the view's, had it installed where its own program could write)."""
     env = ahead["env"]  # (the host's allowlist of the script's: see sequester.verifier.ahead)
     sep = ahead["separator"]
     index, lines = [], []
@@ -559,15 +562,13 @@ def _install_ahead(ahead: dict[str, Any], req: dict[str, Any]) -> None:
         if step.get("unless") and os.path.exists(step["unless"]):
             continue
         out = _run_step(step["argv"], env, req, capture=bool(step.get("tool")))
-        if out is None:
-            continue
         if step.get("tool"):
             tool = step["tool"]
-            bin_dir = _tool_bin(out, ahead["roots"], tool["command"])
-            fields = [bin_dir or "", tool["command"], *tool["words"]]
-            if bin_dir and all(f and not {"\t", "\n", sep} & set(f) for f in fields):
+            bin_dir = (_tool_bin(out, ahead["roots"], tool["command"]) if out is not None else None) or "-"
+            fields = [bin_dir, tool["command"], *tool["words"]]
+            if all(f and not {"\t", "\n", sep} & set(f) for f in fields):
                 index.append(f"{bin_dir}\t{tool['command']}\t{sep.join(tool['words'])}\n")
-        else:
+        elif out is not None:
             lines.append(sep.join(step["pip_line"]) + "\n")
     if index:
         with open(ahead["index"], "w") as f:
