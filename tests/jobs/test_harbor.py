@@ -12,26 +12,20 @@ for the jobs, tasks, trials, rewards and each command's output.
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
+import harbor_venv
 import pytest
-from paths import EXAMPLES
-
 from conditions import requires_root
+from paths import EXAMPLES
 
 pytestmark = [requires_root, pytest.mark.slow]  # every test reads the jobs a module fixture runs
 
 TASK_NAMES = sorted(p.name for p in EXAMPLES.iterdir() if (p / "task.toml").is_file())
-VENV = Path(os.environ.get("SEQUESTER_HARBOR_VENV", "/var/cache/sequester-ci/harbor-venv"))
-HARBOR = "harbor==0.26.*"
 
 AGENT = '''
 import sys
@@ -101,52 +95,10 @@ CHECK = textwrap.dedent('''
 ''')
 
 
-def _python312() -> str | None:
-    """A Python >= 3.12: ``$SEQUESTER_HARBOR_PYTHON``, pyenv's, or one on PATH."""
-    candidates = [os.environ.get("SEQUESTER_HARBOR_PYTHON", "")]
-    if shutil.which("pyenv"):
-        for version in ("3.12", "3.13"):
-            r = subprocess.run(["pyenv", "which", "python3"], capture_output=True, text=True,
-                               env={**os.environ, "PYENV_VERSION": version})
-            candidates.append(r.stdout.strip() if r.returncode == 0 else "")
-    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
-    candidates += sorted(glob.glob(f"{root}/versions/3.1[2-9]*/bin/python3"))
-    candidates += [shutil.which(n) or "" for n in ("python3.12", "python3.13", "python3.14")]
-    for path in filter(None, candidates):
-        r = subprocess.run([path, "-c", "import sys; print(sys.version_info >= (3, 12))"], capture_output=True,
-                           text=True)
-        if r.stdout.strip() == "True":
-            return path
-    return None
-
-
-def _venv_ready(python: Path) -> bool:
-    if not python.exists():
-        return False
-    r = subprocess.run([str(python), "-c", "import importlib.metadata as m, harbor.viewer.server, fastapi.testclient;"
-                        "print(m.version('harbor'))"], capture_output=True, text=True)
-    return r.returncode == 0 and r.stdout.strip().startswith("0.26.")
-
-
 @pytest.fixture(scope="session")
 def harbor_python() -> str:
     """The venv's Python, with Harbor 0.26 installed (made once, reused between runs)."""
-    python = VENV / "bin" / "python"
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{VENV}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _venv_ready(python):
-            return str(python)
-        base = _python312()
-        if base is None:
-            pytest.skip("Harbor 0.26 needs Python >= 3.12 and there is none here "
-                        "(set SEQUESTER_HARBOR_PYTHON, or install one with pyenv)")
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([base, "-m", "venv", str(VENV)], check=True, timeout=300)
-        r = subprocess.run([str(python), "-m", "pip", "install", "--quiet", HARBOR], capture_output=True, text=True,
-                           timeout=1200)
-        assert r.returncode == 0 and _venv_ready(python), f"pip install {HARBOR} failed:\n{r.stderr[-3000:]}"
-    return str(python)
+    return harbor_venv.harbor_python()
 
 
 def sequester(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

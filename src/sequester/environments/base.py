@@ -131,6 +131,11 @@ class Environment(Protocol):
 
     def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None: ...
 
+    def read_dir(self, path: str, limit: int = ...) -> bytes:
+        """A tar of the folder ``path`` of the agent's view, names relative to it (see
+        :func:`~sequester.environments.archive.reroot`); :class:`~sequester.errors.EpisodeError`
+        when it is no folder or its tar is larger than ``limit`` bytes."""
+
     def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> VerifierResult:
         """The task's pristine tests, scored; agent-caused failures are a 0 with a reason,
         :class:`~sequester.environments.verdict.VerifierCouldNotRun` only for what it cannot cause."""

@@ -10,11 +10,14 @@ user can pick: ``open_environment`` does not know it.
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from sequester.environments.archive import DIR_LIMIT
 from sequester.environments.base import Capabilities, ExecResult
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.verdict import VerifierResult
@@ -112,6 +115,20 @@ class FakeEnvironment:
         for path in sorted(root.rglob("*")):
             if path.is_file():
                 self.files[f"{dest.rstrip('/')}/{path.relative_to(root)}"] = path.read_bytes()
+
+    def read_dir(self, path: str, limit: int = DIR_LIMIT) -> bytes:
+        self._call("read_dir")
+        prefix = path.rstrip("/") + "/"
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            for name, data in sorted(self.files.items()):
+                if name.startswith(prefix):
+                    info = tarfile.TarInfo(name[len(prefix) :])
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        if len(out.getvalue()) > limit:
+            raise EpisodeError(f"{path}: larger than {limit} bytes")
+        return out.getvalue()
 
     def evaluate(self, *, freeze: bool | None = None, verifier_env: str | None = None) -> VerifierResult:
         self._call("evaluate")

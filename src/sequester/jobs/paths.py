@@ -25,9 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TrialPaths", "JobPaths", "check_name"]
+__all__ = ["TrialPaths", "JobPaths", "check_name", "own_agent_file"]
 
 TEST_STDOUT = "test-stdout.txt"
+
+
+def own_agent_file(name: str) -> bool:
+    """Whether ``name`` (a first path part in ``agent/``) is one of the trial's own files
+    there, which nothing the agent left in ``/logs/agent`` may replace."""
+    return name in ("commands.jsonl", "agent.log", "trajectory.json") or (
+        name.startswith("command-") and name[8:].isdigit()
+    )
 
 
 def check_name(name: str, what: str) -> str:
@@ -75,6 +83,11 @@ class TrialPaths:
     @property
     def trajectory_path(self) -> Path:
         return self.agent_dir / "trajectory.json"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        """What the agent left in ``/logs/artifacts`` (made only when it left something)."""
+        return self.root / "artifacts"
 
     @property
     def verifier_dir(self) -> Path:

@@ -30,16 +30,17 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sequester.agents import load_agent
 from sequester.environments import Environment, UnsupportedByBackend, missing_capabilities, open_environment
+from sequester.environments.archive import unpack
 from sequester.environments.base import wanted_verifier_env
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.verdict import VerifierError
-from sequester.errors import EpisodeError, ImageError
+from sequester.errors import EpisodeError, ImageError, SandboxError
 from sequester.jobs.agent_view import RecordingEnvironment
 from sequester.jobs.cancel import Cancellation, TrialCancelled
 from sequester.jobs.capture import capture_thread_output
 from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, agent_info, task_checksum, task_config
 from sequester.jobs.images import ImagePlan
-from sequester.jobs.paths import TEST_STDOUT, TrialPaths
+from sequester.jobs.paths import TEST_STDOUT, TrialPaths, own_agent_file
 from sequester.jobs.results import ExceptionInfo, TimingInfo, TrialResult, VerifierOutcome, utc_now
 from sequester.tasks import Task
 
@@ -250,6 +251,7 @@ def run_trial(
                         agent.run(episode.instruction, RecordingEnvironment(episode, paths, cancel))  # type: ignore[arg-type]
                     finally:
                         notes += _keep_trajectory(agent, paths)
+                        notes += _keep_agent_logs(episode, paths)
                     if cancel is not None:
                         cancel.check()
                 with phase("verifier", trial_log):
@@ -318,6 +320,25 @@ def _keep_trajectory(agent: object, paths: TrialPaths) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - the agent's own object: say why it is not kept
         return [f"the agent's trajectory was not kept: {type(exc).__name__}: {exc}"]
     return []
+
+
+def _keep_agent_logs(episode: Environment, paths: TrialPaths) -> list[str]:
+    """What the agent left in ``/logs/agent`` and ``/logs/artifacts`` (its to write, as
+    under Harbor), kept in the trial's ``agent/`` and ``artifacts/`` folders as Harbor keeps
+    them; never over the trial's own files in ``agent/``. Bounded (see
+    :mod:`sequester.environments.archive`); what is not kept is a note."""
+    notes = []
+    for folder, dest, own in (
+        ("/logs/agent", paths.agent_dir, own_agent_file),
+        ("/logs/artifacts", paths.artifacts_dir, None),
+    ):
+        try:
+            data = episode.read_dir(folder)
+        except (EpisodeError, SandboxError, OSError) as exc:
+            notes.append(f"{folder} was not kept: {exc}")
+            continue
+        notes += [f"{folder}: {n}" for n in unpack(data, dest, skip=own)]
+    return notes
 
 
 def _verify(episode: Environment, paths: TrialPaths, tampering: list[str]) -> tuple[VerifierOutcome, list[str]]:

@@ -2,7 +2,7 @@
 their site-packages.
 
 Test scripts ask for a version (``uvx -p 3.13``, Terminal-Bench 2's standard) or just
-``python3``. The runner offers the version of the Python that runs sequester and 3.13;
+``python3``. The runner offers the version of the Python that runs sequester, 3.11 and 3.13;
 uv sees them as its *managed* installations and nothing else (see :mod:`.environ`), so a
 version the runner lacks fails to bootstrap instead of falling back to an interpreter of
 the agent's. Each version is Debian's optimised build where Debian has one
@@ -33,7 +33,10 @@ __all__ = [
     "WANTED_VERSIONS",
 ]
 
-WANTED_VERSIONS = ("3.13",)  # besides the running one: TB2's test scripts ask for 3.13
+# Besides the running one: TB2's test scripts ask for 3.13, others for 3.11; both are
+# Debian's optimised builds, so a script's version does not depend on which Python runs
+# sequester (Harbor's own needs 3.12: before, `uvx -p 3.11` failed to bootstrap there).
+WANTED_VERSIONS = ("3.11", "3.13")
 # Not needed to run tests, and large; never site-packages: the runner's Pythons hold
 # nothing but their standard library (test dependencies come from pinned wheels).
 _SKIP = {

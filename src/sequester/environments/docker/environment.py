@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sequester.environments import verdict
+from sequester.environments.archive import DIR_LIMIT, reroot
 from sequester.environments.base import (
     Capabilities,
     ExecResult,
@@ -297,6 +299,18 @@ class DockerEnvironment:
     def upload_dir(self, source: str | os.PathLike[str], dest: str) -> None:
         """Copy a host folder into the agent's container at ``dest`` (the oracle's solution)."""
         files.upload_dir(self._for_agent().container, source, self._absolute(dest))
+
+    def read_dir(self, path: str, limit: int = DIR_LIMIT) -> bytes:
+        """A tar of the folder ``path`` of the agent's container (names relative to it)."""
+        where = self._absolute(path)
+        try:
+            got = files.get_tar(self._for_agent().container, where, limit)
+        except files.TooLarge as exc:
+            raise EpisodeError(f"{where}: {exc}") from exc
+        go_dir = 1 << 31  # the engine's stat is Go's FileMode: ModeDir is its top bit
+        if got is None or not int(got[1].get("mode", 0)) & go_dir:
+            raise EpisodeError(f"{where}: no such folder")
+        return reroot(got[0], posixpath.basename(where.rstrip("/")))
 
     def _absolute(self, path: str) -> str:
         return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from sequester.environments import verdict
+from sequester.environments.archive import DIR_LIMIT, reroot
 from sequester.environments.base import (
     Capabilities,
     ExecResult,
@@ -476,6 +477,17 @@ class Episode:
         with tarfile.open(fileobj=buf, mode="w") as tar:
             tar.add(Path(source).resolve(), arcname=".")
         self._nsexec_call().extract(self._running().bwrap.pid, self._absolute(dest), buf.getvalue())
+
+    def read_dir(self, path: str, limit: int = DIR_LIMIT) -> bytes:
+        """A tar of the folder ``path`` of the view (names relative to it; links kept as links)."""
+        where = self._absolute(path)
+        try:
+            data, missing = self._nsexec_call().pack(self._running().bwrap.pid, [where], {}, limit=limit)
+        except SandboxError as exc:
+            raise EpisodeError(f"{where}: {exc}") from exc
+        if missing:
+            raise EpisodeError(f"{where}: no such folder")
+        return reroot(data, where)
 
     def _fresh(self) -> Episode:
         """A new episode of these settings and this helper: a separate verifier's environment."""

@@ -22,6 +22,7 @@ from sequester.environments.local.layers import view_points
 from sequester.environments.local.resolv import place_etc_file, place_resolv_conf
 from sequester.environments.local.start import INIT_SCRIPT, RunningEpisode, launch_init
 from sequester.environments.local.state import EpisodeDirs
+from sequester.environments.local.view import AGENT_LOG_POINTS
 from sequester.environments.settings import EpisodeSettings, episode_id_map
 from sequester.errors import ImageError, SandboxError
 from sequester.guard import seccomp
@@ -116,6 +117,7 @@ def start_on_image(
                 f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)"
             )
     _make_upper(dirs, lease.layers, runner_top)
+    dirs.make_agent_logs(p.name for p in AGENT_LOG_POINTS)
     placed = False
     etc_here = image_path_kind(lease.layers, "/etc") in ("dir", "none")
     lower_etc = [layer / "etc" for layer in reversed(lease.layers) if (layer / "etc").is_dir()]

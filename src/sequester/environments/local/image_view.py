@@ -10,7 +10,8 @@ Like a container on the task's image, with the guarantees of the host-mode view
 * ``/tmp`` and ``/run`` are the image's folders, unless the image declares them a
   ``VOLUME`` (an anonymous volume of Docker is a filesystem of its own: here a tmpfs);
 * ``/tests`` and ``/logs`` are empty **read-only mount points**, whatever the image has
-  there: the verifier mounts its own over them in a namespace only it has;
+  there: the verifier mounts its own over them in a namespace only it has; below ``/logs``,
+  the agent's log folders (``/logs/agent``, ``/logs/artifacts``) are its to write;
 * a fresh ``/proc``, ``/dev``, ``/dev/shm``; the CPU part of ``/sys``;
 * read-only at its own path: the verifier's runner, whose ``bash`` is also the episode's
   init and the agent's shell of last resort (it brings its own loader and libraries, so
@@ -65,7 +66,7 @@ def plan_image_view(
 
     add(MountOp(MountKind.OVERLAY, Path("/"), lowers=tuple(layers), upper=dirs.upper_root, work=dirs.work_root), 0)
     declared = {v.rstrip("/") or "/" for v in volumes}
-    for op, rank in sandbox_mounts(sys_cpu):
+    for op, rank in sandbox_mounts(sys_cpu, dirs):
         if op.dest in (Path("/tmp"), Path("/run")) and str(op.dest) not in declared:
             continue  # the image's own folder, in the one filesystem
         add(op, rank)

@@ -23,7 +23,7 @@ from sequester.environments.local.shell import Shell
 from sequester.environments.local.staging import stage_environment, tops_needed
 from sequester.environments.local.state import EpisodeDirs
 from sequester.environments.local.submounts import describe_mounts_below, gather_submounts, make_skeleton, staged_names
-from sequester.environments.local.view import plan_episode_layout
+from sequester.environments.local.view import AGENT_LOG_POINTS, plan_episode_layout
 from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, episode_id_map
 from sequester.errors import SandboxError
 from sequester.guard import seccomp
@@ -168,6 +168,7 @@ def start_episode(
         submounts=submounts,
         staged=staged,
     )
+    dirs.make_agent_logs(p.name for p in AGENT_LOG_POINTS)
     for op in mounts:
         for folder in (op.upper, op.work, op.source if op.kind.value == "bind" else None):
             if folder is not None and not os.path.lexists(folder):  # (a staged bind's source may be a file)

@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,18 @@ class EpisodeDirs:
 
     def new(self, top: str) -> Path:
         return self.root / "new" / top
+
+    def agent_logs(self, name: str) -> Path:
+        """The folder the agent sees at ``/logs/<name>`` (``agent``, ``artifacts``)."""
+        return self.root / "logs" / name
+
+    def make_agent_logs(self, names: Iterable[str]) -> None:
+        """Make the agent's log folders, open to every user of the episode (mode 0777, as
+        Harbor makes them: an agent may run as the task's own user)."""
+        for name in names:
+            folder = self.agent_logs(name)
+            folder.mkdir(parents=True, exist_ok=True)
+            os.chmod(folder, 0o777)
 
     def remove(self) -> None:
         """Remove the episode's folder and everything the agent left in it (see

@@ -12,7 +12,9 @@ Like a container on the host's own system:
   folder, root-only secrets: covered by empty read-only tmpfs (or ``/dev/null``);
 * ``/tests`` and ``/logs`` are empty **read-only mount points**: the agent can neither
   write there nor replace them with a symlink; the verifier mounts its own over them in a
-  namespace only it has;
+  namespace only it has. Below ``/logs``, ``/logs/agent`` and ``/logs/artifacts`` are the
+  agent's to write (as Harbor has them: an agent's logs, the files it leaves for the job),
+  folders of the episode's state, never ``/logs/verifier``;
 * a fresh ``/proc``, ``/dev``, ``/tmp``, ``/var/tmp``, ``/run``, ``/dev/shm``; the CPU part of ``/sys``;
 * read-only: the host's Python installation (the episode's init runs on it) and the
   verifier's runner (:mod:`sequester.verifier`: the verifier mounts its own copy);
@@ -34,20 +36,32 @@ from sequester.sandbox.host import HostFacts
 from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.verifier.layout import RUNNER_MOUNT
 
-__all__ = ["plan_episode_view", "plan_episode_layout", "sandbox_mounts", "TOOLCHAIN_MOUNT", "VERIFIER_POINTS"]
+__all__ = [
+    "plan_episode_view",
+    "plan_episode_layout",
+    "sandbox_mounts",
+    "AGENT_LOG_POINTS",
+    "TOOLCHAIN_MOUNT",
+    "VERIFIER_POINTS",
+]
 
 TOOLCHAIN_MOUNT = Path(str(RUNNER_MOUNT))  # the verifier's runner tree, read-only everywhere
 VERIFIER_POINTS = (Path("/tests"), Path("/logs"))
+# Harbor's folders of the agent below /logs: writable by every user of the episode (Harbor
+# makes them mode 0777 in its containers), kept with the trial. /logs/verifier is not one.
+AGENT_LOG_POINTS = (Path("/logs/agent"), Path("/logs/artifacts"))
 _VERIFIER_NAMES = frozenset(p.name for p in VERIFIER_POINTS)
 _REPLACED = frozenset({"dev", "proc", "sys", "tmp", "run"})
 
 
-def sandbox_mounts(sys_cpu: Path | None) -> list[tuple[MountOp, int]]:
+def sandbox_mounts(sys_cpu: Path | None, dirs: EpisodeDirs) -> list[tuple[MountOp, int]]:
     """What every episode's view gets of the sandbox's own, whatever its system (the host's
     or an image's), with its rank among mounts of one depth: ``/tests`` and ``/logs`` as
-    empty read-only points, a fresh ``/proc``, ``/dev``, ``/dev/shm``, ``/tmp``, ``/run``,
-    and of ``/sys`` only the CPU part (``sys_cpu``, read-only)."""
+    empty read-only points, the agent's log folders below ``/logs`` (writable folders of
+    the episode's state, :meth:`EpisodeDirs.agent_logs`), a fresh ``/proc``, ``/dev``,
+    ``/dev/shm``, ``/tmp``, ``/run``, and of ``/sys`` only the CPU part (``sys_cpu``, read-only)."""
     ops = [(MountOp(MountKind.HIDE_DIR, point, mode=0o555), 0) for point in VERIFIER_POINTS]
+    ops += [(MountOp(MountKind.BIND, point, source=dirs.agent_logs(point.name)), 0) for point in AGENT_LOG_POINTS]
     ops += [
         (MountOp(MountKind.PROC, Path("/proc")), 0),
         (MountOp(MountKind.DEV, Path("/dev")), 0),
@@ -151,7 +165,7 @@ def plan_episode_layout(
             add(MountOp(MountKind.READONLY, e.path, source=e.path), 0)
     for name in sorted(fresh):
         add(MountOp(MountKind.BIND, Path("/") / name, source=dirs.new(name)), 0)
-    for op, rank in sandbox_mounts(facts.sys_cpu):
+    for op, rank in sandbox_mounts(facts.sys_cpu, dirs):
         add(op, rank)
     # The host's scratch space holds anything anyone left there (task copies included).
     add(MountOp(MountKind.TMPFS, Path("/var/tmp"), mode=0o1777), 2)

@@ -1,0 +1,65 @@
+"""What Harbor's calls become in an episode (:mod:`sequester.harbor.plan`): the exec line
+run by a real bash, as ``docker exec`` would run the command, and the network mapping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from tasks import make_task
+
+from sequester.harbor.plan import exec_command, network_for
+from sequester.tasks import load_task
+
+
+def shell(*lines: str) -> subprocess.CompletedProcess[str]:
+    """One bash running ``lines`` one after the other, as the agent's persistent shell does."""
+    return subprocess.run(["bash", "-c", "\n".join(lines)], capture_output=True, text=True, timeout=30)
+
+
+def test_each_exec_has_its_own_folder_and_variables_and_nothing_stays(tmp_path):
+    first = exec_command("pwd; echo \"$GREETING\"; cd /; export LEFT=1", cwd=str(tmp_path),
+                         env={"GREETING": "it's $HOME; `x`"}, user=None)
+    second = exec_command('pwd; echo "left=${LEFT-unset} greeting=${GREETING-unset}"', cwd="/", env=None, user=None)
+    r = shell(first, second, "pwd")
+    assert r.stdout.splitlines() == [str(tmp_path), "it's $HOME; `x`", "/", "left=unset greeting=unset", os.getcwd()]
+
+
+def test_the_exit_status_is_the_commands_and_a_missing_folder_is_127(tmp_path):
+    r = shell(exec_command("exit 7", cwd=str(tmp_path), env=None, user=None) + "; echo $?")
+    assert r.stdout.strip() == "7"
+    r = shell(exec_command("echo ran", cwd=str(tmp_path / "missing"), env=None, user=None) + "; echo $?")
+    assert "ran" not in r.stdout and r.stdout.strip().endswith("127")
+
+
+def test_a_bad_variable_name_is_refused():
+    with pytest.raises(ValueError, match="not a variable name"):
+        exec_command("true", cwd="/", env={"A B": "1"}, user=None)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+@pytest.mark.parametrize("user", ["nobody", 65534, "65534"])
+def test_a_user_by_name_or_number_runs_the_command_as_that_user(user):
+    r = shell(exec_command("id -u", cwd="/", env=None, user=user))
+    assert r.stdout.strip() == "65534", r.stderr
+
+
+@pytest.mark.parametrize("user", [None, "root", 0])
+def test_root_runs_as_it_is(user):
+    r = shell(exec_command("id -u", cwd="/", env=None, user=user))
+    assert r.stdout.strip() == str(os.geteuid())
+
+
+def test_harbors_network_policy_maps_to_sequesters(tmp_path: Path):
+    public = load_task(make_task(tmp_path, "public"))
+    listed = load_task(make_task(tmp_path, "listed", toml='[environment]\nnetwork_mode = "allowlist"\n'
+                                 'allowed_hosts = ["pypi.org"]\n'))
+    assert network_for("no-network", [], public, None) == ("none", [])
+    assert network_for("public", [], public, None) == (None, [])
+    assert network_for("public", [], public, "none") == ("none", [])
+    # Harbor adds a model's API to the agent's phase: an operator host (withdrawn for the tests)
+    assert network_for("allowlist", ["api.example.com"], public, None) == ("allowlist", ["api.example.com"])
+    assert network_for("allowlist", ["pypi.org", "api.example.com"], listed, None) == ("task", ["api.example.com"])
+    assert network_for("allowlist", ["pypi.org"], listed, "none") == ("none", [])
