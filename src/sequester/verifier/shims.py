@@ -195,6 +195,7 @@ FINGERPRINT = (
     + _pip_env("")
     + _UVX_AHEAD
     + "python3: the image's version when the runner has it; uv's runtime installs told"
+    + "uvx: the Python asked is checked before the tools installed ahead"
 )
 
 
@@ -254,7 +255,9 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
-    _script(bin_dir / "uvx", said + _SAY + _UVX_AHEAD + asks + _AGENT_HOME + f'exec {uvx} "$@"\n')
+    # (the Python asked is checked first: a version the runner lacks is the failure named,
+    # not the tool that could not be installed ahead for it)
+    _script(bin_dir / "uvx", said + _SAY + asks + _UVX_AHEAD + _AGENT_HOME + f'exec {uvx} "$@"\n')
     # python3, python, pip and pytest: the image's python3 version when the runner has it
     # (IMAGE_PYTHON_VAR, see sequester.verifier.image_python), else the first Python; their
     # Pythons find the image's packages after their own (pysite's SITE_VAR).
