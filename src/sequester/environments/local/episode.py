@@ -42,6 +42,7 @@ from sequester.environments.base import (
 )
 from sequester.environments.local.evaluation import run_tests
 from sequester.environments.local.layers import report_episode, view_points
+from sequester.environments.local.process import run_process
 from sequester.environments.local.separate import Spare, evaluate_separately
 from sequester.environments.local.shell import SHELL_SETUP, Shell
 from sequester.environments.local.start import RunningEpisode
@@ -68,6 +69,7 @@ from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
 from sequester.tasks import Task, load_task
 from sequester.verifier.image_python import ImagePython
+from sequester.verifier.layout import RUNNER_MOUNT
 
 __all__ = ["Episode", "EpisodeError", "ExecResult", "local_capabilities"]
 
@@ -462,6 +464,69 @@ class Episode:
             except SandboxError as exc:  # tried again at the next exec
                 log.info("the agent's shell could not be restarted: %s", exc)
         return result
+
+    def run(
+        self,
+        argv: list[str],
+        *,
+        input: bytes | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        output_limit: int | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` as a fresh process of the episode, beside the agent's shell (not in
+        it: nothing of one call stays for the next, and calls may run at once), as the
+        agent's shell runs: the same namespaces, capabilities, filter, cgroup and limits.
+
+        ``argv[0]`` is found on the episode's ``PATH`` (``env`` applied first); ``cwd``
+        (relative: to the working directory); ``user``: a name of the view's
+        ``/etc/passwd`` or a uid, else the image's user; ``input``: its standard input.
+        Past ``timeout`` (default: the settings' ``exec_timeout``) its process group is
+        killed and ``timed_out`` set; past ``output_limit`` bytes of a stream (default: the
+        settings' ``output_bytes``) too, with ``note`` saying so.
+        """
+        run = self._running()
+        limit = self.settings.exec_timeout if timeout is None else timeout
+        if not argv:
+            raise EpisodeError("run: an empty command")
+        if limit <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        ids = run.agent_ids if user is None else self._user_ids(user)
+        where = cwd if cwd and cwd.startswith("/") else f"{run.workdir.rstrip('/')}/{cwd}" if cwd else run.workdir
+        assert self._nsexec is not None
+        # A wrapper of the runner's (read-only in every view) reports the status on fd 3:
+        # the process is not our child (the episode's init reaps it).
+        wrapper = f"{RUNNER_MOUNT}/bin/bash" if run.runner is not None else "bash"
+        argv = [wrapper, "--noprofile", "--norc", "-c", '"$@" 3>&-; printf %s "$?" >&3', "sequester-run", *argv]
+        return run_process(
+            self._nsexec,
+            run.bwrap.pid,
+            argv,
+            env={**run.env, **(env or {})},
+            cwd=where,
+            input=input,
+            timeout=limit,
+            output_limit=output_limit or self.settings.output_bytes,
+            caps=run.agent_caps,
+            cgroup=run.agent_cgroups,
+            rlimits={**CONTAINER_RLIMITS, **run.rlimits},
+            ids=ids,
+        )
+
+    def _user_ids(self, user: str | int) -> tuple[int, int] | None:
+        """``(uid, gid)`` of ``user`` in the view (None: root, as the namespace's root is)."""
+        name = str(user)
+        passwd = self.read_file("/etc/passwd").decode(errors="replace")
+        for line in passwd.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 4 and (fields[0] == name or fields[2] == name) and fields[2].isdigit():
+                uid, gid = int(fields[2]), int(fields[3]) if fields[3].isdigit() else int(fields[2])
+                return None if uid == 0 else (uid, gid)
+        if name.isdigit():
+            return None if int(name) == 0 else (int(name), int(name))
+        raise EpisodeError(f"user {name!r}: no such user in the episode's /etc/passwd")
 
     def write_file(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
         """Write a file in the agent's view (as its root), creating parent folders."""
