@@ -135,3 +135,14 @@ def test_a_forged_reward_and_rewritten_tests_score_zero(jobs):
     assert trial["exception"] is None, trial["message"]
     assert trial["rewards"] == {"reward": 0.0}  # Harbor's own verifier would read the forged 1
     assert (Path(trial["dir"]) / "agent" / "forger.txt").read_text().strip() == "forged"
+
+
+def test_the_retry_policys_default_exclusions_are_harbors():
+    from sequester.jobs.retry import HARBOR_DEFAULT_EXCLUSIONS
+
+    python = harbor_venv.harbor_python()
+    r = subprocess.run([python, "-c", "import json; from harbor.models.trial.error_policy import "
+                        "default_retry_exclusions as d; print(json.dumps(sorted(d())))"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)) == HARBOR_DEFAULT_EXCLUSIONS

@@ -52,6 +52,8 @@ SETTINGS_FIELDS = (
     "allowed_hosts",
     "max_processes",
     "backend",
+    "agent_timeout_multiplier",
+    "verifier_timeout_multiplier",
 )
 
 

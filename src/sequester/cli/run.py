@@ -36,10 +36,73 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exec-timeout", type=positive(float), metavar="S", help="default seconds per agent command")
     p.add_argument("--freeze-agent", action="store_true", help="freeze the agent's processes while the verifier runs")
     p.add_argument(
-        "--verifier-env",
+        "--verifier-mode",
         choices=["shared", "separate"],
         help="run the tests in the agent's environment (shared) or in a fresh one holding only the task's artifacts",
     )
+    # (the old spelling: Harbor's --verifier-env sets the verifier's variables, another thing)
+    p.add_argument("--verifier-env", choices=["shared", "separate"], dest="verifier_env_old", help=argparse.SUPPRESS)
+    # What `harbor run` users reach for, spelled as Harbor 0.26 spells it.
+    p.add_argument(
+        "-k", "--n-attempts", type=positive(int), default=1, metavar="K", help="trials per task (pass@k; default: 1)"
+    )
+    p.add_argument(
+        "-i",
+        "--include-task-name",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="only tasks whose name matches this shell pattern (repeatable)",
+    )
+    p.add_argument(
+        "-x",
+        "--exclude-task-name",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out tasks whose name matches this shell pattern (repeatable)",
+    )
+    p.add_argument(
+        "-r",
+        "--max-retries",
+        type=whole,
+        default=0,
+        metavar="N",
+        help="run a trial that ended with a retryable error again, up to N times (default: 0)",
+    )
+    p.add_argument(
+        "--retry-include",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="retry only these exception types (repeatable)",
+    )
+    p.add_argument(
+        "--retry-exclude",
+        action="append",
+        default=None,
+        metavar="TYPE",
+        help="never retry these exception types (repeatable; default: Harbor's list)",
+    )
+    p.add_argument(
+        "--timeout-multiplier",
+        type=positive(float),
+        metavar="F",
+        help="multiply the tasks' agent and verifier timeouts",
+    )
+    p.add_argument(
+        "--agent-timeout-multiplier",
+        type=positive(float),
+        metavar="F",
+        help="multiply the tasks' [agent] timeout_sec (overrides --timeout-multiplier)",
+    )
+    p.add_argument(
+        "--verifier-timeout-multiplier",
+        type=positive(float),
+        metavar="F",
+        help="multiply the tasks' [verifier] timeout_sec (overrides --timeout-multiplier)",
+    )
+    p.add_argument("--env-file", metavar="FILE", help="a .env file whose variables the agents get (KEY=VALUE lines)")
     p.add_argument(
         "--image-source",
         choices=list(IMAGE_SOURCES),
@@ -64,10 +127,19 @@ def run_settings(args: argparse.Namespace):  # -> EpisodeSettings
     from dataclasses import replace
 
     settings = config_of(args).episodes  # the whole file is checked, [runtime] and [limits] too
+    old = getattr(args, "verifier_env_old", None)
+    if old is not None:
+        err.print(
+            "--verifier-env is deprecated: it is --verifier-mode (Harbor's --verifier-env sets variables)",
+            highlight=False,
+        )
+    multiplier = getattr(args, "timeout_multiplier", None)
     overrides: dict[str, Any] = {
         "exec_timeout": getattr(args, "exec_timeout", None),
         "freeze_agent": getattr(args, "freeze_agent", False) or None,
-        "verifier_env": getattr(args, "verifier_env", None),
+        "verifier_env": getattr(args, "verifier_mode", None) or old,
+        "agent_timeout_multiplier": getattr(args, "agent_timeout_multiplier", None) or multiplier,
+        "verifier_timeout_multiplier": getattr(args, "verifier_timeout_multiplier", None) or multiplier,
     }
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.image_source:
@@ -81,8 +153,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sequester.jobs import TrialResult, default_job_name
     from sequester.jobs.job import prepare_job
     from sequester.jobs.render import print_summary, trial_progress
+    from sequester.jobs.retry import RetryPolicy
 
     settings = run_settings(args)
+    retry = RetryPolicy.of(args.max_retries, args.retry_include, args.retry_exclude)
+    if args.env_file:
+        load_env_file(args.env_file)
     scheduler = scheduler_for(args)  # --backend ray (its nodes fetch and build their own images)
     job_name = args.job_name or default_job_name()
     job_dir = jobs_dir(args.output) / job_name
@@ -98,6 +174,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             image_progress=bars,
             build_progress=build_lines,
             calibration=args.calibration,
+            n_attempts=args.n_attempts,
+            include_tasks=args.include_task_name,
+            exclude_tasks=args.exclude_task_name,
+            retry=retry,
         )
     total = len(prepared.trials)
     finished: list[TrialResult] = []
@@ -115,6 +195,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     print_summary(Console(), job, finished, job_dir)
     return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
+
+
+def whole(text: str) -> int:
+    """An argparse type: a whole number >= 0; the error names the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
+def load_env_file(path: str) -> None:
+    """``--env-file``: its variables into this process's environment (agents read their
+    keys there), as Harbor's does, with python-dotenv; a file that cannot be read is exit 2."""
+    from dotenv import dotenv_values
+
+    if not os.path.isfile(path):
+        raise PolicyError(f"--env-file {path!r} is not a file")
+    try:
+        values = dotenv_values(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(f"--env-file {path!r} cannot be read: {exc}") from None
+    os.environ.update({k: v for k, v in values.items() if v is not None})
 
 
 def build_lines(task: str, report, done: bool) -> None:

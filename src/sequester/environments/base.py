@@ -15,6 +15,7 @@ services never silently gets less.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -143,6 +144,21 @@ class Environment(Protocol):
     def abort(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def timed_task(task: Task, settings: EpisodeSettings) -> Task:
+    """``task`` with its ``[agent]`` and ``[verifier]`` ``timeout_sec`` scaled by the
+    settings' multipliers (Harbor's ``--agent-timeout-multiplier`` and
+    ``--verifier-timeout-multiplier``), as a backend's episode keeps it once started (a
+    separate verifier's environment takes the started episode's task as it is). Pure."""
+    a, v = settings.agent_timeout_multiplier, settings.verifier_timeout_multiplier
+    if a == 1 and v == 1:
+        return task
+    agent = task.config.agent
+    if agent.timeout_sec is not None:
+        agent = dataclasses.replace(agent, timeout_sec=agent.timeout_sec * a)
+    verifier = dataclasses.replace(task.config.verifier, timeout_sec=task.config.verifier.timeout_sec * v)
+    return dataclasses.replace(task, config=dataclasses.replace(task.config, agent=agent, verifier=verifier))
 
 
 def wanted_verifier_env(

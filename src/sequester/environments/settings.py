@@ -96,9 +96,19 @@ class EpisodeSettings:
     # The resolvers the episodes' DNS responder asks on the host ("IP" or "IP:PORT");
     # empty: the host's own (/etc/resolv.conf).
     dns_servers: tuple[str, ...] = ()
+    # Harbor's --agent-timeout-multiplier and --verifier-timeout-multiplier: the task's
+    # [agent] and [verifier] timeout_sec are scaled by them (see timed_task).
+    agent_timeout_multiplier: float = 1.0
+    verifier_timeout_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("exec_timeout", "output_bytes", "max_processes"):
+        for name in (
+            "exec_timeout",
+            "output_bytes",
+            "max_processes",
+            "agent_timeout_multiplier",
+            "verifier_timeout_multiplier",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise PolicyError(f"episodes.{name}: {value!r} is not a positive number")

@@ -9,8 +9,11 @@ solution, nor any verifier's output or result.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
+import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_c
 from sequester.jobs.images import ImagePlan, choose_job_images
 from sequester.jobs.paths import JobPaths, check_name
 from sequester.jobs.results import JobResult, TrialResult, utc_now
+from sequester.jobs.retry import RetryPolicy
 from sequester.jobs.schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
 from sequester.jobs.trial import new_trial_name, run_trial, settings_to_dict, write_json
 from sequester.sandbox.remove import remove_tree
@@ -58,6 +62,10 @@ def run_job(
     scheduler: TrialScheduler | None = None,
     calibration: str = "auto",
     calibration_store: CalibrationStore | None = None,
+    n_attempts: int = 1,
+    include_tasks: Sequence[str] = (),
+    exclude_tasks: Sequence[str] = (),
+    retry: RetryPolicy | None = None,
 ) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
@@ -69,7 +77,8 @@ def run_job(
     (:class:`~.schedule.LocalScheduler` of ``concurrency`` threads by default; a
     :class:`sequester.cluster.RayScheduler` for a Ray cluster). The same as
     :func:`prepare_job`, then :meth:`PreparedJob.run`. ``calibration``: see
-    :mod:`.calibrate` (``auto``, ``required`` or ``off``).
+    :mod:`.calibrate` (``auto``, ``required`` or ``off``); ``n_attempts``,
+    ``include_tasks``, ``exclude_tasks``, ``retry``: see :func:`prepare_job`.
     """
     job = prepare_job(
         task_paths,
@@ -83,6 +92,10 @@ def run_job(
         scheduler=scheduler,
         calibration=calibration,
         calibration_store=calibration_store,
+        n_attempts=n_attempts,
+        include_tasks=include_tasks,
+        exclude_tasks=exclude_tasks,
+        retry=retry,
     )
     return job.run(progress)
 
@@ -101,6 +114,7 @@ class PreparedJob:
     hide: tuple[Path, ...]
     config: dict[str, object]
     finished: list[TrialResult] = field(default_factory=list)  # by run(), in the order they finished
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def run(self, progress: Callable[[TrialResult], None] | None = None) -> JobResult:
         """Run the trials; write the job's ``result.json`` as each finishes (see :func:`run_job`)."""
@@ -167,11 +181,37 @@ class PreparedJob:
                 write_result(None)
                 if progress is not None:
                     progress(trial)
-            for trial in self.scheduler.run(job, runs, started) if runs else ():
-                trial = finish(trial)
-                write_result(None)
-                if progress is not None:
-                    progress(trial)
+            attempts: dict[str, int] = {}
+            again: list[PlannedTrial] = []
+
+            def retried(trial: TrialResult) -> bool:
+                """Whether this errored attempt runs again (then it is not the trial's result)."""
+                error = trial.exception_info
+                done = attempts.get(trial.trial_name, 0)
+                if error is None or done >= self.retry.max_retries or trial.trial_name not in planned:
+                    return False
+                if not self.retry.retryable(error.exception_type, error.exception_message):
+                    return False
+                attempts[trial.trial_name] = done + 1
+                again.append(planned[trial.trial_name])
+                with lock:
+                    running.discard(trial.trial_name)
+                return True
+
+            batch, round_ = runs, 0
+            while batch:
+                for trial in self.scheduler.run(job, batch, started):
+                    if retried(trial):
+                        continue
+                    trial = finish(trial)
+                    write_result(None)
+                    if progress is not None:
+                        progress(trial)
+                batch, again, round_ = again, [], round_ + 1
+                if batch:
+                    time.sleep(self.retry.wait(round_))
+                    for planned_trial in batch:  # (Harbor removes the failed attempt's folder too)
+                        remove_tree(planned_trial.trial_dir)
         except BaseException:
             for trial in self.scheduler.stop():  # running trials stop at once and write their results
                 finish(trial)
@@ -194,12 +234,29 @@ def prepare_job(
     scheduler: TrialScheduler | None = None,
     calibration: str = "auto",
     calibration_store: CalibrationStore | None = None,
+    n_attempts: int = 1,
+    include_tasks: Sequence[str] = (),
+    exclude_tasks: Sequence[str] = (),
+    retry: RetryPolicy | None = None,
 ) -> PreparedJob:
     """Everything of :func:`run_job` before its trials: the input checked, the job's folder
     made, each task's system chosen once (fetched, or built with its log in the job's
     folder). Bad input raises before anything is made; an image that cannot be had with
-    ``--image-source prebuilt`` raises after, and the job's folder is removed again."""
+    ``--image-source prebuilt`` raises after, and the job's folder is removed again.
+    ``n_attempts``: trials per task (Harbor's ``-k``); ``include_tasks``/``exclude_tasks``:
+    shell patterns of task names to keep or leave out (Harbor's ``-i``/``-x``); ``retry``:
+    which errored trials run again (:mod:`.retry`)."""
     settings = settings or EpisodeSettings()
+    retry = retry or RetryPolicy()
+    if isinstance(n_attempts, bool) or not isinstance(n_attempts, int) or n_attempts < 1:
+        raise PolicyError(f"--n-attempts {n_attempts!r} is not a positive integer")
+    for given in task_paths:
+        if not os.path.exists(given) and DATASET_NAME.fullmatch(str(given)):
+            raise PolicyError(
+                f"{str(given)!r} looks like a Harbor dataset name, and sequester runs task folders: get the tasks "
+                f"as a folder (`harbor datasets download {given}` with Harbor, or a clone of the dataset's "
+                "repository, e.g. https://github.com/laude-institute/terminal-bench-2), then give that folder"
+            )
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise PolicyError(f"concurrency {concurrency!r} is not a positive integer")
     if calibration not in CALIBRATION_MODES:
@@ -207,6 +264,7 @@ def prepare_job(
     tasks = find_tasks(task_paths)
     if not tasks:
         raise PolicyError("no tasks given")
+    tasks = filter_tasks(tasks, include_tasks, exclude_tasks)
     load_agent(agent_spec)  # a bad spec fails here, before any folder is made
     scheduler = scheduler or LocalScheduler(concurrency)
     job_name = default_job_name() if job_name is None else job_name
@@ -259,13 +317,47 @@ def prepare_job(
     hide = (*(task.path for task in tasks), jobs_root)
     datasets, sources = _datasets(task_paths, tasks)
     config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, None)
+    config.update(
+        n_attempts=n_attempts,
+        retry=retry.to_dict(),
+        include_tasks=list(include_tasks),
+        exclude_tasks=list(exclude_tasks),
+    )
     trials = [
         PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path), states[task.path])
-        for name, task in _plan(tasks)
+        for name, task in _plan(tasks, n_attempts)
     ]
     return PreparedJob(
-        job_name, paths, agent_spec, settings, scheduler, trials, hide, {**config, "scheduler": scheduler.describe()}
+        job_name,
+        paths,
+        agent_spec,
+        settings,
+        scheduler,
+        trials,
+        hide,
+        {**config, "scheduler": scheduler.describe()},
+        retry=retry,
     )
+
+
+DATASET_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?@[\w.-]+")
+
+
+def filter_tasks(tasks: list[Task], include: Sequence[str], exclude: Sequence[str]) -> list[Task]:
+    """The tasks whose name matches one of ``include`` (shell patterns; none: every task)
+    and none of ``exclude``, in order; none left is bad input. Pure."""
+    kept = [
+        t
+        for t in tasks
+        if (not include or any(fnmatch.fnmatchcase(t.name, p) for p in include))
+        and not any(fnmatch.fnmatchcase(t.name, p) for p in exclude)
+    ]
+    if not kept:
+        raise PolicyError(
+            f"no task of the {len(tasks)} given is left by --include-task-name {list(include)} "
+            f"--exclude-task-name {list(exclude)}"
+        )
+    return kept
 
 
 def job_config(
@@ -314,11 +406,11 @@ def _datasets(
     return folders, sources
 
 
-def _plan(tasks: list[Task]) -> list[tuple[str, Task]]:
-    """A unique trial name for each task, in the tasks' order."""
+def _plan(tasks: list[Task], n_attempts: int = 1) -> list[tuple[str, Task]]:
+    """``n_attempts`` trials of each task, each with a unique name, in the tasks' order."""
     names: set[str] = set()
     planned = []
-    for task in tasks:
+    for task in (t for t in tasks for _ in range(n_attempts)):
         name = new_trial_name(task.name)
         while name in names:
             name = new_trial_name(task.name)

@@ -32,6 +32,7 @@ from sequester.environments.base import (
     ExecResult,
     UnsupportedByBackend,
     missing_capabilities,
+    timed_task,
     wanted_verifier_env,
     wants_freeze,
 )
@@ -175,7 +176,7 @@ class DockerEnvironment:
         if self._closed:
             raise EpisodeError("the episode is closed")
         self._stop()
-        task = task if isinstance(task, Task) else load_task(task)
+        task = timed_task(task if isinstance(task, Task) else load_task(task), self.settings)
         missing = missing_capabilities(CAPABILITIES, task, self.settings)
         if missing:  # (Compose services): before anything is made
             raise UnsupportedByBackend("; ".join(missing))

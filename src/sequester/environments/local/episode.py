@@ -37,6 +37,7 @@ from sequester.environments.base import (
     ExecResult,
     UnsupportedByBackend,
     missing_capabilities,
+    timed_task,
     wanted_verifier_env,
     wants_freeze,
 )
@@ -205,6 +206,8 @@ class Episode:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         task = task if isinstance(task, Task) else load_task(task)
+        if shell:  # (a separate verifier's environment gets the started episode's task, already timed)
+            task = timed_task(task, self.settings)
         # What the task needs of this backend and host (GPUs, Compose services), before
         # anything is chosen, fetched, built or started.
         missing = missing_capabilities(self.capabilities, task, self.settings)

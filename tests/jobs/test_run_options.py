@@ -1,0 +1,130 @@
+"""``sequester run``'s options spelled as ``harbor run`` spells them: attempts, task filters,
+retries under Harbor's policy, timeout multipliers, an env file, the renamed
+``--verifier-mode``, and a Harbor dataset name as input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from paths import EXAMPLES, SRC
+from tasks import make_task
+
+from sequester.jobs.retry import HARBOR_DEFAULT_EXCLUSIONS, RetryPolicy
+
+# Fails its first attempt on each task (a marker file on the host says it ran before), then
+# reports what it was given.
+FLAKY = '''
+import os, pathlib
+
+class Flaky:
+    name = "flaky"
+
+    def run(self, instruction, episode):
+        marker = pathlib.Path(os.environ["FLAKY_DIR"]) / episode.task.name
+        if not marker.exists():
+            marker.write_text("1")
+            raise RuntimeError("the model API went away")
+        episode.write_file("/logs/agent/seen.txt", os.environ.get("SECRET_FROM_ENV_FILE", "unset") + "\\n")
+
+class Refuses:
+    name = "refuses"
+
+    def run(self, instruction, episode):
+        raise TimeoutError("AgentTimeoutError stands in")
+'''
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sequester.cli", "run", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})}, cwd=cwd)
+
+
+def trials(job: Path) -> list[dict]:
+    return [json.loads((p / "result.json").read_text()) for p in sorted(job.iterdir()) if p.is_dir()]
+
+
+def test_attempts_and_task_filters(tmp_path):
+    r = run(str(EXAMPLES), "--agent", "nop", "-k", "2", "-i", "c-*", "-i", "python-*", "-x", "python-csv-stats",
+            "-o", str(tmp_path), "--job-name", "j")
+    assert r.returncode == 0, r.stderr
+    assert sorted(t["task_name"] for t in trials(tmp_path / "j")) == ["c-word-count", "c-word-count"]
+    config = json.loads((tmp_path / "j" / "config.json").read_text())
+    assert config["n_attempts"] == 2 and config["retry"]["max_retries"] == 0
+    r = run(str(EXAMPLES), "--agent", "nop", "-x", "*", "-o", str(tmp_path))
+    assert r.returncode == 2 and "no task of the 5 given is left" in r.stderr
+
+
+def test_a_retryable_error_runs_again_and_a_job_keeps_only_the_last_attempt(tmp_path):
+    (tmp_path / "flaky_agent.py").write_text(FLAKY)
+    (tmp_path / "keys.env").write_text("# the agent's keys\nexport SECRET_FROM_ENV_FILE='from the file'\n")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {"FLAKY_DIR": str(markers), "PYTHONPATH": f"{SRC}:{tmp_path}"}
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "flaky_agent:Flaky", "-r", "1", "--env-file",
+            str(tmp_path / "keys.env"), "-o", str(tmp_path / "jobs"), "--job-name", "retried", env=env)
+    assert r.returncode == 0, r.stderr
+    (trial,) = trials(tmp_path / "jobs" / "retried")
+    assert trial["exception_info"] is None and trial["verifier_result"]["rewards"] == {"reward": 0.0}
+    seen = next((tmp_path / "jobs" / "retried").glob("c-word-count__*/agent/seen.txt"))
+    assert seen.read_text() == "from the file\n"  # --env-file's variable reached the agent (its process)
+    # Without retries the same error is the trial's; a type Harbor never retries is not retried.
+    for marker in markers.iterdir():
+        marker.unlink()
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "flaky_agent:Flaky", "-o", str(tmp_path / "jobs"),
+            "--job-name", "once", env=env)
+    assert r.returncode == 1 and trials(tmp_path / "jobs" / "once")[0]["exception_info"]["exception_type"] == \
+        "RuntimeError"
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "flaky_agent:Refuses", "-r", "2", "--retry-exclude",
+            "TimeoutError", "-o", str(tmp_path / "jobs"), "--job-name", "excluded", env=env)
+    assert r.returncode == 1 and len(trials(tmp_path / "jobs" / "excluded")) == 1
+
+
+def test_the_retry_policy_is_harbors():
+    policy = RetryPolicy.of(3)
+    assert policy.retryable("RuntimeError") and policy.retryable("RateLimitError")
+    assert not policy.retryable("AgentTimeoutError")  # Harbor's own list
+    assert not policy.retryable("VerifierTimeout")  # sequester's name of Harbor's VerifierTimeoutError
+    assert not policy.retryable("TaskNotCalibrated")  # a retry changes nothing (sequester's policy)
+    assert policy.retryable("VerifierCouldNotRun")  # Harbor's AddTestsDirError is retried
+    assert not RetryPolicy.of(3, include=["ClusterError"]).retryable("RuntimeError")
+    assert RetryPolicy.of(3, exclude=[]).retryable("AgentTimeoutError")
+    assert "AgentTimeoutError" in HARBOR_DEFAULT_EXCLUSIONS and policy.wait(1) == 1 and policy.wait(10) == 60
+
+
+def test_timeout_multipliers_scale_the_tasks_timeouts(tmp_path):
+    task = make_task(tmp_path, "slow", test_sh="sleep 3; echo 1 > /logs/verifier/reward.txt\n", verifier_timeout=2)
+    r = run(str(task), "--agent", "nop", "-o", str(tmp_path / "jobs"), "--job-name", "plain")
+    (trial,) = trials(tmp_path / "jobs" / "plain")
+    assert trial["verifier_result"]["rewards"] == {"reward": 0.0}  # ran over its 2 s
+    r = run(str(task), "--agent", "nop", "--timeout-multiplier", "3", "-o", str(tmp_path / "jobs"),
+            "--job-name", "scaled")
+    assert r.returncode == 0, r.stderr
+    (trial,) = trials(tmp_path / "jobs" / "scaled")
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+    settings = json.loads((tmp_path / "jobs" / "scaled" / "config.json").read_text())["settings"]
+    assert settings["agent_timeout_multiplier"] == 3 and settings["verifier_timeout_multiplier"] == 3
+
+
+@pytest.mark.parametrize("flag", ["--verifier-mode", "--verifier-env"])
+def test_the_verifier_mode_and_its_old_spelling(tmp_path, flag):
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "oracle", flag, "separate", "-o", str(tmp_path),
+            "--job-name", "j")
+    assert r.returncode == 0, r.stderr
+    assert ("deprecated" in r.stderr) == (flag == "--verifier-env")
+    assert trials(tmp_path / "j")[0]["verifier_environment_mode"] == "separate"
+
+
+@pytest.mark.parametrize("bad", [["-k", "0"], ["-r", "-1"], ["--timeout-multiplier", "nan"], ["--env-file", "/nope"]])
+def test_bad_values_are_exit_2_naming_them(tmp_path, bad):
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "nop", *bad, "-o", str(tmp_path))
+    assert r.returncode == 2 and bad[1] in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_harbor_dataset_name_says_how_to_get_the_tasks(tmp_path):
+    r = run("terminal-bench@2.0", "--agent", "nop", "-o", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "harbor datasets download terminal-bench@2.0" in r.stderr
