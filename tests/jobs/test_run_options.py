@@ -31,6 +31,16 @@ class Flaky:
             raise RuntimeError("the model API went away")
         episode.write_file("/logs/agent/seen.txt", os.environ.get("SECRET_FROM_ENV_FILE", "unset") + "\\n")
 
+class Configured:
+    name = "configured"
+
+    def __init__(self, temperature, model="default", tools=()):
+        self.seen = {"temperature": temperature, "model": model, "tools": list(tools)}
+
+    def run(self, instruction, episode):
+        import json
+        episode.write_file("/logs/agent/seen.json", json.dumps(self.seen))
+
 class Refuses:
     name = "refuses"
 
@@ -128,3 +138,22 @@ def test_bad_values_are_exit_2_naming_them(tmp_path, bad):
 def test_a_harbor_dataset_name_says_how_to_get_the_tasks(tmp_path):
     r = run("terminal-bench@2.0", "--agent", "nop", "-o", str(tmp_path), cwd=tmp_path)
     assert r.returncode == 2 and "harbor datasets download terminal-bench@2.0" in r.stderr
+
+
+def test_agent_kwargs_reach_the_agents_constructor_and_the_jobs_config(tmp_path):
+    (tmp_path / "flaky_agent.py").write_text(FLAKY)
+    env = {"PYTHONPATH": f"{SRC}:{tmp_path}"}
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "flaky_agent:Configured", "--ak", "temperature=0.5",
+            "--agent-kwarg", "model=acme/x", "--ak", 'tools=["bash", "edit"]', "-o", str(tmp_path / "jobs"),
+            "--job-name", "kw", env=env)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(next((tmp_path / "jobs" / "kw").glob("c-word-count__*/agent/seen.json")).read_text())
+    assert seen == {"temperature": 0.5, "model": "acme/x", "tools": ["bash", "edit"]}
+    config = json.loads((tmp_path / "jobs" / "kw" / "config.json").read_text())
+    assert config["agents"][0]["kwargs"] == seen
+    for bad, said in ((["--ak", "nonsense=1"], "nonsense"), (["--ak", "no-equals"], "KEY=VALUE")):
+        r = run(str(EXAMPLES / "c-word-count"), "--agent", "flaky_agent:Configured", *bad, "-o", str(tmp_path),
+                env=env)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr
+    r = run(str(EXAMPLES / "c-word-count"), "--agent", "oracle", "--ak", "x=1", "-o", str(tmp_path))
+    assert r.returncode == 2 and "takes no --agent-kwarg" in r.stderr

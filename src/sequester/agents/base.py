@@ -7,6 +7,7 @@ import inspect
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -29,8 +30,9 @@ class Agent(Protocol):
     def run(self, instruction: str, episode: Episode) -> None: ...
 
 
-def load_agent(spec: str) -> Agent:
-    """``oracle``, ``nop``, ``script:PATH`` or ``module:Class`` (constructed without arguments).
+def load_agent(spec: str, kwargs: Mapping[str, Any] | None = None) -> Agent:
+    """``oracle``, ``nop``, ``script:PATH`` or ``module:Class``, constructed with ``kwargs``
+    (``--agent-kwarg KEY=VALUE``: Harbor's agent kwargs; none for the built-ins).
 
     ``module`` is imported as ``import module`` would be from the current folder: the
     current folder is put first on ``sys.path`` (as ``python -m`` does) if it is not there.
@@ -40,6 +42,9 @@ def load_agent(spec: str) -> Agent:
     """
     from sequester.agents.builtin import NopAgent, OracleAgent, ScriptAgent
 
+    kwargs = dict(kwargs or {})
+    if kwargs and (spec in ("oracle", "nop") or spec.startswith("script:")):
+        raise PolicyError(f"--agent {spec!r} takes no --agent-kwarg (given: {', '.join(sorted(kwargs))})")
     if spec == "oracle":
         return OracleAgent()
     if spec == "nop":
@@ -55,7 +60,7 @@ def load_agent(spec: str) -> Agent:
     cls = getattr(_import(spec, module_name), class_name, None)
     if cls is None:
         raise PolicyError(f"--agent {spec!r}: module {module_name!r} has no {class_name!r}")
-    agent = _construct(spec, cls)
+    agent = _construct(spec, cls, kwargs)
     if not callable(getattr(agent, "run", None)):
         raise PolicyError(f"--agent {spec!r}: {class_name} has no run(instruction, episode) method")
     if not getattr(agent, "name", None):
@@ -93,20 +98,20 @@ def _import(spec: str, module_name: str) -> ModuleType:
         raise PolicyError(f"--agent {spec!r}: importing {module_name!r} raised {_describe(exc)}") from None
 
 
-def _construct(spec: str, cls: object) -> Any:  # an Agent only once load_agent has checked it
+def _construct(spec: str, cls: object, kwargs: dict[str, Any]) -> Any:  # an Agent once load_agent checked it
     if not callable(cls):
         raise PolicyError(f"--agent {spec!r}: {cls!r} is not a class")
     try:
-        inspect.signature(cls).bind()
+        inspect.signature(cls).bind(**kwargs)
     except TypeError as exc:
+        given = f"with {', '.join(sorted(kwargs))}" if kwargs else "without arguments"
         raise PolicyError(
-            f"--agent {spec!r}: the agent is constructed without arguments, "
-            f"but {getattr(cls, '__name__', cls)}() says: {exc}"
+            f"--agent {spec!r}: the agent is constructed {given}, but {getattr(cls, '__name__', cls)}() says: {exc}"
         ) from None
     except ValueError:  # no signature to inspect (a builtin): construct it and see
         pass
     try:
-        return cls()
+        return cls(**kwargs)
     except Exception as exc:  # noqa: BLE001 - whatever the agent's own code raises
         raise PolicyError(f"--agent {spec!r}: constructing it raised {_describe(exc)}") from None
 

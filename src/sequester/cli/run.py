@@ -102,6 +102,15 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         metavar="F",
         help="multiply the tasks' [verifier] timeout_sec (overrides --timeout-multiplier)",
     )
+    p.add_argument(
+        "--ak",
+        "--agent-kwarg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="agent_kwarg",
+        help="an argument of the agent's constructor (VALUE read as JSON or a Python literal, else text; repeatable)",
+    )
     p.add_argument("--env-file", metavar="FILE", help="a .env file whose variables the agents get (KEY=VALUE lines)")
     p.add_argument(
         "--image-source",
@@ -178,6 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             include_tasks=args.include_task_name,
             exclude_tasks=args.exclude_task_name,
             retry=retry,
+            agent_kwargs=parse_kwargs(args.agent_kwarg, "--agent-kwarg"),
         )
     total = len(prepared.trials)
     finished: list[TrialResult] = []
@@ -195,6 +205,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     print_summary(Console(), job, finished, job_dir)
     return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
+
+
+def parse_kwargs(items: list[str], flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` items as Harbor's CLI reads them: VALUE as JSON, else a Python literal
+    (``True``, ``None``), else the text; a KEY that is not a name is exit 2. Pure."""
+    import ast
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier():
+            raise PolicyError(f"{flag} {item!r}: expected KEY=VALUE with KEY a Python name")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            try:
+                out[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                out[key] = value
+    return out
 
 
 def whole(text: str) -> int:

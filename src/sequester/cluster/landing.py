@@ -80,6 +80,7 @@ def land_error(
         hide=list(job.hide),
         source=trial.source,
         job_id=job.job_id,
+        agent_kwargs=job.agent_kwargs,
     )
     write_json(paths.config_path, config)
     error = ExceptionInfo(type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), utc_now())

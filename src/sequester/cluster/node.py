@@ -24,9 +24,9 @@ import platform
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from sequester.cluster.bundles import TaskBundle, evict_unused, pack_folder, task_on_node
 from sequester.environments.settings import EpisodeSettings, cluster_cache_dir, default_state_dir, default_toolchain_dir
@@ -105,6 +105,7 @@ class TrialOrder:
     source: str | None
     job_id: str
     attempt: int = 1
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ def run_order(
                 cancel=cancel,
                 source=order.source,
                 job_id=order.job_id,
+                agent_kwargs=order.agent_kwargs,
             )
         data, left_out = pack_folder(trial_dir)
     finally:

@@ -188,6 +188,7 @@ class RayScheduler:
             trial.source,
             job.job_id,
             attempt.number,
+            job.agent_kwargs,
         )
         options: dict[str, Any] = {**trial_resources(trial.task), "max_retries": 0}  # retries are ours: recorded
         elsewhere = self._other_node(avoid, trial.task) if avoid else None

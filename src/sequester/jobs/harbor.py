@@ -117,9 +117,10 @@ def _model_info(model_name: object) -> dict[str, str | None] | None:
     return {"name": name, "provider": provider} if sep else {"name": model_name, "provider": None}
 
 
-def agent_config(spec: str, agent: object | None = None) -> dict[str, Any]:
+def agent_config(spec: str, agent: object | None = None, kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Harbor's ``AgentConfig`` for ``spec``: a built-in by ``name``, a ``module:Class``
-    by ``import_path`` (Harbor's own form), with the agent's ``model_name`` if it has one."""
+    by ``import_path`` (Harbor's own form), with the agent's ``model_name`` if it has one
+    and the ``kwargs`` it was constructed with."""
     builtin = spec in ("oracle", "nop") or spec.startswith("script:")
     config: dict[str, Any] = (
         {"name": spec} if builtin else {"name": str(getattr(agent, "name", "") or spec), "import_path": spec}
@@ -127,6 +128,8 @@ def agent_config(spec: str, agent: object | None = None) -> dict[str, Any]:
     model = getattr(agent, "model_name", None)
     if isinstance(model, str) and model:
         config["model_name"] = model
+    if kwargs:
+        config["kwargs"] = dict(kwargs)
     return config
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sequester.agents import load_agent
 from sequester.calibration import MODES as CALIBRATION_MODES
@@ -66,6 +67,7 @@ def run_job(
     include_tasks: Sequence[str] = (),
     exclude_tasks: Sequence[str] = (),
     retry: RetryPolicy | None = None,
+    agent_kwargs: dict[str, Any] | None = None,
 ) -> JobResult:
     """Run ``agent_spec`` once on each task in ``task_paths`` (task folders or folders of
     them, see :func:`sequester.tasks.find_tasks`) into ``jobs_dir/job_name``.
@@ -96,6 +98,7 @@ def run_job(
         include_tasks=include_tasks,
         exclude_tasks=exclude_tasks,
         retry=retry,
+        agent_kwargs=agent_kwargs,
     )
     return job.run(progress)
 
@@ -115,6 +118,7 @@ class PreparedJob:
     config: dict[str, object]
     finished: list[TrialResult] = field(default_factory=list)  # by run(), in the order they finished
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def run(self, progress: Callable[[TrialResult], None] | None = None) -> JobResult:
         """Run the trials; write the job's ``result.json`` as each finishes (see :func:`run_job`)."""
@@ -159,7 +163,7 @@ class PreparedJob:
             return trial
 
         write_result(None)
-        job = JobRun(self.agent_spec, self.settings, self.hide, job_id)
+        job = JobRun(self.agent_spec, self.settings, self.hide, job_id, self.agent_kwargs)
         refused = [t for t in self.trials if t.calibration is not None and t.calibration.state == "not-calibrated"]
         runs = [t for t in self.trials if t not in refused]
         try:
@@ -175,6 +179,7 @@ class PreparedJob:
                         hide=list(self.hide),
                         source=planned_trial.source,
                         job_id=job_id,
+                        agent_kwargs=self.agent_kwargs,
                         refusal=TaskNotCalibrated(f"task {planned_trial.task.name} is not calibrated: {state.reason}"),
                     )
                 )
@@ -238,6 +243,7 @@ def prepare_job(
     include_tasks: Sequence[str] = (),
     exclude_tasks: Sequence[str] = (),
     retry: RetryPolicy | None = None,
+    agent_kwargs: dict[str, Any] | None = None,
 ) -> PreparedJob:
     """Everything of :func:`run_job` before its trials: the input checked, the job's folder
     made, each task's system chosen once (fetched, or built with its log in the job's
@@ -245,7 +251,8 @@ def prepare_job(
     ``--image-source prebuilt`` raises after, and the job's folder is removed again.
     ``n_attempts``: trials per task (Harbor's ``-k``); ``include_tasks``/``exclude_tasks``:
     shell patterns of task names to keep or leave out (Harbor's ``-i``/``-x``); ``retry``:
-    which errored trials run again (:mod:`.retry`)."""
+    which errored trials run again (:mod:`.retry`); ``agent_kwargs``: the agent's
+    constructor's arguments (Harbor's ``--agent-kwarg``)."""
     settings = settings or EpisodeSettings()
     retry = retry or RetryPolicy()
     if isinstance(n_attempts, bool) or not isinstance(n_attempts, int) or n_attempts < 1:
@@ -265,7 +272,8 @@ def prepare_job(
     if not tasks:
         raise PolicyError("no tasks given")
     tasks = filter_tasks(tasks, include_tasks, exclude_tasks)
-    load_agent(agent_spec)  # a bad spec fails here, before any folder is made
+    agent_kwargs = dict(agent_kwargs or {})
+    load_agent(agent_spec, agent_kwargs)  # a bad spec (or kwargs) fails here, before any folder is made
     scheduler = scheduler or LocalScheduler(concurrency)
     job_name = default_job_name() if job_name is None else job_name
     try:
@@ -316,7 +324,9 @@ def prepare_job(
         raise
     hide = (*(task.path for task in tasks), jobs_root)
     datasets, sources = _datasets(task_paths, tasks)
-    config = job_config(job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, None)
+    config = job_config(
+        job_name, jobs_root, agent_spec, concurrency, tasks, datasets, sources, settings, None, agent_kwargs
+    )
     config.update(
         n_attempts=n_attempts,
         retry=retry.to_dict(),
@@ -337,6 +347,7 @@ def prepare_job(
         hide,
         {**config, "scheduler": scheduler.describe()},
         retry=retry,
+        agent_kwargs=agent_kwargs,
     )
 
 
@@ -370,6 +381,7 @@ def job_config(
     sources: dict[str, str | None],
     settings: EpisodeSettings,
     started_at: str | None,
+    agent_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, object]:
     """The job's ``config.json``: Harbor's ``JobConfig`` (``agents``, ``n_concurrent_trials``,
     each folder of tasks as a local dataset and each task given by itself under
@@ -381,7 +393,7 @@ def job_config(
         "jobs_dir": str(jobs_root),
         "n_attempts": 1,
         "n_concurrent_trials": concurrency,
-        "agents": [agent_config(agent_spec, load_agent(agent_spec))],
+        "agents": [agent_config(agent_spec, load_agent(agent_spec, agent_kwargs), agent_kwargs)],
         "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]},
         "datasets": [{"path": str(folder)} for folder in datasets],
         "tasks": [task_config(t.path, None) for t in tasks if sources[t.name] is None],

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from sequester.calibration import CalibrationState
 from sequester.environments.settings import EpisodeSettings
@@ -43,6 +43,7 @@ class JobRun:
     settings: EpisodeSettings
     hide: tuple[Path, ...]
     job_id: str
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)  # the agent constructor's (--agent-kwarg)
 
 
 class TrialScheduler(Protocol):
@@ -92,6 +93,7 @@ class LocalScheduler:
                 source=trial.source,
                 job_id=job.job_id,
                 image=trial.image,
+                agent_kwargs=job.agent_kwargs,
             )
 
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="trial")

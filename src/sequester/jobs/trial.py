@@ -155,6 +155,7 @@ def trial_config(
     source: str | None = None,
     job_id: str | None = None,
     agent: object | None = None,
+    agent_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The trial's ``config.json``: Harbor's ``TrialConfig`` (the task by ``path``, the
     agent as an ``AgentConfig``, the job's id), plus sequester's ``settings`` and ``hide``."""
@@ -163,7 +164,7 @@ def trial_config(
         "task": task_config(task.path, source),
         "trial_name": trial_dir.name,
         "trials_dir": str(trial_dir.parent),
-        "agent": agent_config(agent_spec, agent),
+        "agent": agent_config(agent_spec, agent, agent_kwargs),
         "environment": {"import_path": ENVIRONMENT_IMPORT_PATHS[settings.backend]},
         "job_id": job_id,
         "settings": settings_to_dict(settings),
@@ -184,6 +185,7 @@ def run_trial(
     open_env: Callable[..., Environment] = open_environment,
     image: ImagePlan | None = None,
     refusal: Exception | None = None,
+    agent_kwargs: dict[str, Any] | None = None,
 ) -> TrialResult:
     """Run ``agent_spec`` (see :func:`sequester.agents.load_agent`) on ``task`` in a new
     episode that also hides ``hide``; keep everything in ``trial_dir`` (which must not
@@ -192,14 +194,23 @@ def run_trial(
     environment (``settings.backend``'s; tests pass a fake). ``image``: the system the
     job chose for the task (:mod:`.images`), or why it cannot be had (the trial's error);
     None: the backend chooses. ``refusal``: why the trial must not run (a task that is not
-    calibrated): its error, before anything starts. Returns the result it wrote to
-    ``result.json``."""
+    calibrated): its error, before anything starts. ``agent_kwargs``: the agent's
+    constructor's arguments. Returns the result it wrote to ``result.json``."""
     paths = TrialPaths(trial_dir)
     paths.mkdir()
     started_at = utc_now()
     paths.commands_path.touch()
     paths.agent_log_path.touch()
-    config = trial_config(task, agent_spec, trial_dir, settings=settings, hide=hide, source=source, job_id=job_id)
+    config = trial_config(
+        task,
+        agent_spec,
+        trial_dir,
+        settings=settings,
+        hide=hide,
+        source=source,
+        job_id=job_id,
+        agent_kwargs=agent_kwargs,
+    )
     write_json(paths.config_path, config)
     checksum = task_checksum(task.path)
     trial_log = _TrialLog(paths.trial_log_path)
@@ -215,10 +226,18 @@ def run_trial(
     mode = wanted_verifier_env(task, settings)  # the backend's default, once it is known (below)
     with trial_log.capture():
         try:
-            agent = load_agent(agent_spec)
+            agent = load_agent(agent_spec, agent_kwargs)
             info = agent_info(agent_spec, agent)
             config = trial_config(
-                task, agent_spec, trial_dir, settings=settings, hide=hide, source=source, job_id=job_id, agent=agent
+                task,
+                agent_spec,
+                trial_dir,
+                settings=settings,
+                hide=hide,
+                source=source,
+                job_id=job_id,
+                agent=agent,
+                agent_kwargs=agent_kwargs,
             )
             write_json(paths.config_path, config)
             trial_log.write(f"task {task.name} ({task.path}), agent {info['name']}")
