@@ -86,7 +86,7 @@ def test_the_manual_documents_every_serve_option_in_its_synopsis():
     (["--tasks-dir", str(EXAMPLES / TASK)], "is a task"),
     (["--host", "0.0.0.0"], "not a loopback address"),
     (["--token-file", "/no/such/token"], "--token-file"),
-    (["--max-sessions", "0"], "not positive"),
+    (["--max-sessions", "0"], "not a positive number"),
 ])
 def test_bad_input_is_exit_2_with_a_message(argv, said, capsys):
     from sequester.cli import main

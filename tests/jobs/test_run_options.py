@@ -157,3 +157,62 @@ def test_agent_kwargs_reach_the_agents_constructor_and_the_jobs_config(tmp_path)
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr
     r = run(str(EXAMPLES / "c-word-count"), "--agent", "oracle", "--ak", "x=1", "-o", str(tmp_path))
     assert r.returncode == 2 and "takes no --agent-kwarg" in r.stderr
+
+
+def test_dry_run_prints_the_plan_and_makes_nothing(tmp_path):
+    out = tmp_path / "jobs"
+    r = run(str(EXAMPLES), "--agent", "oracle", "--dry-run", "-k", "3", "-x", "python-*", "--image-source", "host",
+            "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    for name in ("c-word-count", "http-kv-server", "pinned-pytest", "workspace-git-free"):
+        assert name in text
+    assert "python-csv-stats" not in text and "4 task(s), 12 trial(s)" in text
+    assert "the host's system" in text and "uncalibrated" in text and "nothing fetched, built, run or written" in text
+    assert not out.exists()
+    r = run(str(EXAMPLES), "--agent", "oracle", "--dry-run", "--image-source", "dockerfile", "-o", str(out))
+    assert r.returncode == 0 and "its Dockerfile" in r.stdout and not out.exists()
+    r = run(str(EXAMPLES), "--agent", "no_such_module:Agent", "--dry-run", "-o", str(out))
+    assert r.returncode == 2 and not out.exists()
+
+
+def test_resume_keeps_the_finished_trials_and_runs_the_rest(tmp_path):
+    jobs = tmp_path / "jobs"
+    r = run(str(EXAMPLES), "--agent", "oracle", "-i", "c-word-count", "-i", "python-csv-stats",
+            "-i", "workspace-git-free", "-k", "2", "--image-source", "host", "-o", str(jobs), "--job-name", "j")
+    assert r.returncode == 0, r.stderr
+    job = jobs / "j"
+    before = {t["trial_name"]: t for t in trials(job)}
+    assert len(before) == 6
+    by_task: dict[str, list[str]] = {}
+    for name, t in sorted(before.items()):
+        by_task.setdefault(t["task_name"], []).append(name)
+    cut = by_task["c-word-count"][0]
+    (job / cut / "result.json").unlink()  # cut off mid-run: its folder is run again
+    never = by_task["python-csv-stats"]
+    import shutil
+    for name in never:  # never started
+        shutil.rmtree(job / name)
+    kept = by_task["workspace-git-free"] + by_task["c-word-count"][1:]
+    r = run("--resume", str(job))
+    assert r.returncode == 0, r.stderr
+    assert "3 finished trial(s) kept, 1 cut off and run again, 3 to run" in " ".join(r.stderr.split())
+    after = {t["trial_name"]: t for t in trials(job)}
+    assert len(after) == 6 and not (job / cut).exists()
+    assert sorted(t["task_name"] for t in after.values()) == sorted(t["task_name"] for t in before.values())
+    for name in kept:
+        assert after[name]["id"] == before[name]["id"]  # kept as they were, not run again
+    assert all(t["verifier_result"]["rewards"] == {"reward": 1.0} for t in after.values())
+    result = json.loads((job / "result.json").read_text())
+    assert result["n_total_trials"] == 6 and result["stats"]["n_completed_trials"] == 6
+    # A flag that says otherwise than the stored configuration, or a folder that is no job, is exit 2.
+    for flags, said in ((["--agent", "nop"], "--agent 'nop'"), (["-k", "3"], "--n-attempts 3"),
+                        (["--timeout-multiplier", "2"], "--agent-timeout-multiplier 2.0"),
+                        ([str(EXAMPLES)], "takes no TASK_DIR")):
+        r = run("--resume", str(job), *flags)
+        assert r.returncode == 2 and said in r.stderr, (flags, r.stderr)
+    assert run("--resume", str(job), "--agent", "oracle").returncode == 0  # the same value is no contradiction
+    r = run("--resume", str(tmp_path))
+    assert r.returncode == 2 and "no config.json" in r.stderr
+    r = run("--agent", "oracle")
+    assert r.returncode == 2 and "needs TASK_DIR|TASKS_DIR" in r.stderr

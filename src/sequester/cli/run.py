@@ -21,8 +21,15 @@ __all__ = ["add_run_command", "run_settings", "build_lines", "jobs_dir"]
 
 def add_run_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run an agent on tasks, one episode each, and score them")
-    p.add_argument("tasks", nargs="+", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
-    p.add_argument("--agent", required=True, metavar="AGENT", help="oracle, nop, script:PATH or module:Class")
+    p.add_argument("tasks", nargs="*", metavar="TASK_DIR|TASKS_DIR", help="a task folder, or a folder of them")
+    p.add_argument(
+        "--agent", metavar="AGENT", help="oracle, nop, script:PATH or module:Class (required but with --resume)"
+    )
+    p.add_argument(
+        "--resume",
+        metavar="JOB_DIR",
+        help="finish an interrupted job from its stored configuration (its finished trials kept)",
+    )
     p.add_argument(
         "-n", "--concurrency", type=positive(int), default=4, metavar="N", help="trials at a time (default: 4)"
     )
@@ -111,6 +118,11 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         dest="agent_kwarg",
         help="an argument of the agent's constructor (VALUE read as JSON or a Python literal, else text; repeatable)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (tasks, how each system is had, backend, calibration) and run nothing",
+    )
     p.add_argument("--env-file", metavar="FILE", help="a .env file whose variables the agents get (KEY=VALUE lines)")
     p.add_argument(
         "--image-source",
@@ -159,15 +171,21 @@ def run_settings(args: argparse.Namespace):  # -> EpisodeSettings
 
 def cmd_run(args: argparse.Namespace) -> int:
     from sequester.cli.image import image_bars
-    from sequester.jobs import TrialResult, default_job_name
+    from sequester.jobs import default_job_name
     from sequester.jobs.job import prepare_job
-    from sequester.jobs.render import print_summary, trial_progress
     from sequester.jobs.retry import RetryPolicy
 
+    if args.resume:
+        return resume(args)
+    if not args.tasks or not args.agent:
+        missing = [w for w, given in (("TASK_DIR|TASKS_DIR", args.tasks), ("--agent", args.agent)) if not given]
+        raise PolicyError(f"sequester run needs {' and '.join(missing)} (or --resume JOB_DIR)")
     settings = run_settings(args)
     retry = RetryPolicy.of(args.max_retries, args.retry_include, args.retry_exclude)
     if args.env_file:
         load_env_file(args.env_file)
+    if args.dry_run:  # (before a cluster is joined: nothing is started)
+        return dry_run(args, settings, runs_here=args.backend != "ray")
     scheduler = scheduler_for(args)  # --backend ray (its nodes fetch and build their own images)
     job_name = args.job_name or default_job_name()
     job_dir = jobs_dir(args.output) / job_name
@@ -189,10 +207,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             retry=retry,
             agent_kwargs=parse_kwargs(args.agent_kwarg, "--agent-kwarg"),
         )
+    return run_prepared(prepared, args.agent, job_dir)
+
+
+def run_prepared(prepared, agent: str, job_dir: Path) -> int:
+    """The trials of a prepared job, with the progress bar and the summary table."""
+    from sequester.jobs import TrialResult
+    from sequester.jobs.render import print_summary, trial_progress
+
     total = len(prepared.trials)
     finished: list[TrialResult] = []
     try:
-        with trial_progress(total, err, f"{args.agent} on {total} task{'s' * (total != 1)}") as advance:
+        with trial_progress(total, err, f"{agent} on {total} task{'s' * (total != 1)}") as advance:
 
             def progress(result: TrialResult) -> None:
                 finished.append(result)
@@ -205,6 +231,93 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     print_summary(Console(), job, finished, job_dir)
     return 0 if job.n_errors == 0 and job.n_trials == job.n_total_trials else 1
+
+
+def resume(args: argparse.Namespace) -> int:
+    """``--resume JOB_DIR``: the job's stored configuration, its finished trials kept, the
+    rest run (see :mod:`sequester.jobs.resume`); a flag that contradicts what it stored is exit 2."""
+    from sequester.cli.image import image_bars
+    from sequester.jobs.job import prepare_resume
+    from sequester.jobs.resume import contradictions, read_job
+
+    job = read_job(args.resume)
+    if args.tasks:
+        raise PolicyError("--resume takes no TASK_DIR: the job's own tasks are used")
+    if args.config or args.job_name or args.dry_run:
+        raise PolicyError(
+            "--resume uses the job's stored settings, name and plan: no --config, --job-name or --dry-run"
+        )
+    given: dict[str, Any] = {}
+    for flag, value, default in (
+        ("--agent", args.agent, None),
+        ("--agent-kwarg", parse_kwargs(args.agent_kwarg, "--agent-kwarg"), {}),
+        ("--n-attempts", args.n_attempts, 1),
+        ("--include-task-name", args.include_task_name, []),
+        ("--exclude-task-name", args.exclude_task_name, []),
+        ("--max-retries", args.max_retries, 0),
+    ):
+        if value != default:
+            given[flag] = value
+    if args.calibration != "auto":
+        given["--calibration"] = args.calibration
+    s = job.settings
+    mult = args.timeout_multiplier
+    flags = {
+        "--exec-timeout": (args.exec_timeout, s.exec_timeout),
+        "--freeze-agent": (args.freeze_agent or None, s.freeze_agent),
+        "--verifier-mode": (args.verifier_mode or args.verifier_env_old, s.verifier_env),
+        "--image-source": (args.image_source, s.images.source),
+        "--agent-timeout-multiplier": (args.agent_timeout_multiplier or mult, s.agent_timeout_multiplier),
+        "--verifier-timeout-multiplier": (args.verifier_timeout_multiplier or mult, s.verifier_timeout_multiplier),
+        "--network": (args.network, s.network),
+        "--allow-host": (tuple(args.allow_host) if args.allow_host is not None else None, s.allowed_hosts),
+    }
+    given["--settings"] = {k: v for k, v in flags.items() if v[0] is not None}
+    wrong = contradictions(job, given)
+    if wrong:
+        raise PolicyError(
+            f"--resume {args.resume!r}: these flags contradict the job's stored configuration: " + "; ".join(wrong)
+        )
+    if args.env_file:
+        load_env_file(args.env_file)
+    scheduler = scheduler_for(args)
+    with image_bars() as bars:
+        prepared = prepare_resume(job, scheduler=scheduler, image_progress=bars, build_progress=build_lines)
+    if job.kept or job.removed:
+        err.print(
+            f"resuming {escape(str(job.root))}: {len(job.kept)} finished trial(s) kept, "
+            f"{len(job.removed)} cut off and run again, {len(prepared.trials)} to run",
+            highlight=False,
+        )
+    return run_prepared(prepared, job.agent_spec, job.root)
+
+
+def dry_run(args: argparse.Namespace, settings, *, runs_here: bool) -> int:
+    """``--dry-run``: the plan, and nothing made (see :mod:`sequester.jobs.dry_run`)."""
+    from rich.table import Table
+
+    from sequester.agents import load_agent
+    from sequester.jobs.dry_run import plan_job
+    from sequester.jobs.job import filter_tasks
+    from sequester.tasks import find_tasks
+
+    tasks = find_tasks(args.tasks)
+    if not tasks:
+        raise PolicyError("no tasks given")
+    tasks = filter_tasks(tasks, args.include_task_name, args.exclude_task_name)
+    load_agent(args.agent, parse_kwargs(args.agent_kwarg, "--agent-kwarg"))  # (bad input is exit 2 here too)
+    rows = plan_job(tasks, settings, n_attempts=args.n_attempts, calibration=args.calibration, runs_here=runs_here)
+    where = "a Ray cluster" if not runs_here else f"{settings.backend} episodes on this machine"
+    table = Table(title=f"{args.agent} on {len(rows)} task(s), {sum(r.trials for r in rows)} trial(s): {where}")
+    for column in ("task", "trials", "system", "calibration"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(escape(row.task), str(row.trials), escape(row.system), escape(row.calibration))
+    Console().print(table)
+    print(
+        f"(dry run: nothing fetched, built, run or written; retries {args.max_retries}, concurrency {args.concurrency})"
+    )
+    return 0
 
 
 def parse_kwargs(items: list[str], flag: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from sequester.jobs.harbor import ENVIRONMENT_IMPORT_PATHS, agent_config, task_c
 from sequester.jobs.images import ImagePlan, choose_job_images
 from sequester.jobs.paths import JobPaths, check_name
 from sequester.jobs.results import JobResult, TrialResult, utc_now
+from sequester.jobs.resume import StoredJob, missing_trials, remove_unfinished
 from sequester.jobs.retry import RetryPolicy
 from sequester.jobs.schedule import JobRun, LocalScheduler, PlannedTrial, TrialScheduler
 from sequester.jobs.trial import new_trial_name, run_trial, settings_to_dict, write_json
@@ -119,16 +120,18 @@ class PreparedJob:
     finished: list[TrialResult] = field(default_factory=list)  # by run(), in the order they finished
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    kept: list[TrialResult] = field(default_factory=list)  # a resumed job's finished trials, as they are
+    started_at: str | None = None  # a resumed job's first start
 
     def run(self, progress: Callable[[TrialResult], None] | None = None) -> JobResult:
         """Run the trials; write the job's ``result.json`` as each finishes (see :func:`run_job`)."""
-        started_at = utc_now()
+        started_at = self.started_at or utc_now()
         job_id = str(uuid.uuid4())
         write_json(self.paths.config_path, {**self.config, "started_at": started_at})
-        finished: dict[str, TrialResult] = {}
+        finished: dict[str, TrialResult] = {t.trial_name: t for t in self.kept}
         lock = threading.Lock()
         running: set[str] = set()
-        names = [trial.name for trial in self.trials]
+        names = [t.trial_name for t in self.kept] + [trial.name for trial in self.trials]
 
         def write_result(finished_at: str | None) -> JobResult:
             with lock:
@@ -332,6 +335,7 @@ def prepare_job(
         retry=retry.to_dict(),
         include_tasks=list(include_tasks),
         exclude_tasks=list(exclude_tasks),
+        calibration=calibration,
     )
     trials = [
         PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path), states[task.path])
@@ -348,6 +352,58 @@ def prepare_job(
         {**config, "scheduler": scheduler.describe()},
         retry=retry,
         agent_kwargs=agent_kwargs,
+    )
+
+
+def prepare_resume(
+    job: StoredJob,
+    *,
+    scheduler: TrialScheduler | None = None,
+    image_progress: Progress = NO_PROGRESS,
+    build_progress: Callable[[str, StepReport, bool], None] | None = None,
+    calibration_store: CalibrationStore | None = None,
+) -> PreparedJob:
+    """An interrupted job (:func:`~.resume.read_job`) ready to run the trials it lacks: its
+    tasks found again where they were (else bad input), the trial folders cut off mid-run
+    removed, each task's system chosen once, the finished trials kept as they are."""
+    tasks = filter_tasks(find_tasks(job.task_paths), job.include, job.exclude) if job.task_paths else []
+    if [t.name for t in tasks] != job.task_names:
+        raise PolicyError(
+            f"--resume {str(job.root)!r}: its tasks are no longer what they were "
+            f"(then {job.task_names}, now {[t.name for t in tasks]} in {job.task_paths})"
+        )
+    settings = job.settings
+    scheduler = scheduler or LocalScheduler(job.concurrency)
+    remove_unfinished(job)
+    missing = missing_trials(job)
+    todo = [t for t in tasks if missing[t.name] > 0]
+    paths = JobPaths(job.root)
+    images: dict[Path, ImagePlan] = {}
+    if settings.backend == "local" and scheduler.runs_here and todo:
+        images = choose_job_images(
+            todo, settings, log_path=paths.build_log, progress=image_progress, on_step=build_progress
+        )
+    states = calibration_states(todo, images, settings, mode=job.calibration, store=calibration_store)
+    sources = _datasets(job.task_paths, tasks)[1]
+    trials = [
+        PlannedTrial(name, task, paths.trial_dir(name), sources[task.name], images.get(task.path), states[task.path])
+        for task in todo
+        for name, _ in _plan([task], missing[task.name])
+    ]
+    hide = (*(task.path for task in tasks), job.root.parent)
+    return PreparedJob(
+        job.root.name,
+        paths,
+        job.agent_spec,
+        settings,
+        scheduler,
+        trials,
+        hide,
+        {**job.config, "scheduler": scheduler.describe(), "resumed_at": utc_now()},
+        retry=job.retry,
+        agent_kwargs=job.agent_kwargs,
+        kept=job.kept,
+        started_at=str(job.config["started_at"]) if job.config.get("started_at") else None,
     )
 
 

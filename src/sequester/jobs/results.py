@@ -135,6 +135,53 @@ class TrialResult:
     # ("calibrated", "uncalibrated", "not-calibrated", "off"), why, and the record's scores.
     calibration: dict[str, Any] | None = None
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrialResult:
+        """A trial's ``result.json`` read back (``sequester run --resume``): what
+        :meth:`to_dict` wrote. Raises ``KeyError``/``TypeError``/``ValueError`` for anything else."""
+        exc = d.get("exception_info")
+        verdict = d.get("verifier_result")
+
+        def timing(key: str) -> TimingInfo:
+            got = d.get(key) or {}
+            return TimingInfo(got.get("started_at"), got.get("finished_at"))
+
+        return cls(
+            task_name=str(d["task_name"]),
+            trial_name=str(d["trial_name"]),
+            trial_uri=str(d["trial_uri"]),
+            agent_info=dict(d["agent_info"]),
+            verifier_result=VerifierOutcome({str(k): float(v) for k, v in verdict["rewards"].items()})
+            if verdict
+            else None,
+            exception_info=ExceptionInfo(
+                str(exc.get("sequester_exception_type") or exc["exception_type"]),
+                str(exc["exception_message"]),
+                str(exc.get("exception_traceback", "")),
+                str(exc.get("occurred_at", "")),
+            )
+            if exc
+            else None,
+            started_at=str(d["started_at"]),
+            finished_at=str(d["finished_at"]),
+            environment_setup=timing("environment_setup"),
+            agent_execution=timing("agent_execution"),
+            verifier=timing("verifier"),
+            tampering=list(d.get("tampering") or []),
+            notes=list(d.get("notes") or []),
+            source=d.get("source"),
+            id=str(d.get("id") or uuid.uuid4()),
+            task_path=str((d.get("task_id") or {}).get("path", "")),
+            task_checksum=str(d.get("task_checksum", "")),
+            config=dict(d.get("config") or {}),
+            verifier_environment_mode=d.get("verifier_environment_mode"),
+            system=d.get("system"),
+            network=d.get("network"),
+            node=d.get("node"),
+            retries=list(d.get("retries") or []),
+            calibration=d.get("calibration"),
+        )
+
     @property
     def reward(self) -> float | None:
         """The primary reward, or ``None`` without a verdict."""
