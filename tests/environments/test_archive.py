@@ -61,3 +61,18 @@ def test_reroot_takes_the_folders_members_relative_to_it():
     data = tar_of(("d", "logs/agent", ""), ("f", "logs/agent/a", "1"), ("f", "logs/other", "2"), ("f", "logs/agentx", "3"))
     with tarfile.open(fileobj=io.BytesIO(reroot(data, "/logs/agent"))) as tar:
         assert tar.getnames() == ["a"]
+
+
+def test_no_chain_of_links_leads_out(tmp_path: Path):
+    """Red team: "up -> ." made "up/.." look like the folder itself while pointing above it;
+    a chain of real folders and such links reached any host path."""
+    dest = tmp_path / "dest"
+    deep = "/".join(["d"] * 4)
+    data = tar_of(("d", deep, ""), ("l", "up", "."), ("l", "esc", "up/../../x"), ("l", f"{deep}/top", "../../../.."),
+                  ("l", "far", f"{deep}/top/../secret"), ("l", "ok", "d/d"))
+    notes = unpack(data, dest)
+    kept = sorted(p.name for p in dest.rglob("*") if p.is_symlink())
+    assert kept == ["ok", "up"], kept  # only downward links
+    for p in dest.rglob("*"):
+        assert str(p.resolve()).startswith(str(dest.resolve())), p
+    assert "does not point downward" in notes[0]

@@ -34,9 +34,16 @@ def test_the_exit_status_is_the_commands_and_a_missing_folder_is_127(tmp_path):
     assert "ran" not in r.stdout and r.stdout.strip().endswith("127")
 
 
-def test_a_bad_variable_name_is_refused():
+@pytest.mark.parametrize("key", ["A B", "é", "1X", "X=Y", ""])
+def test_a_bad_variable_name_is_refused(key):
     with pytest.raises(ValueError, match="not a variable name"):
-        exec_command("true", cwd="/", env={"A B": "1"}, user=None)
+        exec_command("true", cwd="/", env={key: "1"}, user=None)
+
+
+def test_a_relative_folder_is_a_path_not_an_option(tmp_path):
+    (tmp_path / "-").mkdir()
+    r = shell(f"cd {tmp_path}", "cd /", exec_command("pwd", cwd="-", env=None, user=None))
+    assert r.returncode == 127 or r.stdout.strip() != str(tmp_path)  # never the shell's OLDPWD
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")

@@ -50,7 +50,8 @@ def unpack(
     """Write a tar made inside an episode (names and links are the agent's) into the host
     folder ``dest``, by hand rather than by ``tarfile``'s extraction (whose safe ``data``
     filter older 3.11 releases lack): only folders, regular files (mode 0644, or 0755 when
-    executable) and symlinks that stay inside ``dest``; nothing written through a link or
+    executable) and symlinks that point downward (no ``..``, not absolute: they cannot leave
+    ``dest`` whatever other links it holds); nothing written through a link or
     over an existing entry; nothing whose name's first part ``skip`` says is the host's own
     there; at most ``limit`` entries. Returns notes for what was left out."""
     notes: list[str] = []
@@ -98,10 +99,13 @@ def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, name: str, root: Path)
             with os.fdopen(fd, "wb") as out:
                 shutil.copyfileobj(src, out)
         elif member.issym():
+            # Only links that go downward: a ".." part could climb out through another link
+            # kept before it (red team: "up -> ." made "up/.." read as the folder itself while
+            # it pointed above it; a chain of them reached any host path). Downward links
+            # resolve through downward links only, so they stay inside.
             link = member.linkname
-            points = posixpath.normpath(posixpath.join(posixpath.dirname(name), link))
-            if link.startswith("/") or points == ".." or points.startswith("../"):
-                return "a link out of the folder"
+            if not link or link.startswith("/") or ".." in link.split("/"):
+                return "a link that does not point downward into the folder"
             os.symlink(link, target)
         else:
             return "not a folder, file or link"

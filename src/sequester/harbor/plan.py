@@ -7,11 +7,14 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from sequester.tasks import Task
 
 __all__ = ["exec_command", "network_for"]
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def exec_command(command: str, *, cwd: str, env: dict[str, str] | None, user: str | int | None) -> str:
@@ -19,10 +22,11 @@ def exec_command(command: str, *, cwd: str, env: dict[str, str] | None, user: st
     stays in the shell) that enters ``cwd``, sets ``env`` and runs ``bash -c command`` as
     ``user`` (root: as it is; a name: ``runuser``; a number: ``setpriv``), as ``docker
     exec -w CWD -e K=V -u USER CONTAINER bash -c COMMAND`` does."""
-    parts = [f"cd {shlex.quote(cwd)} || exit 127"]
+    # (a relative folder as a path: `cd -` would be the shell's OLDPWD)
+    parts = [f"cd {shlex.quote(cwd if cwd.startswith('/') else './' + cwd)} || exit 127"]
     if env:
         for key in env:
-            if not key.isidentifier():
+            if not _NAME.fullmatch(key):  # (bash takes only these: "é" would be dropped unsaid)
                 raise ValueError(f"env: {key!r} is not a variable name")
         parts.append("export " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()))
     run = f"bash -c {shlex.quote(command)}"

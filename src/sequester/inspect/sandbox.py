@@ -141,6 +141,8 @@ class SequesterSandbox(SandboxEnvironment):
         except EpisodeError as exc:
             if "no such user" in str(exc):  # as docker exec -u says it
                 return ExecResult(False, 126, "", f"unable to find user {user}: no matching entries in passwd file\n")
+            if "/etc/passwd cannot be read" in str(exc):
+                return ExecResult(False, 126, "", f"unable to find user {user}: {exc}\n")
             raise
         if r.timed_out:
             raise TimeoutError(f"Command timed out after {timeout} seconds")

@@ -57,3 +57,18 @@ def test_each_episode_starts_with_empty_log_folders(episode):
     episode.exec("echo 1 > /logs/agent/left")
     episode.reset(TASK)
     assert names(episode.read_dir("/logs/agent")) == []
+
+
+def test_a_file_swapped_with_a_fifo_while_it_is_read_does_not_hold_the_copy(episode):
+    """Red team: the copy checked an entry, then opened it by path; a process of the agent's
+    swapping a file and a fifo between the two made the open wait until the copy's timeout.
+    Entries are now opened without blocking and checked on what was opened."""
+    import time
+
+    episode.start(TASK)
+    episode.exec("cd /logs/artifacts && mkfifo p && echo data > f && "
+                 "(setsid sh -c 'while :; do mv f t; mv p f; mv f p; mv t f; done' >/dev/null 2>&1 &)")
+    for _ in range(20):
+        started = time.monotonic()
+        names(episode.read_dir("/logs/artifacts"))
+        assert time.monotonic() - started < 10

@@ -95,7 +95,9 @@ def test_no_tests_or_solution_anywhere_in_the_view(tmp_path, episode):
     assert marker not in r.stdout and "test_outputs.py" not in r.stdout and "solve.sh" not in r.stdout, r.stdout
     assert (task / "tests" / "test_outputs.py").read_text()  # control: the host has them
     assert episode.exec(f"ls {task}").exit_code != 0
-    assert episode.exec("ls -A /tests /logs").stdout.split() == ["/logs:", "/tests:"]
+    # (/logs holds only the agent's own folders, empty)
+    assert episode.exec("ls -A /tests /logs /logs/agent /logs/artifacts").stdout.split() == [
+        "/logs:", "agent", "artifacts", "/logs/agent:", "/logs/artifacts:", "/tests:"]
 
 
 def test_verifier_mount_points_cannot_be_planted_or_replaced(episode):
@@ -104,7 +106,9 @@ def test_verifier_mount_points_cannot_be_planted_or_replaced(episode):
                      "ln -s /tmp /tests; umount /tests; echo done")
     assert r.stdout == "done\n"
     assert "Read-only file system" in r.stderr and "Device or resource busy" in r.stderr
-    assert episode.exec("ls -A /tests /logs").stdout.split() == ["/logs:", "/tests:"]
+    # (/logs holds only the agent's own folders, empty)
+    assert episode.exec("ls -A /tests /logs /logs/agent /logs/artifacts").stdout.split() == [
+        "/logs:", "agent", "artifacts", "/logs/agent:", "/logs/artifacts:", "/tests:"]
 
 
 
@@ -365,6 +369,7 @@ def test_a_gpu_spec_that_cannot_be_applied_is_refused_at_start(tmp_path, episode
 @pytest.mark.skipif(os.geteuid() != 0, reason="an ordinary caller's host view shows the host's /usr read-only: the "
                     "stand-in spec's mount point (a path the host lacks) cannot be made; real specs mount libraries "
                     "at their host paths")
+@writable_usr  # (Debian's own python3 is /usr: the view mounts it back read-only, no mount point can be made there)
 def test_gpus_from_a_cdi_spec_are_bound_into_the_view(tmp_path, episode, monkeypatch):
     """The whole path with a stand-in spec (no GPU here): its device node (``/dev/null``
     as ``/dev/nvidia0``), a library read-only at its containerPath, its environment, the

@@ -70,7 +70,6 @@ from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
 from sequester.tasks import Task, load_task
 from sequester.verifier.image_python import ImagePython
-from sequester.verifier.layout import RUNNER_MOUNT
 
 __all__ = ["Episode", "EpisodeError", "ExecResult", "local_capabilities"]
 
@@ -496,13 +495,9 @@ class Episode:
             raise EpisodeError("run: an empty command")
         if limit <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        ids = run.agent_ids if user is None else self._user_ids(user)
+        ids = run.agent_ids if user is None else self._user_ids(user, min(limit, 10.0))
         where = cwd if cwd and cwd.startswith("/") else f"{run.workdir.rstrip('/')}/{cwd}" if cwd else run.workdir
         assert self._nsexec is not None
-        # A wrapper of the runner's (read-only in every view) reports the status on fd 3:
-        # the process is not our child (the episode's init reaps it).
-        wrapper = f"{RUNNER_MOUNT}/bin/bash" if run.runner is not None else "bash"
-        argv = [wrapper, "--noprofile", "--norc", "-c", '"$@" 3>&-; printf %s "$?" >&3', "sequester-run", *argv]
         return run_process(
             self._nsexec,
             run.bwrap.pid,
@@ -518,10 +513,17 @@ class Episode:
             ids=ids,
         )
 
-    def _user_ids(self, user: str | int) -> tuple[int, int] | None:
-        """``(uid, gid)`` of ``user`` in the view (None: root, as the namespace's root is)."""
+    def _user_ids(self, user: str | int, timeout: float) -> tuple[int, int] | None:
+        """``(uid, gid)`` of ``user`` in the view (None: root, as the namespace's root is);
+        the view's ``/etc/passwd`` read within ``timeout`` (red team: the agent made it a fifo)."""
         name = str(user)
-        passwd = self.read_file("/etc/passwd").decode(errors="replace")
+        try:
+            data = self._nsexec_call().read_file(
+                self._running().bwrap.pid, "/etc/passwd", limit=1 << 20, timeout=timeout
+            )
+        except SandboxError as exc:
+            raise EpisodeError(f"user {name!r}: the episode's /etc/passwd cannot be read ({exc})") from None
+        passwd = data.decode(errors="replace")
         for line in passwd.splitlines():
             fields = line.split(":")
             if len(fields) >= 4 and (fields[0] == name or fields[2] == name) and fields[2].isdigit():
@@ -550,7 +552,7 @@ class Episode:
         """A tar of the folder ``path`` of the view (names relative to it; links kept as links)."""
         where = self._absolute(path)
         try:
-            data, missing = self._nsexec_call().pack(self._running().bwrap.pid, [where], {}, limit=limit)
+            data, missing = self._nsexec_call().pack(self._running().bwrap.pid, [where], {}, limit=limit, timeout=60)
         except SandboxError as exc:
             raise EpisodeError(f"{where}: {exc}") from exc
         if missing:

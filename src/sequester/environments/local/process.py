@@ -2,12 +2,12 @@
 helper with the agent's restrictions, its output and status read on pipes, bounded, under
 a deadline the host keeps (:meth:`~sequester.environments.local.episode.Episode.run`).
 
-The process is a session leader of its own (the helper's ``setsid``); it is not the host's
-child (the episode's init adopts and reaps it), so a wrapper reports its status on
-descriptor 3. At the deadline, or once a stream passes its limit, its whole process
-group is killed. Once the status is in, output still held open by a background process is
-read only while it keeps coming (:data:`LINGER` of quiet ends it), as ``docker exec``
-ends with its command.
+The process is a session leader of its own (the helper's ``setsid``); the helper's worker,
+outside the episode's PID namespace (no agent process can see, trace or signal it), is its
+parent and writes its exit status on a pipe of the host's when it ends. At the deadline,
+or once a stream passes its limit, its whole process group is killed. Once the status is
+in, output still held open by a background process is read only while it keeps coming
+(:data:`LINGER` of quiet ends it), as ``docker exec`` ends with its command.
 """
 
 from __future__ import annotations
@@ -44,15 +44,14 @@ def run_process(
     rlimits: Mapping[str, int | list[int]],
     ids: tuple[int, int] | None,
 ) -> ExecResult:
-    """Run ``argv`` (whose last act is to write its status to fd 3) in the episode of
-    ``target``; see the module."""
+    """Run ``argv`` in the episode of ``target``; see the module."""
     started = time.monotonic()
     pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, status
     (in_r, in_w), (out_r, out_w), (err_r, err_w), (st_r, st_w) = pipes
     for fd in (in_w, out_r, err_r, st_r):
         os.set_inheritable(fd, False)
     try:
-        pid = nsexec.spawn(
+        pid = nsexec.run(
             target,
             list(argv),
             env=env,
@@ -60,8 +59,7 @@ def run_process(
             stdin=in_r,
             stdout=out_w,
             stderr=err_w,
-            extra=[st_w],
-            ctty=False,
+            status=st_w,
             caps=caps,
             seccomp_bpf=seccomp.compile_filter("agent"),
             seccomp_nr=seccomp.syscall_number("seccomp"),

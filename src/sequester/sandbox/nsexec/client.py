@@ -249,6 +249,48 @@ class NsExec:
         report = self._finish(worker, timeout, "start a process in the episode")
         return int(report["pid"])
 
+    def run(
+        self,
+        target: int,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+        status: int,
+        caps: Sequence[str],
+        seccomp_bpf: bytes,
+        seccomp_nr: int,
+        cgroup: str | Sequence[str] | None = None,
+        rlimits: Mapping[str, int | list[int]] | None = None,
+        ids: tuple[int, int] | None = None,
+        timeout: float = 30,
+    ) -> int:
+        """Like :meth:`spawn`, for a command whose status the host trusts: the helper's
+        worker stays its parent, outside the episode's PID namespace, and writes its exit
+        status (``128 + signal`` when killed) to ``status`` when it ends; returns its host pid."""
+        worker = self.request(
+            {
+                "op": "run",
+                "target": target,
+                "argv": list(argv),
+                "env": env,
+                "cwd": cwd,
+                "ctty": False,
+                "caps": list(caps),
+                "seccomp": base64.b64encode(seccomp_bpf).decode(),
+                "seccomp_nr": seccomp_nr,
+                "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()),
+                "rlimits": dict(rlimits or {}),
+                "ids": list(ids) if ids is not None else None,
+            },
+            [stdin, stdout, stderr, status],
+        )
+        report = self._finish(worker, timeout, "start a process in the episode")
+        return int(report["pid"])
+
     def harden(self, target: int, *, timeout: float = 30) -> None:
         """Make the episode's /proc settings and the host's device nodes in its /dev read-only."""
         worker = self.request({"op": "harden", "target": target}, [])

@@ -43,26 +43,131 @@ def extract(data: bytes, dest: str, policy: Literal["data", "tar", "artifacts"])
 
 
 def _pack(paths: list[str], exclude: dict[str, list[str]], out: int) -> list[str]:
-    """A tar stream of ``paths`` of the view (symlinks kept as links, never followed;
-    only folders, files and links) onto ``out``; returns the paths that do not exist."""
+    """A tar stream of ``paths`` of the view (symlinks kept as links, never followed; only
+    folders, files and links) onto ``out``; returns the paths that do not exist.
+
+    Walked by descriptors: each entry opened relative to its folder's descriptor with
+    ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` on what was opened (red team: a
+    process of the agent's swapping a file and a fifo between ``tarfile``'s ``lstat`` and
+    its ``open`` by path made the open wait, holding the copy to its timeout)."""
     import fnmatch
+    import stat
 
     missing = []
     with os.fdopen(out, "wb") as stream, tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for path in paths:
-            if not os.path.lexists(path):
+            patterns = exclude.get(path, [])
+            arc = path.lstrip("/")
+
+            def skipped(rel: str, patterns: list[str] = patterns, arc: str = arc) -> bool:
+                return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(f"{arc}/{rel}", p) for p in patterns)
+
+            try:
+                top = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except FileNotFoundError:
                 missing.append(path)
                 continue
-            patterns = exclude.get(path, [])
-
-            def keep(info: tarfile.TarInfo, patterns: list[str] = patterns) -> tarfile.TarInfo | None:
-                if not (info.isfile() or info.isdir() or info.issym()):
-                    return None  # no devices, fifos or hard links into the view
-                rel = info.name.split("/", 1)[-1]
-                return None if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(info.name, p) for p in patterns) else info
-
-            tar.add(path, arcname=path.lstrip("/"), filter=keep)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:  # (a link: kept as the link itself)
+                    missing.append(path)
+                    continue
+                top = -1
+            try:
+                if top < 0:
+                    parent = os.open(os.path.dirname(path) or "/", os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        _add_entry(tar, parent, os.path.basename(path), arc)
+                    finally:
+                        os.close(parent)
+                    continue
+                st = os.fstat(top)
+                if stat.S_ISREG(st.st_mode):
+                    _add_file(tar, top, st, arc)
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                _add_dir_info(tar, st, arc)
+                _pack_dir(tar, top, arc, "", skipped)
+            finally:
+                if top >= 0:
+                    os.close(top)
     return missing
+
+
+def _pack_dir(tar: tarfile.TarFile, dirfd: int, arc: str, rel: str, skipped: Any) -> None:
+    for name in sorted(os.listdir(dirfd)):
+        sub = f"{rel}/{name}" if rel else name
+        if skipped(sub):
+            continue
+        _add_entry(tar, dirfd, name, f"{arc}/{sub}", lambda fd, st, sub=sub: _pack_dir(tar, fd, arc, sub, skipped))
+
+
+def _add_entry(tar: tarfile.TarFile, dirfd: int, name: str, arcname: str, into: Any = None) -> None:
+    """One entry of the folder ``dirfd``: a link as a link, a file or folder as opened."""
+    import stat
+
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return  # gone, or not ours to read
+        try:
+            target = os.readlink(name, dir_fd=dirfd)
+            st = os.lstat(name, dir_fd=dirfd)
+        except OSError:
+            return
+        info = tarfile.TarInfo(arcname)
+        info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, target, 0o777, int(st.st_mtime)
+        tar.addfile(info)
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            _add_file(tar, fd, st, arcname)
+        elif stat.S_ISDIR(st.st_mode):
+            _add_dir_info(tar, st, arcname)
+            if into is not None:
+                into(fd, st)
+        # anything else (a fifo, a device, a socket) is left out
+    finally:
+        os.close(fd)
+
+
+def _add_dir_info(tar: tarfile.TarFile, st: os.stat_result, arcname: str) -> None:
+    info = tarfile.TarInfo(arcname)
+    info.type, info.mode, info.mtime = tarfile.DIRTYPE, st.st_mode & 0o7777, int(st.st_mtime)
+    info.uid, info.gid = st.st_uid, st.st_gid
+    tar.addfile(info)
+
+
+def _add_file(tar: tarfile.TarFile, fd: int, st: os.stat_result, arcname: str) -> None:
+    """A regular file by its descriptor: its size as ``fstat`` saw it (a file that grows is
+    cut there, one that shrinks padded: the stream stays a valid tar)."""
+    info = tarfile.TarInfo(arcname)
+    info.size, info.mode, info.mtime = st.st_size, st.st_mode & 0o7777, int(st.st_mtime)
+    info.uid, info.gid = st.st_uid, st.st_gid
+    with os.fdopen(os.dup(fd), "rb") as f:
+        tar.addfile(info, _Exactly(f, st.st_size))
+
+
+class _Exactly(io.RawIOBase):
+    """``size`` bytes of ``f``: what is missing read as zeros."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self.f, self.left = f, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), self.left)
+        if n <= 0:
+            return 0
+        data = self.f.read(n) or b""
+        data = data + bytes(n - len(data))
+        buf[:n] = data
+        self.left -= n
+        return n
 
 
 def _artifact_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:

@@ -106,6 +106,38 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> None:
     report(result, {"pid": child})
 
 
+def op_run(req: dict[str, Any], fds: list[int]) -> None:
+    """``spawn`` for a command whose status the host must trust (``Episode.run``): this
+    worker, outside the episode's PID namespace where no agent process can see, trace or
+    signal it, is the process's parent and writes its wait status to the last descriptor
+    (red team: a status the process itself reported on a pipe could be forged by another
+    agent process through /proc/PID/fd). Its pid goes to the result pipe first."""
+    result, stdin, stdout, stderr, status = fds[:5]
+    joining = start_joining(req.get("cgroup"))
+    try:
+        enter(req["target"], user="agent", pid=True, cgroup=None, harden=False)
+    finally:
+        finish_joining(joining)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the server ignores it; we wait for our child)
+    child = os.fork()
+    if child == 0:
+        os.close(status)
+        _exec_agent_process(req, result, stdin, stdout, stderr, [])
+    for fd in (stdin, stdout, stderr):
+        os.close(fd)
+    report(result, {"pid": child})
+    os.close(result)
+    while True:
+        try:
+            _, wait_status = os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(wait_status)
+    os.write(status, str(code if code >= 0 else 128 - code).encode())
+    os.close(status)
+
+
 def _only_child(proc: int, pid: int) -> int:
     """The host pid of ``pid``'s one child, once it exists (``proc``: the host's /proc)."""
     for _ in range(5000):
@@ -707,6 +739,7 @@ def op_harden(req: dict[str, Any], fds: list[int]) -> None:
 
 _OPS = {
     "spawn": op_spawn,
+    "run": op_run,
     "files": op_files,
     "verify": op_verify,
     "harden": op_harden,
