@@ -52,7 +52,8 @@ def test_a_trial_runs_through_the_interface(tmp_path):
     env = FakeEnvironment()
     result, record = _trial(tmp_path, env)
     assert record["verifier_result"]["rewards"] == {"reward": 1.0} and record["exception_info"] is None
-    assert env.calls == ["start", "write_file", "evaluate", "close"]
+    # (read_dir: what the agent left in /logs/agent and /logs/artifacts, kept with the trial)
+    assert env.calls == ["start", "write_file", "read_dir", "read_dir", "evaluate", "close"]
 
 
 def test_a_backend_without_a_separate_verifier_is_refused_before_it_starts(tmp_path):
@@ -115,7 +116,8 @@ def test_the_agent_gets_only_its_own_calls_of_the_environment(tmp_path):
     _, record = _trial(tmp_path, env, agent="fake_agents:Overreaches")
     assert all(v != "allowed" for v in Overreaches.seen.values()), Overreaches.seen
     assert set(Overreaches.seen) == {"start", "reset", "evaluate", "close", "abort", "init_pid", "calls"}
-    assert env.calls == ["start", "write_file", "evaluate", "close"]  # none of the agent's tries reached it
+    # none of the agent's tries reached it (read_dir: the trial keeping the agent's /logs folders)
+    assert env.calls == ["start", "write_file", "read_dir", "read_dir", "evaluate", "close"]
     assert record["verifier_result"]["rewards"] == {"reward": 1.0}
 
 

@@ -192,7 +192,7 @@ def test_hostile_image_layouts_keep_the_view_and_the_verdict(tmp_path, store, ed
         ep.reset(_task(tmp_path, image=tag))
         out = ep.exec("echo hello > /app/out.txt; ls -A /tests | wc -l; ls -A /logs | wc -l; "
                       "ls /opt/sequester-verifier/bin/bash").stdout
-        assert out.split() == ["0", "0", "/opt/sequester-verifier/bin/bash"], out
+        assert out.split() == ["0", "2", "/opt/sequester-verifier/bin/bash"], out  # (/logs: agent, artifacts)
         assert _verdict(ep).reward == 1.0
 
 
