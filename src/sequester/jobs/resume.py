@@ -124,7 +124,6 @@ def contradictions(job: StoredJob, given: dict[str, Any]) -> list[str]:
         "--exclude-task-name": job.exclude,
         "--calibration": job.calibration,
         "--max-retries": job.retry.max_retries,
-        "--settings": None,
     }
     out = []
     for flag, value in given.items():

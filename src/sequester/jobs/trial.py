@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -201,7 +202,9 @@ def run_trial(
     started_at = utc_now()
     paths.commands_path.touch()
     paths.agent_log_path.touch()
-    config = trial_config(
+    # (written again once the agent is loaded: its name and model in Harbor's AgentConfig)
+    config_of = functools.partial(
+        trial_config,
         task,
         agent_spec,
         trial_dir,
@@ -211,6 +214,7 @@ def run_trial(
         job_id=job_id,
         agent_kwargs=agent_kwargs,
     )
+    config = config_of()
     write_json(paths.config_path, config)
     checksum = task_checksum(task.path)
     trial_log = _TrialLog(paths.trial_log_path)
@@ -228,17 +232,7 @@ def run_trial(
         try:
             agent = load_agent(agent_spec, agent_kwargs)
             info = agent_info(agent_spec, agent)
-            config = trial_config(
-                task,
-                agent_spec,
-                trial_dir,
-                settings=settings,
-                hide=hide,
-                source=source,
-                job_id=job_id,
-                agent=agent,
-                agent_kwargs=agent_kwargs,
-            )
+            config = config_of(agent=agent)
             write_json(paths.config_path, config)
             trial_log.write(f"task {task.name} ({task.path}), agent {info['name']}")
             with contextlib.ExitStack() as watch:

@@ -228,24 +228,10 @@ class NsExec:
         ``harden``: first do what :meth:`harden` does (the episode's first process);
         ``ids``: the uid and gid it becomes inside (an image's non-root ``User`` where the
         namespace's root is the caller), after its capabilities are cut to ``caps``."""
-        worker = self.request(
-            {
-                "op": "spawn",
-                "target": target,
-                "argv": list(argv),
-                "env": env,
-                "cwd": cwd,
-                "ctty": ctty,
-                "caps": list(caps),
-                "seccomp": base64.b64encode(seccomp_bpf).decode(),
-                "seccomp_nr": seccomp_nr,
-                "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()),
-                "rlimits": dict(rlimits or {}),
-                "harden": harden,
-                "ids": list(ids) if ids is not None else None,
-            },
-            [stdin, stdout, stderr, *extra],
+        message = _process_message(
+            "spawn", target, argv, env, cwd, ctty, caps, seccomp_bpf, seccomp_nr, cgroup, rlimits, ids
         )
+        worker = self.request({**message, "harden": harden}, [stdin, stdout, stderr, *extra])
         report = self._finish(worker, timeout, "start a process in the episode")
         return int(report["pid"])
 
@@ -271,23 +257,10 @@ class NsExec:
         """Like :meth:`spawn`, for a command whose status the host trusts: the helper's
         worker stays its parent, outside the episode's PID namespace, and writes its exit
         status (``128 + signal`` when killed) to ``status`` when it ends; returns its host pid."""
-        worker = self.request(
-            {
-                "op": "run",
-                "target": target,
-                "argv": list(argv),
-                "env": env,
-                "cwd": cwd,
-                "ctty": False,
-                "caps": list(caps),
-                "seccomp": base64.b64encode(seccomp_bpf).decode(),
-                "seccomp_nr": seccomp_nr,
-                "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()),
-                "rlimits": dict(rlimits or {}),
-                "ids": list(ids) if ids is not None else None,
-            },
-            [stdin, stdout, stderr, status],
+        message = _process_message(
+            "run", target, argv, env, cwd, False, caps, seccomp_bpf, seccomp_nr, cgroup, rlimits, ids
         )
+        worker = self.request(message, [stdin, stdout, stderr, status])
         report = self._finish(worker, timeout, "start a process in the episode")
         return int(report["pid"])
 
@@ -456,6 +429,38 @@ class NsExec:
         if "error" in report:
             raise SandboxError(f"could not {what}: {report['error']}")
         return report
+
+
+def _process_message(
+    op: str,
+    target: int,
+    argv: Sequence[str],
+    env: dict[str, str],
+    cwd: str,
+    ctty: bool,
+    caps: Sequence[str],
+    seccomp_bpf: bytes,
+    seccomp_nr: int,
+    cgroup: str | Sequence[str] | None,
+    rlimits: Mapping[str, int | list[int]] | None,
+    ids: tuple[int, int] | None,
+) -> dict[str, Any]:
+    """The request of a process started in an episode (``spawn``, ``run``): what the
+    helper's worker needs to become it, with the agent's restrictions."""
+    return {
+        "op": op,
+        "target": target,
+        "argv": list(argv),
+        "env": env,
+        "cwd": cwd,
+        "ctty": ctty,
+        "caps": list(caps),
+        "seccomp": base64.b64encode(seccomp_bpf).decode(),
+        "seccomp_nr": seccomp_nr,
+        "cgroup": [cgroup] if isinstance(cgroup, str) else list(cgroup or ()),
+        "rlimits": dict(rlimits or {}),
+        "ids": list(ids) if ids is not None else None,
+    }
 
 
 def _receive_fds(sock: socket.socket, timeout: float) -> list[int]:
