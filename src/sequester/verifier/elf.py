@@ -1,4 +1,4 @@
-"""Byte-level edits of ELF files for the verifier's runner. Pure.
+"""Byte-level edits of ELF files for the verifier's runner, and the libraries one needs. Pure.
 
 The runner's programs must load nothing the agent could have written. Their interpreter
 and library search path are set with patchelf (see :mod:`.tree`); what is left are the
@@ -26,8 +26,18 @@ agent-writable root folder.
 from __future__ import annotations
 
 import re
+import struct
 
-__all__ = ["ELF_MAGIC", "LOADER_PATHS", "LIBC_PATHS", "redirect_paths", "replacement", "is_elf", "view_paths_in"]
+__all__ = [
+    "ELF_MAGIC",
+    "LOADER_PATHS",
+    "LIBC_PATHS",
+    "redirect_paths",
+    "replacement",
+    "is_elf",
+    "view_paths_in",
+    "needed_libraries",
+]
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -107,3 +117,64 @@ def redirect_paths(data: bytes, paths: tuple[bytes, ...]) -> tuple[bytes, list[b
                     found.append(path)
             start = i + 1
     return bytes(out), found
+
+
+_PT_LOAD, _PT_DYNAMIC = 1, 2
+_DT_NULL, _DT_NEEDED, _DT_STRTAB = 0, 1, 5
+_MAX_SEGMENTS = 256
+_MAX_ENTRIES = 4096
+
+
+def needed_libraries(data: bytes) -> list[str] | None:
+    """The names ``data`` (a whole ELF file's bytes) asks the loader for (its
+    ``DT_NEEDED`` entries, in order); ``[]`` for a static file, None for what is not a
+    well-formed ELF file. Both classes and byte orders; bounded, never raises."""
+    try:
+        return _needed(data)
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _needed(data: bytes) -> list[str] | None:
+    if not is_elf(data) or len(data) < 52 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return None
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    # e_phoff, then e_phentsize and e_phnum: at 32 and 54 (64-bit), 28 and 42 (32-bit)
+    (phoff,) = struct.unpack_from(order + ("Q" if wide else "I"), data, 32 if wide else 28)
+    phentsize, phnum = struct.unpack_from(order + "HH", data, 54 if wide else 42)
+    segment, entry = (order + "IIQQQQQQ", order + "qQ") if wide else (order + "IIIIIIII", order + "iI")
+    loads: list[tuple[int, int, int]] = []  # (vaddr, file offset, file size)
+    dynamic: tuple[int, int] | None = None
+    for i in range(min(phnum, _MAX_SEGMENTS)):
+        fields = struct.unpack_from(segment, data, phoff + i * phentsize)
+        if wide:
+            kind, _, offset, vaddr, _, filesz = fields[:6]
+        else:
+            kind, offset, vaddr, _, filesz = fields[:5]
+        if kind == _PT_LOAD:
+            loads.append((vaddr, offset, filesz))
+        elif kind == _PT_DYNAMIC:
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return []
+    size = struct.calcsize(entry)
+    needed: list[int] = []
+    strtab: int | None = None
+    for i in range(min(dynamic[1] // size, _MAX_ENTRIES)):
+        tag, value = struct.unpack_from(entry, data, dynamic[0] + i * size)
+        if tag == _DT_NULL:
+            break
+        if tag == _DT_NEEDED:
+            needed.append(value)
+        elif tag == _DT_STRTAB:
+            strtab = value
+    if strtab is None:
+        return None if needed else []
+    base = next((off + strtab - va for va, off, sz in loads if va <= strtab < va + sz), None)
+    if base is None:
+        return None
+    names = []
+    for offset in needed:
+        end = data.index(b"\0", base + offset)
+        names.append(data[base + offset : end].decode())
+    return names

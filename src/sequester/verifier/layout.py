@@ -32,6 +32,7 @@ __all__ = [
     "PINNED",
     "TASK_WHEELS",
     "TASK_INSTALLS",
+    "TASK_LIBS",
 ]
 
 PINNED = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")  # the runner's own wheels: pytest for TB2's scripts
@@ -66,4 +67,8 @@ TASK_WHEELS = RUN / "task-wheels"
 # What the task's apt-get install lines install (sequester.imagebuild.apt_install), copied
 # likewise: ``install.tar`` and ``packages`` (one name a line), unpacked by the runner's apt-get.
 TASK_INSTALLS = RUN / "apt"
+# The shared libraries of those installs and what they need of the task's pristine image
+# (sequester.imagebuild.runner_libraries): the host's folder, bound read-only (copied for an
+# ordinary user), on the runner's Pythons' LD_LIBRARY_PATH (see shims.py, pysite.py).
+TASK_LIBS = RUN / "apt-lib"
 # The host loader's own name (uv tells glibc from musl by it): see tree.py.

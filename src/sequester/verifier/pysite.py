@@ -53,6 +53,7 @@ __all__ = [
     "PYTHONPATH_VAR",
     "RUNNER_FD_VAR",
     "SITE_VAR",
+    "LD_SAVED_VAR",
 ]
 
 PYTHONPATH_VAR = "SEQUESTER_PYTHONPATH"
@@ -60,6 +61,11 @@ PYTHONPATH_VAR = "SEQUESTER_PYTHONPATH"
 # pip and pytest shims only: appended last, and not passed on to the programs it starts.
 SITE_VAR = "SEQUESTER_IMAGE_SITE"
 RUNNER_FD_VAR = "SEQUESTER_RUNNER_FD"  # the pipe on which the runner says how far it got
+# The LD_LIBRARY_PATH the runner's shims found ("=" and its value; empty: it was unset)
+# before they put the tests' installed libraries first (layout.TASK_LIBS): this process's
+# loader has read it; the programs it starts get the one found back, so they load the
+# view's libraries, as in the task's container.
+LD_SAVED_VAR = "SEQUESTER_LD_SAVED"
 
 SITECUSTOMIZE = f'''"""sequester verifier runner: import from the runner's own files first (see
 sequester/verifier/pysite.py)."""
@@ -286,12 +292,21 @@ def _create_module(self, spec):
     try:
         return _create_extension(self, spec)
     except ImportError as exc:
-        if "cannot read file data: Is a directory" in str(exc):
+        # A library none of the runner's folders has (its loader has no system folders),
+        # or one newer than the runner's C library: the runner's lack, not the agent's 0.
+        if "cannot read file data: Is a directory" in str(exc) or "version `GLIBC_" in str(exc):
             _say("runner-lacks-library:" + str(spec.name))
         raise
 
 
 _ExtensionFileLoader.create_module = _create_module
+_ld = os.environ.pop({LD_SAVED_VAR!r}, None)
+if _ld is not None:
+    if _ld.startswith("="):
+        os.environ["LD_LIBRARY_PATH"] = _ld[1:]
+    else:
+        os.environ.pop("LD_LIBRARY_PATH", None)
+del _ld
 _extra = os.environ.pop({PYTHONPATH_VAR!r}, None)
 if _extra is not None:
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)

@@ -21,13 +21,23 @@ from pathlib import Path
 
 from sequester.verifier import layout
 from sequester.verifier.image_python import IMAGE_PYTHON_VAR, IMAGE_SITE_VAR
-from sequester.verifier.pysite import SITE_VAR
+from sequester.verifier.pysite import LD_SAVED_VAR, SITE_VAR
 from sequester.verifier.pythons import HostPython
 
 __all__ = ["write_shims", "BASH_ENV_TEXT", "FINGERPRINT"]
 
 _HEAD = f"#!{layout.BIN}/bash\n# sequester verifier runner\n"
 _AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUESTER_AGENT_HOME\n'
+# The libraries of the tests' apt-get installs (layout.TASK_LIBS, there when the script
+# installs any) first on the runner's programs' LD_LIBRARY_PATH: an import of opencv after
+# `apt-get install libgl1` finds libGL in the host's copy, never the view's. The runner's
+# Pythons give the programs they start the value found (pysite.LD_SAVED_VAR).
+_LIBS = (
+    f"if [ -d {layout.TASK_LIBS} ]; then "
+    f'{LD_SAVED_VAR}="${{LD_LIBRARY_PATH+=$LD_LIBRARY_PATH}}"; '
+    f'LD_LIBRARY_PATH="{layout.TASK_LIBS}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"; '
+    f"export {LD_SAVED_VAR} LD_LIBRARY_PATH; fi\n"
+)
 
 # Tell the host something on the runner's pipe (see sequester.verifier.pysite): a word per line.
 _SAY = (
@@ -180,6 +190,7 @@ _UVX_AHEAD = f"""if [ -r {layout.TOOL_INDEX} ]; then
     fi
     shift "$__n"; PATH="$__b:$PATH"; UV={layout.LIBEXEC}/uv; export PATH UV
     {_AGENT_HOME.strip()}
+    {_LIBS.strip()}
     exec "$__b/$__c" "$@"
   done < {layout.TOOL_INDEX}
 fi
@@ -189,6 +200,7 @@ __sequester_say "runner-unsealed:uvx"
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
 FINGERPRINT = (
     _APT
+    + _LIBS
     + BASH_ENV_TEXT
     + _PIP
     + _ENSURE
@@ -250,14 +262,14 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     unsealed = (
         'case "${1:-}" in ""|-V|--version|version|help|-h|--help) ;; *) __sequester_say "runner-unsealed:uv" ;; esac\n'
     )
-    _script(bin_dir / "uv", _SAY + unsealed + asks + _AGENT_HOME + f'exec {layout.LIBEXEC}/uv "$@"\n')
+    _script(bin_dir / "uv", _SAY + unsealed + asks + _AGENT_HOME + _LIBS + f'exec {layout.LIBEXEC}/uv "$@"\n')
     uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
     # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
     # (the Python asked is checked first: a version the runner lacks is the failure named,
     # not the tool that could not be installed ahead for it)
-    _script(bin_dir / "uvx", said + _SAY + asks + _UVX_AHEAD + _AGENT_HOME + f'exec {uvx} "$@"\n')
+    _script(bin_dir / "uvx", said + _SAY + asks + _UVX_AHEAD + _AGENT_HOME + _LIBS + f'exec {uvx} "$@"\n')
     # python3, python, pip and pytest: the image's python3 version when the runner has it
     # (IMAGE_PYTHON_VAR, see sequester.verifier.image_python), else the first Python; their
     # Pythons find the image's packages after their own (pysite's SITE_VAR).
@@ -270,7 +282,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         name = f"python{py.short}"
         # By absolute path: Python finds its standard library next to the binary it was
         # started as, never at the build's compiled-in prefix (a path of the view).
-        _script(bin_dir / name, _SAY + _AGENT_HOME + f'exec {_real(py)} -s "$@"\n')
+        _script(bin_dir / name, _SAY + _AGENT_HOME + _LIBS + f'exec {_real(py)} -s "$@"\n')
     default = (
         f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
         "__sequester_pick\n"
@@ -278,12 +290,19 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         'exec "$real" -s "$@"\n'
     )
     for name in ("python3", "python"):
-        _script(bin_dir / name, select + _SAY + _pip_env('"$real"') + _AGENT_HOME + default)
-    pip = select + _SAY + _pip_env('"$real"') + _PIP
+        _script(bin_dir / name, select + _SAY + _pip_env('"$real"') + _AGENT_HOME + _LIBS + default)
+    pip = select + _SAY + _pip_env('"$real"') + _LIBS + _PIP
     for name in ("pip", "pip3"):
         _script(bin_dir / name, pip)
     pytest = (
-        select + _SAY + _pip_env('"$real"') + _ENSURE + "\n" + _AGENT_HOME + 'exec "$__sequester_pip/bin/pytest" "$@"\n'
+        select
+        + _SAY
+        + _pip_env('"$real"')
+        + _ENSURE
+        + "\n"
+        + _AGENT_HOME
+        + _LIBS
+        + 'exec "$__sequester_pip/bin/pytest" "$@"\n'
     )
     for name in ("pytest", "py.test"):
         _script(bin_dir / name, pytest)

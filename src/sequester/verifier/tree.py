@@ -47,7 +47,7 @@ from sequester.verifier.pysite import SITECUSTOMIZE, UV_PROBED, probed_names, ru
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
 from sequester.verifier.shims import FINGERPRINT, write_shims
 
-__all__ = ["PINNED", "ensure_runner", "runner_tree", "BUILD_FORMAT"]
+__all__ = ["PINNED", "ensure_runner", "runner_tree", "tree_libraries", "BUILD_FORMAT"]
 
 log = logging.getLogger("sequester.verifier")
 
@@ -547,6 +547,18 @@ def _open_up(root: Path) -> None:
 
 _runner_lock = threading.Lock()
 _runners: dict[Path, Path | None] = {}
+
+
+def tree_libraries(root: Path) -> frozenset[str]:
+    """The names of the libraries the runner tree ``root`` has: its own folder's and its
+    Pythons'. What its programs find by their own search path."""
+    names: set[str] = set()
+    for folder in (root / "lib", *sorted((root / "python").glob("*/lib"))):
+        try:
+            names.update(e.name for e in os.scandir(folder) if not e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+    return frozenset(names)
 
 
 def runner_tree(folder: Path) -> Path | None:

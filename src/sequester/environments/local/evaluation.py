@@ -19,6 +19,7 @@ from pathlib import Path
 from sequester.environments.verdict import Evaluation
 from sequester.guard import seccomp
 from sequester.imagebuild.apt_install import installed_packages
+from sequester.imagebuild.runner_libraries import runner_libraries
 from sequester.sandbox.argv import CONTAINER_CAPS, CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.cgroups.limits import make_limit_groups
@@ -108,7 +109,11 @@ def _run_tests(
     # descriptor, copied likewise; the runner's apt-get unpacks it when the script asks.
     packages = installed_packages(installs) if installs is not None else []
     installs_fd = os.open(installs, os.O_RDONLY | os.O_CLOEXEC) if installs is not None else None
-    extra = [fd for fd in (wheels_fd, installs_fd) if fd is not None]
+    # Their libraries and what those need of the pristine image: the host's folder, bound
+    # read-only where the runner's Pythons' loader looks (sequester.imagebuild.runner_libraries).
+    libs = runner_libraries(installs) if installs is not None else None
+    libs_fd = os.open(libs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if libs is not None else None
+    extra = [fd for fd in (wheels_fd, installs_fd, libs_fd) if fd is not None]
     tests_r, tests_w = os.pipe()
     out_r, out_w = os.pipe()
     said_r, said_w = os.pipe()
@@ -138,6 +143,7 @@ def _run_tests(
                     "run_size": run_size(wheels),
                     "installs": str(layout.TASK_INSTALLS) if installs is not None else None,
                     "packages": packages,
+                    "libs": str(layout.TASK_LIBS) if libs_fd is not None else None,
                     "ahead": ahead.request(planned, env) if planned else None,
                 },
                 "runner_fd": invocation.RUNNER_FD,

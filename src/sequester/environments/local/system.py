@@ -18,6 +18,7 @@ from sequester.environments.settings import EpisodeSettings, episode_image_store
 from sequester.errors import BuildError, EpisodeError, ImageError
 from sequester.imagebuild.apt_install import ensure_apt_install
 from sequester.imagebuild.builder import BuildOptions
+from sequester.imagebuild.runner_libraries import ensure_runner_libraries
 from sequester.images.choose import Choice
 from sequester.images.stack import image_link, image_path_kind
 from sequester.images.store import ImageLease, ImageStore
@@ -28,7 +29,7 @@ from sequester.sandbox.idmap import configured_id_map
 from sequester.tasks import Task
 from sequester.verifier.apt_pins import TASK_INSTALLS_DIR, apt_requests_of_tests
 from sequester.verifier.image_python import ImagePython, image_python
-from sequester.verifier.tree import runner_tree
+from sequester.verifier.tree import runner_tree, tree_libraries
 from sequester.verifier.wheels import ensure_task_wheels
 
 __all__ = ["start_system"]
@@ -103,10 +104,18 @@ def _test_installs(
                 options=options,
                 runner=runner,
             )
-            return tar, []
         except (BuildError, ImageError, OSError) as exc:
             earlier = str(exc)
             _install_failed[key] = (time.monotonic(), earlier)
+        else:
+            # Their libraries, for the runner's loader (an import of opencv after
+            # `apt-get install libgl1`): a failure costs those imports, not the install.
+            try:
+                ensure_runner_libraries(store, choice.record, tar, provided=tree_libraries(runner))
+            except (BuildError, ImageError, OSError) as exc:
+                log.warning("%s: the libraries of the tests' installs are not the runner's: %s", task.name, exc)
+                return tar, [f"the libraries of the tests' apt-get install are not the runner's: {str(exc)[-300:]}"]
+            return tar, []
     log.warning(
         "%s: test.sh's apt-get install of %s could not be prepared: %s", task.name, " ".join(request.packages), earlier
     )

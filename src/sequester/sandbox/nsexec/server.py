@@ -37,6 +37,7 @@ import stat
 import sys
 import termios
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sequester.guard.landlock import seal_special_files
@@ -334,7 +335,12 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
     # The task's wheels (gigabytes for a torch pin) bound read-only rather than copied into
     # memory, where this worker may: a copy of the host's folder made before it leaves
     # the host's mount namespace (root's: an ordinary user's worker copies them).
-    wheels_tree = clone_tree(fds[4]) if runner.get("wheels") else None
+    # The staged folders and tar, each when there: the wheels' folder, the installs' tar, the
+    # installs' libraries' folder (bound likewise; copied without noexec: the loader maps them).
+    kinds = [k for k in ("wheels", "installs", "libs") if runner.get(k)]
+    staged = dict(zip(kinds, fds[4 : 4 + len(kinds)], strict=True))
+    wheels_tree = clone_tree(staged["wheels"]) if "wheels" in staged else None
+    libs_tree = clone_tree(staged["libs"]) if "libs" in staged else None
     enter(req["target"], user="parent", pid=False, cgroup=None)
     die_with_parent(os.getppid())
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(mount, pid)")
@@ -354,17 +360,22 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
     for folder in ("", "/cache", "/tools"):
         os.mkdir(scratch + folder, 0o755)
     check(libc.mount(scratch.encode(), scratch.encode(), None, MS_BIND, None), f"bind {scratch}")
-    staged = iter(fds[4:])  # the wheels' folder, then the installs' tar, each when there
-    if runner.get("wheels"):
-        source = next(staged)
+    if "wheels" in staged:
         if wheels_tree is not None:
             os.mkdir(runner["wheels"], 0o755)
             attach_tree(wheels_tree, runner["wheels"])
             remount_readonly(runner["wheels"])
         else:
-            _copy_wheels(source, runner["wheels"])
-    if runner.get("installs"):
-        _copy_installs(next(staged), runner["installs"], runner.get("packages") or [])
+            _copy_wheels(staged["wheels"], runner["wheels"])
+    if "installs" in staged:
+        _copy_installs(staged["installs"], runner["installs"], runner.get("packages") or [])
+    if "libs" in staged:
+        if libs_tree is not None:
+            os.mkdir(runner["libs"], 0o755)
+            attach_tree(libs_tree, runner["libs"])
+            remount_readonly(runner["libs"])
+        else:
+            _copy_libraries(staged["libs"], runner["libs"])
     for fd in fds[4:]:  # received without close-on-exec: nothing of the host's reaches the script
         os.close(fd)
     os.mkdir("/logs/verifier", 0o777)
@@ -395,18 +406,39 @@ def _copy_wheels(source: int, target: str) -> None:
     a tmpfs of its own at ``target``, then made read-only. Only regular ``*.whl`` files,
     opened without following links; the copy happens before anything of the verifier runs,
     and neither the agent nor the tests' programs can write it."""
+    # (a pin's source distribution too: uv builds it)
+    _copy_files(source, target, lambda name: name.endswith((".whl", ".tar.gz")), MS_NOEXEC)
+
+
+def _copy_libraries(source: int, target: str) -> None:
+    """The installs' libraries (sequester.imagebuild.runner_libraries): the host's folder
+    ``source``, copied likewise; not ``noexec``: the runner's loader maps them."""
+    _copy_files(source, target, lambda name: True, 0)
+
+
+def _copy_files(source: int, target: str, wanted: Callable[[str], bool], noexec: int) -> None:
+    """The regular files of the host's folder ``source`` whose names are ``wanted`` (not
+    hidden ones), opened without following links, copied into a tmpfs of their own at
+    ``target`` (``noexec``: MS_NOEXEC or 0), then made read-only. Names of one file (hard
+    links) stay one file."""
     names, total = [], 0
+    inodes: dict[int, str] = {}  # inode -> the name it is first copied as
+    links: dict[str, str] = {}  # name -> the name of the copy it is a link to
     with os.scandir(source) as entries:
         for entry in entries:
-            wanted = entry.name.endswith((".whl", ".tar.gz"))  # (a pin's source distribution: uv builds it)
-            if wanted and not entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+            if wanted(entry.name) and not entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_ino in inodes:
+                    links[entry.name] = inodes[st.st_ino]
+                    continue
+                inodes[st.st_ino] = entry.name
                 names.append(entry.name)
-                total += entry.stat(follow_symlinks=False).st_size
+                total += st.st_size
     os.mkdir(target, 0o755)
     size = total + (len(names) + 256) * 4096  # page rounding and folder entries
     check(
         libc.mount(
-            b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"mode=0755,size={size}".encode()
+            b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | noexec, f"mode=0755,size={size}".encode()
         ),
         f"mount {target}",
     )
@@ -421,6 +453,8 @@ def _copy_wheels(source: int, target: str) -> None:
                 os.close(dst)
         finally:
             os.close(src)
+    for name, copy in links.items():
+        os.link(os.path.join(target, copy), os.path.join(target, name))
     remount_readonly(target)
 
 

@@ -1,0 +1,280 @@
+"""The shared libraries of a task's test-time ``apt-get install``, for the runner's loader.
+
+A test script that installs ``ffmpeg libsm6 libxext6`` and then imports ``cv2`` loads
+opencv's native module into the verifier's runner, a Python whose loader has no system
+folders (it takes nothing from the view, which is the agent's to write: see
+:mod:`sequester.verifier.elf`). Under Docker the same import finds ``libGL.so.1`` in the
+container's ``/usr/lib``. Here it found nothing ("/: cannot read file data"), an error the
+runner reported as ``runner-lacks-library``.
+
+The runner gets the libraries from where the installs themselves come from, never from the
+view: the install's tar (:mod:`.apt_install`, made by the task's pristine image's own
+apt) and, for what those libraries need that the install did not bring (``libpcre2`` below
+``libglib``, already in the image), the task's pristine image's layers. Both are the
+host's, written before the episode started. :func:`ensure_runner_libraries` copies them,
+flat (one file per name the loader asks for), into a folder next to the tar; the
+verifier binds it read-only into its own namespace (``layout.TASK_LIBS``) and the runner's
+Python programs are started with it on ``LD_LIBRARY_PATH`` (:mod:`sequester.verifier.shims`),
+which their start-up code takes out of the environment again, so the programs the tests
+start load the view's libraries as they would in the container
+(:mod:`sequester.verifier.pysite`).
+
+Never copied: glibc's own libraries (the runner's are its own, and a second C library in
+one process does not load), and the names the runner's tree already has (its
+``libstdc++``, ``libz``, ...), which the runner's programs find by their own search path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import logging
+import os
+import platform
+import posixpath
+import re
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable, Collection, Iterable, Sequence
+from pathlib import Path
+
+from sequester.errors import BuildError
+from sequester.images.records import ImageRecord
+from sequester.images.stack import image_link, read_image_file
+from sequester.images.store import ImageStore
+from sequester.verifier.elf import is_elf, needed_libraries
+
+__all__ = [
+    "library_folders",
+    "is_library_name",
+    "is_glibc",
+    "closure",
+    "libraries_dir",
+    "copy_libraries",
+    "runner_libraries",
+    "ensure_runner_libraries",
+]
+
+log = logging.getLogger("sequester.imagebuild")
+
+_DONE = ".complete"  # written last: a folder without it is a crash's leftover
+_LIBRARY = re.compile(r"^[A-Za-z0-9_+.-]+\.so(\.[0-9A-Za-z_]+)*$")
+_GLIBC = re.compile(
+    r"^(ld-linux[^/]*|ld64\.so\.[0-9]+|libc|libm|libmvec|libdl|librt|libpthread|libutil|libresolv|libnsl|libanl"
+    r"|libBrokenLocale|libthread_db|libc_malloc_debug|libnss_[a-z0-9_]+|libmemusage|libpcprofile|libSegFault)"
+    r"\.so(\.[0-9]+)*$"
+)
+_TRIPLES = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "arm64": "aarch64-linux-gnu"}
+FILE_LIMIT = 20_000  # libraries in one folder
+SIZE_LIMIT = 4 << 30  # bytes in one folder (the install's own limit)
+_LIBRARY_LIMIT = 1 << 30  # bytes of one library
+_HOPS = 16  # links followed to find one library
+
+
+def library_folders(machine: str | None = None) -> tuple[str, ...]:
+    """The folders (relative to the root, in the loader's order of preference) where a
+    Debian or Ubuntu system keeps the libraries its loader finds by name."""
+    triple = _TRIPLES.get(machine or platform.machine(), "x86_64-linux-gnu")
+    return ("usr/local/lib", f"usr/lib/{triple}", f"lib/{triple}", "usr/lib", "lib", "usr/lib64", "lib64")
+
+
+def is_library_name(name: str) -> bool:
+    """``name`` is what a shared library's file is called (``libGL.so.1``, ``x.so``)."""
+    return bool(_LIBRARY.match(name))
+
+
+def is_glibc(name: str) -> bool:
+    """``name`` is one of the C library's own (never copied: the runner has its own)."""
+    return bool(_GLIBC.match(name))
+
+
+def closure(
+    have: dict[str, list[str]], find: Callable[[str], list[str] | None], skip: Callable[[str], bool]
+) -> list[str]:
+    """The names to take beyond ``have`` (name -> the names it needs): every name needed,
+    transitively, that is neither in ``have`` nor ``skip``\\ ped, in the order first
+    needed; ``find(name)`` takes one (returning what it needs) or says None (not there:
+    the loader will say so when something asks for it)."""
+    taken: list[str] = []
+    known = set(have)
+    queue = [need for needs in have.values() for need in needs]
+    while queue:
+        name = queue.pop(0)
+        if name in known or skip(name):
+            continue
+        known.add(name)
+        needs = find(name)
+        if needs is not None:
+            taken.append(name)
+            queue.extend(needs)
+    return taken
+
+
+def libraries_dir(tar: Path) -> Path:
+    """Where the folder of the install ``tar``'s libraries is kept."""
+    return tar.with_suffix(".libs")
+
+
+def runner_libraries(tar: Path) -> Path | None:
+    """The folder of the install ``tar``'s libraries, when it was made and holds any."""
+    folder = libraries_dir(tar)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    return folder if _DONE in names and len(names) > 1 else None
+
+
+def ensure_runner_libraries(
+    store: ImageStore, record: ImageRecord, tar: Path, *, provided: Collection[str]
+) -> Path | None:
+    """The folder of the libraries of ``tar`` (the install :mod:`.apt_install` made on
+    ``record``) and those they need from ``record``'s layers, less glibc's and the
+    ``provided`` names (the runner's own); made on first use next to the tar (see the
+    module). None when there are none. :class:`BuildError` when it cannot be made."""
+    folder = libraries_dir(tar)
+    if (folder / _DONE).exists():
+        return runner_libraries(tar)
+    with open(tar.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / _DONE).exists():
+            return runner_libraries(tar)
+        shutil.rmtree(folder, ignore_errors=True)  # (a crash's leftover)
+        layers = [store.layer_dir(layer.diff_id) for layer in record.layers]
+        with tempfile.TemporaryDirectory(prefix="libs-", dir=tar.parent) as work:
+            made = Path(work) / "libs"
+            made.mkdir()
+            try:
+                count = copy_libraries(tar, layers, made, provided)
+            except (OSError, tarfile.TarError) as exc:
+                raise BuildError(f"the libraries of {tar.name} could not be copied for the verifier: {exc}") from None
+            (made / _DONE).write_text("")
+            os.chmod(made, 0o755)
+            os.rename(made, folder)
+        log.info("copied %d libraries of %s for the verifier's runner", count, tar.name)
+        return runner_libraries(tar)
+
+
+def copy_libraries(tar: Path, layers: Sequence[Path], out: Path, provided: Collection[str]) -> int:
+    """Copy into the folder ``out`` the libraries the install ``tar`` puts in the loader's
+    folders and, transitively, what they need of the merged image ``layers`` (lowest
+    first), less glibc's and the ``provided`` names; one file per name (a file's other
+    names are hard links to it). The number of names."""
+    folders = library_folders()
+    budget = _Budget()
+
+    def skip(name: str) -> bool:
+        return is_glibc(name) or name in provided or not is_library_name(name)
+
+    have: dict[str, list[str]] = {}
+    first: dict[str, str] = {}  # the tar's file -> the name it was first written as
+    for name, path, data in _tar_libraries(tar, folders, lambda name: not skip(name)):
+        if name in have:
+            continue
+        if path in first:  # another name of the same file (libGL.so.1 -> libGL.so.1.7.0): a link
+            os.link(out / first[path], out / name)
+            have[name] = have[first[path]]
+            continue
+        needs = _write(out / name, data(), budget)
+        if needs is not None:
+            have[name] = needs
+            first[path] = name
+
+    def find(name: str) -> list[str] | None:
+        data = _image_library(layers, folders, name)
+        return None if data is None else _write(out / name, data, budget)
+
+    taken = closure(have, find, skip)
+    return len(have) + len(taken)  # (names: some are links to the same file)
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.files = 0
+        self.size = 0
+
+    def take(self, size: int) -> None:
+        self.files += 1
+        self.size += size
+        if self.files > FILE_LIMIT or self.size > SIZE_LIMIT:
+            raise BuildError(f"the install has more than {FILE_LIMIT} libraries or {SIZE_LIMIT >> 30} GiB of them")
+
+
+def _write(path: Path, data: bytes, budget: _Budget) -> list[str] | None:
+    """``data`` written at ``path`` when it is an ELF file: the names it needs; else None."""
+    if not is_elf(data):
+        return None  # (a linker script named libc.so, a text file)
+    needs = needed_libraries(data)
+    if needs is None:
+        return None
+    budget.take(len(data))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return needs
+
+
+def _tar_libraries(
+    tar: Path, folders: Sequence[str], wanted: Callable[[str], bool]
+) -> Iterable[tuple[str, str, Callable[[], bytes]]]:
+    """(name, the file it is in the tar, its content) of every ``wanted`` library the install
+    ``tar`` puts in one of ``folders`` (in ``folders``' order: the loader's), links resolved
+    inside the tar."""
+    with tarfile.open(tar) as archive:
+        members = {m.name.strip("/").removeprefix("./"): m for m in archive.getmembers()}
+        by_folder: dict[str, list[str]] = {}
+        for path in members:
+            folder, _, name = path.rpartition("/")
+            if folder in folders and is_library_name(name) and wanted(name):
+                by_folder.setdefault(folder, []).append(path)
+        for folder in folders:
+            for path in sorted(by_folder.get(folder, ())):
+                member = _follow(members, path)
+                if member is None or member.size > _LIBRARY_LIMIT:
+                    continue
+                yield path.rpartition("/")[2], member.name, functools.partial(_read, archive, member)
+
+
+def _read(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    f = archive.extractfile(member)
+    return f.read() if f is not None else b""
+
+
+def _follow(members: dict[str, tarfile.TarInfo], path: str) -> tarfile.TarInfo | None:
+    for _ in range(_HOPS):
+        member = members.get(path)
+        if member is None:
+            return None
+        if member.isreg():
+            return member
+        if not member.issym():
+            return None
+        path = _target(path, member.linkname)
+    return None
+
+
+def _target(path: str, link: str) -> str:
+    joined = link if link.startswith("/") else posixpath.join(posixpath.dirname(path), link)
+    return posixpath.normpath("/" + joined).lstrip("/")
+
+
+def _image_library(layers: Sequence[Path], folders: Sequence[str], name: str) -> bytes | None:
+    """The content of the library ``name`` in the merged image ``layers``: the first of
+    ``folders`` that has it, links followed inside the image (a merged-/usr image's
+    ``/lib/x`` is looked up as ``/usr/lib/x``); nothing of the host's is ever read."""
+    for folder in folders:
+        path = f"{folder}/{name}"
+        for _ in range(_HOPS):
+            data = read_image_file(layers, path, _LIBRARY_LIMIT + 1)
+            if data is not None:
+                return data if len(data) <= _LIBRARY_LIMIT else None
+            link = image_link(layers, path)
+            if link is None:
+                head = path.split("/", 1)[0]
+                if head in ("lib", "lib64", "bin", "sbin") and not path.startswith("usr/"):
+                    path = "usr/" + path  # (a link on the way: a merged-/usr system)
+                    continue
+                break
+            path = _target(path, link)
+    return None
