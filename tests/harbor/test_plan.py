@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tasks import make_task
 
-from sequester.harbor.plan import exec_command, network_for
+from sequester.harbor.plan import exec_command, harbor_operator_hosts, network_for
 from sequester.tasks import load_task
 
 
@@ -70,3 +70,38 @@ def test_harbors_network_policy_maps_to_sequesters(tmp_path: Path):
     assert network_for("allowlist", ["api.example.com"], public, None) == ("allowlist", ["api.example.com"])
     assert network_for("allowlist", ["pypi.org", "api.example.com"], listed, None) == ("task", ["api.example.com"])
     assert network_for("allowlist", ["pypi.org"], listed, "none") == ("none", [])
+
+
+def test_the_agents_phase_hosts_are_operator_hosts_from_the_start(tmp_path: Path):
+    """Harbor's policy of the agent's phase (--allow-agent-host, the model's API it infers
+    for an installed agent) widens the environment's: the hosts beyond it are operator
+    hosts, on a task without network too; the network option none keeps none of them."""
+    quiet = load_task(make_task(tmp_path, "quiet", toml="[environment]\nallow_internet = false\n"))
+    listed = load_task(make_task(tmp_path, "listed", toml='[environment]\nnetwork_mode = "allowlist"\n'
+                                 'allowed_hosts = ["pypi.org"]\n'))
+    public = load_task(make_task(tmp_path, "public"))
+    agent = ["localhost", "pypi.org", "files.pythonhosted.org"]
+    assert network_for("no-network", [], quiet, None, agent) == ("none", agent)
+    assert network_for("no-network", [], quiet, "allowlist", agent) == ("none", agent)
+    assert network_for("no-network", [], quiet, "none", agent) == ("none", [])
+    # the task's own hosts stay the task's (the verifier keeps them); the environment's extra come first
+    assert network_for("allowlist", ["pypi.org", "mirror.example"], listed, None, agent) == (
+        "task", ["mirror.example", "localhost", "files.pythonhosted.org"])
+    assert network_for("allowlist", ["pypi.org"], listed, "none", agent) == ("none", [])
+    assert network_for("public", [], public, None, []) == (None, [])
+
+
+def test_harbors_hosts_an_episode_cannot_open_as_they_are_are_left_out_with_a_note():
+    # Harbor names the model's base URL http://localhost:PORT/v1 as "localhost": the loopback
+    # is reachable only as HOST:PORT. allow_hosts naming it with its port opens it, unsaid.
+    hosts = ["localhost", "127.0.0.1", "pypi.org", "api.example.com", "10.1.2.3", "*.example.org"]
+    kept, notes = harbor_operator_hosts(hosts, ["localhost:8080"])
+    assert kept == ["pypi.org", "api.example.com", "*.example.org"]
+    assert len(notes) == 1 and "'10.1.2.3'" in notes[0] and "HOST:PORT in --ek allow_hosts" in notes[0], notes
+    kept, notes = harbor_operator_hosts(["localhost", "10.1.2.3", "224.0.0.1"], ["10.1.2.3:3141"])
+    assert kept == [] and len(notes) == 2, notes
+    assert notes[0].startswith("Harbor's allowlist: 'localhost' is the host's loopback: reachable only as HOST:PORT; "
+                               "left out of the agent's phase (to open one service of it, name that HOST:PORT")
+    assert "'224.0.0.1' is multicast: never reachable; left out of the agent's phase" in notes[1]
+    assert "allow_hosts" not in notes[1]  # (no port opens it)
+    assert harbor_operator_hosts(["pypi.org"], []) == (["pypi.org"], [])

@@ -42,7 +42,7 @@ from sequester.environments.archive import unpack
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.verdict import VerifierResult
 from sequester.errors import SequesterError, TaskNotCalibrated
-from sequester.harbor.plan import exec_command, network_for
+from sequester.harbor.plan import exec_command, harbor_operator_hosts, network_for
 from sequester.net.episode.policy import parse_operator_hosts
 from sequester.tasks import Task, load_task
 
@@ -121,15 +121,34 @@ class SequesterEnvironment(BaseEnvironment):
             changes["backend"] = opts.backend
         if opts.image_source:
             changes["images"] = dataclasses.replace(settings.images, source=opts.image_source)
+        parse_operator_hosts(opts.allow_hosts, field="allow_hosts")  # (a bad one: named, before anything starts)
         policy = self._network_policy
-        network, hosts = network_for(policy.network_mode.value, list(policy.allowed_hosts), self._task, opts.network)
+        network, hosts = network_for(
+            policy.network_mode.value, list(policy.allowed_hosts), self._task, opts.network, self._agent_phase_hosts()
+        )
         if network:
             changes["network"] = network
+        hosts, notes = harbor_operator_hosts(hosts, opts.allow_hosts)
+        for note in notes:
+            self.logger.warning(note)
         extra = tuple(dict.fromkeys([*settings.allowed_hosts, *hosts, *opts.allow_hosts]))
         if extra != settings.allowed_hosts:
             changes["allowed_hosts"] = extra
-        parse_operator_hosts(list(extra), field="allow_hosts")  # (a bad one: named, before anything starts)
         return dataclasses.replace(settings, **changes)
+
+    def _agent_phase_hosts(self) -> list[str]:
+        """The hosts of Harbor's policy for the agent's phase (``--allow-agent-host``, the
+        model's API it infers for an installed agent). Harbor hands the environment its
+        startup policy (``network_policy``) and the phases' it will set later
+        (``phase_network_policies``: the agent's first, for a shared verifier the
+        verifier's next, per step); an episode's network is decided at its start, so the
+        first agent phase's hosts are taken then. (A separate verifier's environment gets
+        only the verifier's phase: its hosts would be operator hosts, withdrawn while the
+        tests run, where nothing else runs.)"""
+        phases = getattr(self, "_phase_network_policies", None) or []
+        if not phases or phases[0].network_mode != NetworkMode.ALLOWLIST:
+            return []
+        return list(phases[0].allowed_hosts)
 
     @property
     def episode(self) -> Environment:
