@@ -96,3 +96,25 @@ def test_no_agent_process_can_forge_a_calls_status(episode):
     episode.exec("setsid nohup python3 /tmp/forger.py >/dev/null 2>&1 </dev/null & sleep 0.3")
     r = episode.run(["sh", "-c", "sleep 1; exit 1", "VICTIM"], timeout=10)
     assert r.exit_code in (1, 137) and not r.timed_out, r  # its own status, or killed: never a forged 0
+
+
+def test_input_nobody_reads_costs_no_thread_and_no_wait(episode):
+    """Attack on the host: a command whose background child holds its stdin and never reads
+    it. The input was written by a thread per call, which blocked until the episode closed:
+    an agent's tool calls could pile up threads without end. The host writes it from the
+    call's own loop and drops what is not taken when the command is over."""
+    episode.start(TASK)
+    before = threading.active_count()
+    for _ in range(5):
+        # (an asynchronous list's stdin is /dev/null unless redirected: fd 3 is the pipe)
+        r = episode.run(["sh", "-c", "exec 3<&0; sleep 30 <&3 >/dev/null 2>&1 & echo started"],
+                        input=b"x" * (4 << 20), timeout=20)
+        assert r.stdout == "started\n" and r.exit_code == 0 and r.duration < 5
+    assert threading.active_count() <= before
+
+
+def test_input_is_delivered_whole(episode):
+    episode.start(TASK)
+    data = bytes(range(256)) * 8192  # 2 MiB: many times a pipe's buffer
+    r = episode.run(["sh", "-c", "wc -c; echo done"], input=data, timeout=30)
+    assert r.stdout.split() == [str(len(data)), "done"] and r.exit_code == 0

@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import selectors
 import signal
-import threading
 import time
 from collections.abc import Mapping, Sequence
 
 from sequester.environments.base import ExecResult
 from sequester.guard import seccomp
 from sequester.sandbox.bwrap import close_fd
-from sequester.sandbox.nsexec.client import NsExec, write_and_close
+from sequester.sandbox.nsexec.client import NsExec
 
 __all__ = ["run_process", "LINGER"]
 
@@ -74,15 +73,24 @@ def run_process(
     finally:
         for fd in (in_r, out_w, err_w, st_w):
             close_fd(fd)
-    writer = threading.Thread(target=write_and_close, args=(in_w, input or b""), daemon=True)
-    writer.start()
+    # The input is written from this loop, never a thread of its own: a process (or a
+    # background child holding its stdin) that never reads it cost a blocked thread per
+    # call until the episode closed. What is not taken by the end is dropped.
+    pending = memoryview(input or b"")
     out, err, status = bytearray(), bytearray(), bytearray()
     timed_out = cut = False
     deadline = started + timeout
     sel = selectors.DefaultSelector()
+    stdin_open = True
     try:
         for fd, buf in ((out_r, out), (err_r, err), (st_r, status)):
             sel.register(fd, selectors.EVENT_READ, buf)
+        if pending:
+            os.set_blocking(in_w, False)
+            sel.register(in_w, selectors.EVENT_WRITE, None)
+        else:
+            os.close(in_w)
+            stdin_open = False
         done_at: float | None = None
         while sel.get_map():
             now = time.monotonic()
@@ -96,6 +104,18 @@ def run_process(
             if not events and done_at is not None and time.monotonic() >= done_at + LINGER:
                 break  # the command is over; what a background process holds open is not waited for
             for key, _ in events:
+                if key.fd == in_w:
+                    try:
+                        pending = pending[os.write(in_w, pending[: 1 << 16]) :]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # the reader went away (EPIPE): the rest is not taken
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(in_w)
+                        os.close(in_w)
+                        stdin_open = False
+                    continue
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
                     sel.unregister(key.fd)
@@ -111,13 +131,14 @@ def run_process(
                 break
             if done_at is not None:
                 done_at = time.monotonic() if events else done_at
+            if done_at is not None and stdin_open and len(sel.get_map()) == 1:
+                break  # the command is over and only its unread input is left
     finally:
         sel.close()
         if timed_out or cut or not status:
             _kill_group(pid)
-        for fd in (out_r, err_r, st_r):
+        for fd in (out_r, err_r, st_r, *((in_w,) if stdin_open else ())):
             close_fd(fd)
-        writer.join(timeout=1)
     code = int(status) if status.strip().isdigit() and not timed_out else None
     notes = []
     if cut:
