@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from images import busybox_rootfs, is_root, trixie_image
+from many_fds import descriptors_above
 from registry import running_registry, skip_unless_tools
 
 from sequester.imagebuild import BuildError, BuildOptions, build_image
@@ -155,6 +156,18 @@ def test_run_rm_becomes_a_whiteout(base_store, runner, tmp_path):
     assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
     # The step's own mount points are not part of its layer.
     assert not any(os.path.lexists(top / name) for name in ("proc", "dev", "opt/sequester-verifier"))
+
+
+def test_run_steps_build_with_descriptors_above_select_bound(base_store, runner, tmp_path):
+    """The step's sandbox, its end and its build proxy's listener (the public network: the
+    step reaches nothing) waited on with descriptors numbered above 1024, which select
+    refused (a build started by a server with many episodes open)."""
+    with descriptors_above():
+        result = _build(base_store, runner, tmp_path / "many", f"FROM {BASE}\nRUN echo built > /built\n",
+                        network=BuildNetwork("public"))
+        with pytest.raises(BuildError, match="exit status 3"):
+            _build(base_store, runner, tmp_path / "many-fail", f"FROM {BASE}\nRUN exit 3\n")
+    assert _file(base_store, result.record, "/built") == "built\n"
 
 
 def test_failing_run_names_the_line_status_and_output(base_store, runner, tmp_path):

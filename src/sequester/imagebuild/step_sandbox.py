@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import resource
-import select
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +38,7 @@ from sequester.sandbox.cgroups.limits import make_limit_groups
 from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import MountKind, MountOp
 from sequester.sandbox.nsexec.client import shared_nsexec
+from sequester.sandbox.readiness import readable
 
 __all__ = ["StepRun", "StepOutcome", "step_spec", "run_step", "AUX", "APT_CONF", "OUTPUT_TAIL"]
 
@@ -204,14 +204,14 @@ def run_step(
 
 
 def _alive(started: StartedBwrap) -> bool:
-    return not select.select([started.pidfd], [], [], 0)[0]
+    return not readable(started.pidfd, 0)
 
 
 def _wait(started: StartedBwrap, timeout: float | None) -> int | None:
     """bwrap's exit status (the command's), or None when the deadline came first."""
     fd = os.pidfd_open(started.popen.pid)
     try:
-        ready = select.select([fd], [], [], timeout)[0]
+        ready = readable(fd, timeout)
     finally:
         close_fd(fd)
     if not ready:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from sequester.errors import SandboxError
 from sequester.kernel.spawn import KernelNetwork
-from sequester.sandbox.bwrap import close_fd, readable
+from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.procs import descendants
+from sequester.sandbox.readiness import readable
 
 if TYPE_CHECKING:  # pragma: no cover
     from sequester.kernel.template import ViewTemplate

@@ -28,12 +28,12 @@ import ctypes
 import errno
 import fcntl
 import os
-import select
 import signal
 import socket
 import time
 
 from sequester.errors import SandboxError
+from sequester.sandbox.readiness import readable
 
 __all__ = ["open_listener_in"]
 
@@ -76,7 +76,7 @@ def open_listener_in(
         user = _owner(net)
         if user is not None:
             fds.append(user)
-        if select.select([pidfd], [], [], 0)[0]:  # readable: the process exited
+        if readable(pidfd, 0):  # the process exited
             raise SandboxError(f"process {pid} exited before its network namespace could be joined")
         if os.fstat(net).st_ino == os.stat("/proc/self/ns/net").st_ino:
             raise SandboxError(f"process {pid} shares this process's network namespace: not a sandbox")

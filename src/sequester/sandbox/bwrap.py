@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import select
 import signal
 import subprocess
 import threading
@@ -27,8 +26,9 @@ from sequester.guard.privileges import KERNEL_HOST_ID, NOBODY
 from sequester.sandbox.argv import Identity, LaunchFds, SandboxSpec, build_argv
 from sequester.sandbox.idmap import write_id_map
 from sequester.sandbox.probe import bwrap_path
+from sequester.sandbox.readiness import readable
 
-__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "readable", "read_pending"]
+__all__ = ["StartedBwrap", "start_bwrap", "close_fd", "read_pending"]
 
 # Inside, a root caller's kernel drops to nobody; on the host that id is KERNEL_HOST_ID,
 # which no host process has. Attack (red team): mapped to the host's own nobody, every
@@ -84,15 +84,6 @@ class StartedBwrap:
             if not self._reaped:
                 self._reaped = True
                 close_fd(self.pidfd)
-
-
-def readable(fd: int, timeout: float | None) -> bool:
-    """``fd`` is readable (or at its end, or a pidfd's process exited) within ``timeout``
-    seconds (None: wait). poll, not select: a host process with more than 1024
-    descriptors open (a server) must still reach its sandboxes."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
 
 def close_fd(fd: int) -> None:

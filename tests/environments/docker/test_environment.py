@@ -4,12 +4,14 @@ image imported from the cached Debian trixie rootfs, without ``/usr/bin/timeout`
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from engine import host_pids_of, import_rootfs, module_engine  # noqa: F401 - the fixture
+from many_fds import descriptors_above
 from tasks import make_task
 
 from sequester.environments.docker import DockerEnvironment
@@ -60,6 +62,21 @@ def test_exec_output_exit_code_and_workdir(env, tmp_path):
     assert env.workdir == "/app" and env.system["mode"] == "docker" and env.system["image"] == IMAGE
     env.exec("cd /tmp; export X=1")  # each exec is a fresh sh: nothing persists
     assert env.exec('pwd; echo "x=$X"').stdout == "/app\nx=\n"
+
+
+def test_exec_and_evaluate_with_descriptors_above_select_bound(env, tmp_path):
+    """The exec's stream is read on a descriptor numbered above 1024 (select refused it:
+    the caller a server with many episodes open), to its end and to its deadline."""
+    with descriptors_above():
+        env.start(docker_task(tmp_path))
+        probe = os.open("/dev/null", os.O_RDONLY)
+        os.close(probe)
+        assert probe > 1024
+        result = env.exec("echo out; echo err >&2; exit 3")
+        assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "err\n", 3)
+        assert env.exec("sleep 1000", timeout=1).timed_out
+        env.exec("mkdir -p /app && printf hello > /app/out.txt")
+        assert env.evaluate().reward == 1.0
 
 
 def test_tests_and_solution_never_in_the_agent_container(env, tmp_path):

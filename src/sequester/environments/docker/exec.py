@@ -20,13 +20,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import select
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from sequester.environments.docker.engine import EngineError
 from sequester.sandbox.procs import kill_tree, open_pidfd
+from sequester.sandbox.readiness import readable
 
 __all__ = ["RawExec", "run_exec", "Demux"]
 
@@ -202,7 +202,7 @@ def _wait(api: Any, exec_id: str, raw: Any, demux: Demux, deadline: float) -> bo
         now = time.monotonic()
         if now >= deadline:
             return True
-        ready, _, _ = select.select([raw], [], [], max(0.0, min(deadline, ask_at) - now))
+        ready = readable(raw, max(0.0, min(deadline, ask_at) - now))
         if ready:
             chunk = raw.recv(65536)
             if not chunk:
@@ -219,7 +219,7 @@ def _drain(raw: Any, demux: Demux) -> None:
     stream ends, or is idle a moment (a background process holds it open), bounded."""
     end = time.monotonic() + _DRAIN_MAX
     while (left := end - time.monotonic()) > 0:
-        ready, _, _ = select.select([raw], [], [], min(_DRAIN_IDLE, left))
+        ready = readable(raw, min(_DRAIN_IDLE, left))
         if not ready:
             return
         try:

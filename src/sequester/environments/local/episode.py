@@ -64,6 +64,7 @@ from sequester.net.episode.session import EpisodeNetwork, Preparing, network_una
 from sequester.net.episode.upstream import Upstream, parse_server
 from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
+from sequester.sandbox.fdlimit import ensure_room
 from sequester.sandbox.gpus import available_gpus
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.sandbox.probe import namespace_support
@@ -78,6 +79,11 @@ log = logging.getLogger("sequester.environments.local")
 _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
 _ENDED = "exited (or did not end a timed-out command) and was restarted (its state was reset)"
+# The descriptors one episode may hold at once in the process that runs it (counted in
+# docs/running-tasks.md): 6 while its agent thinks, 18 with a network, one more on an image,
+# about 26 at most while it starts, runs a command or evaluates. reset() makes sure of room
+# for one more, and as much again for the caller's own work, before it starts anything.
+EPISODE_DESCRIPTORS = 32
 
 
 class _State(enum.Enum):
@@ -198,12 +204,15 @@ class Episode:
         runs on (see :mod:`sequester.images.choose`); ``image``: this image record, or
         ``None`` for host mode, instead of choosing; ``choice``: a choice already made
         (a job's, with its notes). An image that cannot be had raises
-        :class:`~sequester.errors.ImageError` before anything starts."""
+        :class:`~sequester.errors.ImageError` before anything starts; so does a process
+        whose open-file limit cannot hold another episode, :class:`SandboxError` (the
+        soft limit is raised first: :mod:`sequester.sandbox.fdlimit`)."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
         if not namespace_support().available:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
+        ensure_room(2 * EPISODE_DESCRIPTORS, "another episode")
         task = task if isinstance(task, Task) else load_task(task)
         if shell:  # (a separate verifier's environment gets the started episode's task, already timed)
             task = timed_task(task, self.settings)

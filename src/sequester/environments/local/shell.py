@@ -40,13 +40,13 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import select
 import signal
 import termios
 import time
 
 from sequester.environments.base import ExecResult
 from sequester.sandbox.procs import open_pidfd, pid_namespace, signal_group_in, signal_in
+from sequester.sandbox.readiness import readable_among
 
 __all__ = ["Shell", "SHELL_SETUP", "ABORT_SIGNAL"]
 
@@ -180,7 +180,7 @@ class Shell:
                     "the command did not end and the shell was killed and restarted (its state was lost)",
                 )
             watched = [self._stdout, self._master] + ([self._pidfd] if self._pidfd is not None else [])
-            ready, _, _ = select.select(watched, [], [], deadline - now)
+            ready = readable_among(watched, deadline - now)
             gone = self._pidfd is not None and self._pidfd in ready
             for fd in ready if not gone else self._drain(out, err):
                 try:
@@ -212,7 +212,7 @@ class Shell:
         background job holds them, so only what is there now). Returns no descriptor."""
         open_fds = [self._stdout, self._master]
         for _ in range(64):
-            ready, _, _ = select.select(open_fds, [], [], 0)
+            ready = readable_among(open_fds, 0)
             if not ready:
                 break
             for fd in ready:

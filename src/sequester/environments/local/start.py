@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import select
 import subprocess
 import time
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from sequester.sandbox.host import HostFacts, gather_host_facts
 from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from sequester.sandbox.quota import ProjectQuota
+from sequester.sandbox.readiness import readable
 from sequester.tasks import Task
 from sequester.verifier.image_python import ImagePython
 from sequester.verifier.tree import runner_tree
@@ -271,7 +271,7 @@ def launch_init(
                 pass  # bwrap is gone already: its own error (below) says why
             except OSError as exc:
                 raise SandboxError(f"the episode's init could not join its cgroups: {exc}") from None
-        if not _wait_readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
+        if not readable(ready_r, 30) or os.read(ready_r, 1) != b"r":
             said = read_pending(err_r, limit=4096).decode(errors="replace").strip()
             below = describe_mounts_below(overlaid)  # name what may have been in the way
             raise SandboxError(
@@ -338,7 +338,3 @@ def hidden_for(
         if len(path.parts) > 2 and (path.exists() or path.is_symlink()):
             found.append((path, path.is_dir() and not path.is_symlink()))
     return top, found
-
-
-def _wait_readable(fd: int, timeout: float) -> bool:
-    return bool(select.select([fd], [], [], timeout)[0])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import select
 import signal
 import threading
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from sequester.net.episode.ruleset import (
 from sequester.net.episode.stack import STACK_HOST_ID, slirp_argv, stack_support, tun_is_private
 from sequester.net.episode.upstream import Upstream
 from sequester.sandbox.nsexec.client import NsExec, Router
+from sequester.sandbox.readiness import readable
 
 __all__ = ["EpisodeNetwork", "Preparing", "network_unavailable", "stack_host_id"]
 
@@ -301,9 +301,9 @@ def _start_stack(nsexec: NsExec, binary: str, router: Router, *, stack_id: int |
         os.close(exit_r)
         os.close(err_w)
         ready_w = exit_r = err_w = -1
-        if not select.select([ready_r], [], [], _STACK_READY_SECONDS)[0] or os.read(ready_r, 1) != b"1":
+        if not readable(ready_r, _STACK_READY_SECONDS) or os.read(ready_r, 1) != b"1":
             said = b""
-            if select.select([err_r], [], [], 0.2)[0]:
+            if readable(err_r, 0.2):
                 said = os.read(err_r, _STDERR_LIMIT)
             try:
                 os.kill(pid, signal.SIGKILL)

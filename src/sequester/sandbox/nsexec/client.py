@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 
 from sequester.errors import SandboxError
 from sequester.sandbox.bwrap import read_pending
+from sequester.sandbox.readiness import readable, readable_among
 
 __all__ = ["NsExec", "Router", "Worker", "HeadTail", "shared_nsexec", "write_and_close"]
 
@@ -99,7 +99,7 @@ class Worker:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                ready, _, _ = select.select(list(watched), [], [], left)
+                ready = readable_among(list(watched), left)
                 for fd in ready:
                     data = os.read(fd, 1 << 16)
                     if data:
@@ -308,7 +308,7 @@ class NsExec:
         try:
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([data_r], [], [], left)[0]:
+                if left <= 0 or not readable(data_r, left):
                     worker.kill()
                     raise SandboxError(f"could not pack the artifacts: no end within {timeout:g} s")
                 chunk = os.read(data_r, 1 << 16)
