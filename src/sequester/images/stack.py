@@ -122,8 +122,8 @@ def read_image_file(layers: Sequence[Path], path: str, limit: int = _FILE_LIMIT)
                     raise
                 os.close(fd)
                 fd = nfd
-                if last:
-                    data = os.read(fd, limit + 1)
+                if last:  # (read what is there: never a buffer of ``limit`` for a small file)
+                    data = os.read(fd, min(limit, os.fstat(fd).st_size) + 1)
                     return data[:limit]
         finally:
             os.close(fd)

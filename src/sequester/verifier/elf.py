@@ -37,6 +37,7 @@ __all__ = [
     "is_elf",
     "view_paths_in",
     "needed_libraries",
+    "dynamic_names",
 ]
 
 ELF_MAGIC = b"\x7fELF"
@@ -99,16 +100,22 @@ def replacement(path: bytes) -> bytes:
     return _PROC + fill * (len(path) - len(_PROC))
 
 
-def redirect_paths(data: bytes, paths: tuple[bytes, ...]) -> tuple[bytes, list[bytes]]:
+def redirect_paths(
+    data: bytes, paths: tuple[bytes, ...], instead: dict[bytes, bytes] | None = None
+) -> tuple[bytes, list[bytes]]:
     """``data`` with every NUL-terminated occurrence of each of ``paths`` that starts a
     string replaced by :func:`replacement`: the byte before it is not a printable one
     (NUL, the start, or a length or flag byte of a table: glibc's loader keeps a copy of
     its system folders after a ``\x01``; red team), and the one after it NUL, so
-    ``/lib/`` inside ``/usr/lib/`` is left alone. Returns the new bytes and the paths found."""
+    ``/lib/`` inside ``/usr/lib/`` is left alone. ``instead``: a path's own replacement (the
+    same length), for some of ``paths``. Returns the new bytes and the paths found."""
     out = bytearray(data)
     found: list[bytes] = []
     for path in paths:
-        needle, new = path + b"\0", replacement(path)
+        new = (instead or {}).get(path) or replacement(path)
+        if len(new) != len(path):
+            raise ValueError(f"{new!r} is not as long as {path!r}")
+        needle = path + b"\0"
         start = 0
         while (i := out.find(needle, start)) >= 0:
             if i == 0 or not 0x21 <= out[i - 1] <= 0x7E:
@@ -120,7 +127,7 @@ def redirect_paths(data: bytes, paths: tuple[bytes, ...]) -> tuple[bytes, list[b
 
 
 _PT_LOAD, _PT_DYNAMIC = 1, 2
-_DT_NULL, _DT_NEEDED, _DT_STRTAB = 0, 1, 5
+_DT_NULL, _DT_NEEDED, _DT_STRTAB, _DT_RPATH, _DT_RUNPATH = 0, 1, 5, 15, 29
 _MAX_SEGMENTS = 256
 _MAX_ENTRIES = 4096
 
@@ -129,13 +136,21 @@ def needed_libraries(data: bytes) -> list[str] | None:
     """The names ``data`` (a whole ELF file's bytes) asks the loader for (its
     ``DT_NEEDED`` entries, in order); ``[]`` for a static file, None for what is not a
     well-formed ELF file. Both classes and byte orders; bounded, never raises."""
+    found = dynamic_names(data)
+    return None if found is None else found[0]
+
+
+def dynamic_names(data: bytes) -> tuple[list[str], list[str]] | None:
+    """What ``data`` (a whole ELF file) names for the loader: its ``DT_NEEDED`` entries and
+    the folders of its ``DT_RUNPATH`` and ``DT_RPATH`` (split on ``:``, as written:
+    ``$ORIGIN`` unexpanded); None for what is not a well-formed ELF file. Never raises."""
     try:
-        return _needed(data)
+        return _dynamic(data)
     except (struct.error, IndexError, ValueError, UnicodeDecodeError):
         return None
 
 
-def _needed(data: bytes) -> list[str] | None:
+def _dynamic(data: bytes) -> tuple[list[str], list[str]] | None:
     if not is_elf(data) or len(data) < 52 or data[4] not in (1, 2) or data[5] not in (1, 2):
         return None
     wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
@@ -156,9 +171,10 @@ def _needed(data: bytes) -> list[str] | None:
         elif kind == _PT_DYNAMIC:
             dynamic = (offset, filesz)
     if dynamic is None:
-        return []
+        return [], []
     size = struct.calcsize(entry)
     needed: list[int] = []
+    paths: list[int] = []
     strtab: int | None = None
     for i in range(min(dynamic[1] // size, _MAX_ENTRIES)):
         tag, value = struct.unpack_from(entry, data, dynamic[0] + i * size)
@@ -166,15 +182,18 @@ def _needed(data: bytes) -> list[str] | None:
             break
         if tag == _DT_NEEDED:
             needed.append(value)
+        elif tag in (_DT_RPATH, _DT_RUNPATH):
+            paths.append(value)
         elif tag == _DT_STRTAB:
             strtab = value
     if strtab is None:
-        return None if needed else []
+        return None if needed or paths else ([], [])
     base = next((off + strtab - va for va, off, sz in loads if va <= strtab < va + sz), None)
     if base is None:
         return None
-    names = []
-    for offset in needed:
+
+    def string(offset: int) -> str:
         end = data.index(b"\0", base + offset)
-        names.append(data[base + offset : end].decode())
-    return names
+        return data[base + offset : end].decode()
+
+    return [string(o) for o in needed], [f for o in paths for f in string(o).split(":")]

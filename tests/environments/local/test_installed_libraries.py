@@ -61,16 +61,21 @@ print(json.dumps(out))
 TEST_SH = (
     "apt-get install -y libyaml-0-2\n"
     "cp -r /tests/ext /tmp/ext\n"
+    # (the script's own LD_LIBRARY_PATH is not the runner's: its programs get it back)
+    "export LD_LIBRARY_PATH=/tmp/agents-lib\n"
     "python3 - <<'PY' && r=1 || r=0\n"
     "import subprocess, sys\n"
     "sys.path.insert(0, '/tmp/ext')\n"
     "import yamlcheck._contextvars\n"
     "seen = subprocess.run(['/bin/sh', '-c', 'echo ${LD_LIBRARY_PATH-unset}'], capture_output=True, text=True)\n"
-    "sys.exit(0 if seen.stdout.strip() == 'unset' else 3)\n"
+    "assert seen.stdout.strip() == '/tmp/agents-lib', seen.stdout\n"
+    # a runner Python started however a test starts one (multiprocessing, xdist) finds it too
+    "again = [sys.executable, '-S', '-c', 'import sys; sys.path.insert(0, \"/tmp/ext\"); import yamlcheck._contextvars']\n"
+    "subprocess.run(again, check=True)\n"
     "PY\n"
-    "touch /opt/sequester-verifier/run/apt-lib/planted 2>/dev/null && r=0\n"
-    "rm -f /opt/sequester-verifier/run/apt-lib/libyaml-0.so.2 2>/dev/null; "
-    "[ -e /opt/sequester-verifier/run/apt-lib/libyaml-0.so.2 ] || r=0\n"
+    "touch /opt/sequester-verifier/a/planted 2>/dev/null && r=0\n"
+    "rm -f /opt/sequester-verifier/a/libyaml-0.so.2 2>/dev/null; "
+    "[ -e /opt/sequester-verifier/a/libyaml-0.so.2 ] || r=0\n"
     "echo $r > /logs/verifier/reward.txt\n"
 )
 

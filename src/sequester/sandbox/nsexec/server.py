@@ -369,9 +369,8 @@ def _verifier_root(req: dict[str, Any], fds: list[int], tests: int) -> list[str]
             _copy_wheels(staged["wheels"], runner["wheels"])
     if "installs" in staged:
         _copy_installs(staged["installs"], runner["installs"], runner.get("packages") or [])
-    if "libs" in staged:
+    if "libs" in staged:  # (over the tree's own empty folder there, which its loaders search)
         if libs_tree is not None:
-            os.mkdir(runner["libs"], 0o755)
             attach_tree(libs_tree, runner["libs"])
             remount_readonly(runner["libs"])
         else:
@@ -434,7 +433,8 @@ def _copy_files(source: int, target: str, wanted: Callable[[str], bool], noexec:
                 inodes[st.st_ino] = entry.name
                 names.append(entry.name)
                 total += st.st_size
-    os.mkdir(target, 0o755)
+    if not os.path.isdir(target):
+        os.mkdir(target, 0o755)
     size = total + (len(names) + 256) * 4096  # page rounding and folder entries
     check(
         libc.mount(
