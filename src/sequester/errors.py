@@ -16,6 +16,7 @@ as a :class:`sequester.CellResult` with an ``error``.
     ├── KernelError              misuse of a kernel or a kernel that cannot go on
     │   └── KernelClosedError    the kernel was closed (or its lifetime ran out)
     ├── EpisodeError             an episode used out of order, or given a bad working directory
+    ├── PoolFull                 an episode pool had no slot within its wait, or too many callers waited
     └── VerifierError            no verdict (sequester.environments.verdict); "tests ran and
         ├── VerifierCouldNotRun      failed" is a reward of 0, never one of these
         ├── VerifierTimeout
@@ -37,6 +38,7 @@ __all__ = [
     "BuildError",
     "BuildTimeout",
     "EpisodeError",
+    "PoolFull",
     "TaskNotCalibrated",
 ]
 
@@ -105,6 +107,13 @@ class BuildTimeout(BuildError):
 class EpisodeError(SequesterError):
     """An episode was used out of order (exec before reset, after close, ...), or given a
     working directory that is not an absolute path."""
+
+
+class PoolFull(SequesterError):
+    """An episode pool (:class:`sequester.environments.pool.EpisodePool`) is at capacity and
+    the caller could not wait: ``max_waiting`` callers wait already, or no slot came free
+    within ``wait_timeout``. The message names the numbers. (The Ray backend's is also a
+    ``ClusterError``, as its refusals were.)"""
 
 
 class TaskNotCalibrated(SequesterError):

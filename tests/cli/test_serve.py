@@ -87,6 +87,11 @@ def test_the_manual_documents_every_serve_option_in_its_synopsis():
     (["--host", "0.0.0.0"], "not a loopback address"),
     (["--token-file", "/no/such/token"], "--token-file"),
     (["--max-sessions", "0"], "not a positive number"),
+    (["--episode-pool", "python-csv-stats"], "is not TASK=N"),
+    (["--episode-pool", "python-csv-stats=-1"], "is not TASK=N"),
+    (["--tasks-dir", str(EXAMPLES), "--episode-pool", "no-such=1"], "no task 'no-such'"),
+    (["--tasks-dir", str(EXAMPLES), "--max-sessions", "2", "--episode-pool", f"{TASK}=3"], "more than max_sessions"),
+    (["--episode-pool", f"{TASK}=1"], "serves no tasks"),
 ])
 def test_bad_input_is_exit_2_with_a_message(argv, said, capsys):
     from sequester.cli import main

@@ -255,18 +255,42 @@ def test_unknown_closed_and_evaluated_episodes_are_refused_clearly(pool):
 
 
 @pytest.mark.slow
-def test_a_reset_beyond_capacity_is_refused_at_once(cluster):
-    with EpisodePool(1, EXAMPLES, actor_cpus=0.25, episodes_per_actor=2) as small:
+def test_a_reset_beyond_capacity_waits_for_a_slot_or_is_refused(cluster):
+    from sequester.errors import PoolFull
+
+    with EpisodePool(1, EXAMPLES, actor_cpus=0.25, episodes_per_actor=2, max_waiting=1) as small:
         assert small.capacity == 2
         held = [small.reset("python-csv-stats") for _ in range(2)]
-        for _ in range(3):
+        for _ in range(3):  # wait_timeout=0: refused at once, a ClusterError as before
             start = time.monotonic()
-            with pytest.raises(ClusterError, match="full"):
+            with pytest.raises(ClusterError, match="full") as refused:
+                small.reset("python-csv-stats", wait_timeout=0)
+            assert isinstance(refused.value, PoolFull) and time.monotonic() - start < 2
+        with ThreadPoolExecutor(1) as waiting:
+            later = waiting.submit(small.reset, "python-csv-stats")  # waits in the queue for a slot
+            assert wait_for(lambda: small.stats().waiting == 1)
+            with pytest.raises(ClusterError, match=r"max_waiting 1"):  # one more than max_waiting
                 small.reset("python-csv-stats")
-            assert time.monotonic() - start < 2
-        held[0].close()
-        again = small.reset("python-csv-stats")  # the closed one's slot is free again
+            time.sleep(0.5)
+            assert not later.done(), "nobody gets a slot while the pool is full"
+            held[0].close()
+            again = later.result(60)  # the closed one's slot, to the caller that waited
         assert again.exec("echo ok").stdout == "ok\n"
+        assert [a.episodes for a in small.actors()] == [2]
+
+
+@pytest.mark.slow
+def test_warm_episodes_are_kept_on_the_actors(cluster):
+    with EpisodePool(1, EXAMPLES, actor_cpus=0.25, episodes_per_actor=2, warm={"python-csv-stats": 1}) as small:
+        assert wait_for(lambda: small.stats().warm == {"python-csv-stats": 1}, 120), small.stats()
+        with small._lock:
+            warm = {e for ready in small._warm.values() for e in ready}
+        ep = small.acquire("python-csv-stats")
+        assert ep.episode_id in warm and ep.exec("echo ok").stdout == "ok\n"
+        assert wait_for(lambda: small.stats().warm == {"python-csv-stats": 1}, 120), "refilled on the actor"
+        assert [a.episodes for a in small.actors()] == [2]
+        ep.close()
+        assert [a.episodes for a in small.actors()] == [1]
 
 
 @pytest.mark.slow

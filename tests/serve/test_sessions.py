@@ -1,4 +1,5 @@
-"""``sequester serve --kernel-pool N`` (:mod:`sequester.serve.sessions`): kernel sessions start on warm kernels, each used once."""
+"""``sequester serve --kernel-pool N`` and ``--episode-pool TASK=N`` (:mod:`sequester.serve.sessions`):
+kernel sessions start on warm kernels, episode sessions on warm episodes, each used once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 import pytest
 
 from serve_harness import Server, ask, connect, wait_gone
+from procs import pid_alive
 
 from sequester.errors import PolicyError
 from sequester.serve.serve_settings import ServeSettings
@@ -50,3 +52,55 @@ def test_the_pool_size_is_checked() -> None:
     with pytest.raises(PolicyError, match="serve.kernel_pool"):
         ServeSettings(kernel_pool=-1)
     assert ServeSettings().kernel_pool == 0
+
+
+def test_episode_sessions_take_warm_episodes_and_never_share_one(tmp_path) -> None:
+    with Server(episode_pool={"python-csv-stats": 2}, max_sessions=3) as server:
+        pool = server.manager.episode_pool
+        assert pool is not None and pool.capacity == 3
+        deadline = time.monotonic() + 60
+        while pool.stats().warm.get("python-csv-stats") != 2:
+            assert time.monotonic() < deadline, f"the pool did not fill: {pool.stats()}"
+            time.sleep(0.02)
+        with pool._lock:
+            warm = {episode_id for ready in pool._warm.values() for episode_id in ready}
+
+        async def go():
+            async with connect(server) as first:
+                answer = await ask(first, {"type": "reset", "data": {"task": "python-csv-stats"}})
+                assert answer["type"] == "observation", answer
+                assert answer["data"]["observation"]["workdir"] == "/app"
+                (session,) = server.sessions()
+                handle, pid = session._handle, session.init_pid
+                await ask(first, {"type": "step", "data": {"type": "exec", "command": "echo secret > /app/left"}})
+            async with connect(server) as second:
+                await ask(second, {"type": "reset", "data": {"task": "python-csv-stats"}})
+                (other,) = server.sessions()
+                seen = await ask(second, {"type": "step", "data": {"type": "exec", "command": "cat /app/left"}})
+                other_handle = other._handle
+            return handle, pid, other_handle, seen
+
+        handle, pid, other, seen = run(go())
+        assert handle.episode_id in warm and other.episode_id in warm and handle != other, "a warm one each"
+        assert seen["data"]["observation"]["exit_code"] != 0, "nothing of the first session reached the second"
+        assert wait_gone(pid), "the first session's episode closed with it"
+        deadline = time.monotonic() + 60
+        while pool.stats().warm.get("python-csv-stats") != 2:
+            assert time.monotonic() < deadline, f"the pool did not fill again: {pool.stats()}"
+            time.sleep(0.02)
+        with pool._lock:
+            inits = [pool._backend.init_pid(e) for ready in pool._warm.values() for e in ready]
+    assert inits and not any(pid_alive(p) for p in inits), "the server's stop closed its warm episodes"
+    assert pool.stats().warm == {}
+
+
+def test_the_episode_pool_setting_is_checked() -> None:
+    with pytest.raises(PolicyError, match="serve.episode_pool.x"):
+        ServeSettings(episode_pool={"x": -1})
+    with pytest.raises(PolicyError, match="more than max_sessions"):
+        ServeSettings(episode_pool={"x": 3, "y": 2}, max_sessions=4)
+    with pytest.raises(PolicyError, match="serve.episode_pool"):
+        ServeSettings(episode_pool=["x"])  # type: ignore[arg-type]
+    assert ServeSettings().episode_pool == {}
+    with pytest.raises(PolicyError, match=r"warm\['no-such'\]"):
+        Server(episode_pool={"no-such": 1})

@@ -40,3 +40,34 @@ def test_find_tasks_errors(tmp_path):
     (tmp_path / "mixed" / "broken").mkdir()
     with pytest.raises(TaskError, match=r"mixed/broken/task.toml: missing"):
         find_tasks([tmp_path / "mixed"])
+
+
+def test_a_task_id_names_a_task_inside_the_tasks_folder_only(tmp_path):
+    """The rule of the server and the episode pool (resolve_task_id): by name, then by real path."""
+    from sequester.errors import PolicyError
+    from sequester.tasks.finder import resolve_task_id
+
+    root = (tmp_path / "tasks").resolve()
+    hello_task(root, "one")
+    hello_task(root / "group", "two")
+    hello_task(tmp_path, "outside")
+    (root / "out").symlink_to(tmp_path / "outside")
+    (root / "loop").symlink_to(root)
+    assert resolve_task_id(root, "one") == root / "one"
+    assert resolve_task_id(root, "one/") == root / "one"
+    assert resolve_task_id(root, "group/two") == root / "group" / "two"
+    for task_id, said in (
+        ("/etc", "absolute path"),
+        (str(root / "one"), "absolute path"),
+        ("..\\x", "absolute path"),
+        ("../outside", "'..'"),
+        ("one/../../outside", "'..'"),
+        (".hidden", "hidden"),
+        ("", "empty"),
+        ("out", "outside the tasks folder"),
+        ("loop", "outside the tasks folder"),
+        ("group", "no task 'group'"),
+        ("no-such", "no task 'no-such'"),
+    ):
+        with pytest.raises(PolicyError, match=f"^data.task: .*{said}"):
+            resolve_task_id(root, task_id, "data.task")

@@ -51,6 +51,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _warm(text: str) -> tuple[str, int]:
+    """``TASK=N`` of ``--episode-pool``."""
+    task, sep, count = text.rpartition("=")
+    if not sep or not task or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not TASK=N (a task id of the tasks folder, a number)")
+    return task, int(count)
+
+
 def _loopback(host: str) -> bool:
     """Whether every address ``host`` names is a loopback one (unresolvable: not loopback)."""
     try:
@@ -72,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "max_sessions": args.max_sessions,
         "kernel_pool": args.kernel_pool,
+        "episode_pool": {**config.serve.episode_pool, **dict(args.episode_pool)} if args.episode_pool else None,
         "idle_timeout": args.idle_timeout,
         "tasks_dir": Path(args.tasks_dir) if args.tasks_dir else None,
         "calibration": args.calibration,
@@ -162,6 +171,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         type=positive(int),
         metavar="N",
         help="keep N kernels started for kernel sessions (each used once; default: [serve] kernel_pool, 0)",
+    )
+    p.add_argument(
+        "--episode-pool",
+        type=_warm,
+        action="append",
+        metavar="TASK=N",
+        help="keep N episodes of TASK started for episode sessions (each used once; repeatable; "
+        "default: [serve] episode_pool, none)",
     )
     p.add_argument(
         "--idle-timeout",

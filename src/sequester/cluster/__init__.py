@@ -6,8 +6,11 @@
   the local runner would (:mod:`.node`), and the trial's folder comes back to the driver,
   which writes the job folder (:mod:`.landing`). A trial lost with its worker or node is
   retried once on another node, and the retry is recorded in its ``result.json``.
-* :class:`EpisodePool` (:mod:`.pool`): episode actors across the cluster, ``reset`` /
-  ``exec`` / ``evaluate`` / ``close`` routed to the actor holding the episode, sync and async.
+* :class:`EpisodePool`: the one episode pool
+  (:class:`sequester.environments.pool.EpisodePool`, kept importable here); with
+  ``backend="ray"`` (or ``EpisodePool(n_actors, tasks_dir)``) its episodes are held by
+  actors across the cluster (:mod:`.pool`: ``reset`` / ``exec`` / ``evaluate`` / ``close``
+  routed to the actor holding the episode, sync and async).
 
 Ray is imported only when one of them is used (:mod:`.connect`).
 """
@@ -27,7 +30,7 @@ def __getattr__(name: str) -> Any:  # the classes that need Ray load it only whe
 
         return RayScheduler
     if name == "EpisodePool":
-        from sequester.cluster.pool import EpisodePool
+        from sequester.environments.pool import EpisodePool
 
         return EpisodePool
     raise AttributeError(name)

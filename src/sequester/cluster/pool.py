@@ -1,27 +1,34 @@
-"""A pool of episode actors across a Ray cluster, for RL trainers: ``reset`` / ``exec`` /
-``evaluate`` / ``close`` routed to the actor holding the episode, sync and async.
+"""The Ray backend of :class:`~sequester.environments.pool.EpisodePool`: episode actors
+across a cluster, each call routed to the actor holding the episode.
 
-    with EpisodePool(8, "tasks/", episodes_per_actor=64) as pool:
+    with EpisodePool(8, "tasks/", episodes_per_actor=64) as pool:       # backend="ray"
         ep = pool.reset("python-csv-stats")
         out = ep.exec("ls")                      # or: await ep.aexec("ls")
         verdict = ep.evaluate()                  # the verdict only (no test output)
         ep.close()
 
-``n_actors`` actors (:class:`~.actor.EpisodeActor`, ``actor_cpus`` CPUs each) are spread
-over the nodes; each holds up to ``episodes_per_actor`` episodes, so a rollout loop can
-hold hundreds. ``reset`` picks the least-loaded live actor and is refused at once
-(:class:`ClusterError`) beyond the pool's capacity: it never waits for a slot.
+The pool (one class for both backends) keeps the ids, the slots, the warm episodes and the
+waiting callers; :class:`RayBackend` runs the episodes. ``n_actors`` actors
+(:class:`~.actor.EpisodeActor`, ``actor_cpus`` CPUs each) are spread over the nodes; each
+holds up to ``episodes_per_actor`` episodes, and a start goes to the least-loaded live
+actor. The pool's capacity is what the live actors hold; a reset beyond waits in the
+pool's queue, and a refusal (:class:`RayPoolFull`) is both a
+:class:`~sequester.errors.PoolFull` and a :class:`ClusterError`, as it was.
 
 Tasks need no shared filesystem: a task id names a folder of ``tasks_dir``
-(``resolve_task``: nothing outside it), packed once per pool and put in the object store
-once; each node unpacks it once into its own cache. Settings paths the driver left at
-their default follow the node (:func:`~.node.settings_for_node`).
+(:func:`~sequester.tasks.finder.resolve_task_id`: nothing outside it), packed once per pool
+and put in the object store once; each node unpacks it once into its own cache. Settings
+paths the driver left at their default follow the node (:func:`~.node.settings_for_node`).
 
-Failures, by whose they are: an actor (or its node) lost takes its episodes with it, and
-every later call on one of them raises :class:`ClusterError` naming the episode and the
-loss (``close`` of such an episode just forgets it); the caller's mistakes inside the
-actor (an unknown or evaluated episode, a bad path) come back as the actor raised them
-(not as Ray's wrapper); bad arguments here are :class:`~sequester.errors.PolicyError`.
+Failures, by whose they are: an actor (or its node) lost takes its episodes with it, the
+pool is told (they are forgotten as lost, their slots freed), and every later call on one
+of them raises :class:`ClusterError` naming the episode and the loss (``close`` of such an
+episode just forgets it); the caller's mistakes inside the actor (an unknown or evaluated
+episode, a bad path) come back as the actor raised them (not as Ray's wrapper); bad
+arguments here are :class:`~sequester.errors.PolicyError`.
+
+``EpisodePool``, ``EpisodeHandle``, ``Verdict``, ``FileContent`` and ``ExecOutput`` are
+importable from here as before.
 """
 
 from __future__ import annotations
@@ -30,25 +37,39 @@ import asyncio
 import logging
 import math
 import threading
-import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sequester.cluster.actor import CLOSE_GRACE, READ_CAP, EpisodeActor, ExecOutput, FileContent, Verdict
+from sequester.cluster.actor import EpisodeActor
 from sequester.cluster.bundles import pack_task
 from sequester.cluster.connect import ClusterError, connect, system_failures
-from sequester.cluster.handle import ActorInfo, EpisodeHandle
+from sequester.cluster.handle import ActorInfo
+from sequester.environments.pool import EpisodeHandle, EpisodePool
+from sequester.environments.pool.backend import LostCallback, Started
+from sequester.environments.pool.held import ExecOutput, FileContent, Verdict
 from sequester.environments.settings import EpisodeSettings
-from sequester.errors import EpisodeError, PolicyError
+from sequester.errors import EpisodeError, PolicyError, PoolFull
 
-__all__ = ["EpisodePool", "EpisodeHandle", "ActorInfo", "FileContent", "ExecOutput", "Verdict"]
+__all__ = [
+    "EpisodePool",
+    "EpisodeHandle",
+    "ActorInfo",
+    "FileContent",
+    "ExecOutput",
+    "Verdict",
+    "RayBackend",
+    "RayPoolFull",
+]
 
 log = logging.getLogger("sequester.cluster")
 
-_REMEMBERED = 65536  # closed and lost episode ids remembered (for a clear error on reuse)
+
+class RayPoolFull(PoolFull, ClusterError):
+    """The Ray backend's :class:`PoolFull`: a :class:`ClusterError` too, as its refusals
+    at capacity were."""
 
 
 @dataclass
@@ -69,52 +90,58 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-class EpisodePool:
-    """Episode actors on the cluster at ``address`` (see module doc and :func:`~.connect.connect`).
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
 
-    ``settings``: the episodes' (default: :class:`EpisodeSettings`); ``start_timeout``: seconds
+
+class RayBackend:
+    """Episode actors on the cluster at ``address`` (see module doc and :func:`~.connect.connect`).
+    ``hide``: what the driver hides (its tasks folder among it); ``start_timeout``: seconds
     the actors may take to be placed and ready (then :class:`ClusterError`, not a wait);
-    ``read_cap``: bytes a ``read_file`` returns at most; ``close_grace``: seconds a close
-    waits for an interrupted call to give way."""
+    ``on_lost``: told which episodes an actor took with it."""
+
+    name = "ray"
+    unusable = ClusterError
+    full = RayPoolFull
+    close_margin = 30.0  # the actor waits close_grace for an interrupted call; then Ray answers
 
     def __init__(
         self,
         n_actors: int,
-        tasks_dir: str | Path,
+        tasks_dir: Path,
         *,
-        settings: EpisodeSettings | None = None,
-        address: str | None = None,
-        episodes_per_actor: int = 64,
-        actor_cpus: float = 1.0,
-        start_timeout: float = 120.0,
-        read_cap: int = READ_CAP,
-        close_grace: float = CLOSE_GRACE,
-        calibration: str = "auto",
+        settings: EpisodeSettings,
+        hide: tuple[Path, ...],
+        address: str | None,
+        episodes_per_actor: int,
+        actor_cpus: float,
+        start_timeout: float,
+        read_cap: int,
+        close_grace: float,
+        calibration: str,
+        on_lost: LostCallback,
     ):
         _positive_int("n_actors", n_actors)
-        if calibration not in ("auto", "required", "off"):
-            raise PolicyError(f"calibration: {calibration!r} is not auto, required or off")
-        self.calibration = calibration
         self.episodes_per_actor = _positive_int("episodes_per_actor", episodes_per_actor)
-        self.read_cap = _positive_int("read_cap", read_cap)
         if (
             isinstance(actor_cpus, bool)
             or not isinstance(actor_cpus, (int, float))
             or not (math.isfinite(actor_cpus) and actor_cpus >= 0)
         ):
             raise PolicyError(f"actor_cpus: {actor_cpus!r} is not a number of CPUs (0 or more)")
-        self.tasks_dir = Path(tasks_dir).resolve()
-        if not self.tasks_dir.is_dir():
-            raise PolicyError(f"tasks_dir: {str(tasks_dir)!r} is not a folder")
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            raise PolicyError(f"start_timeout: {start_timeout!r} is not a positive number of seconds")
         from sequester.cluster.node import machine_defaults
 
-        self.settings = settings or EpisodeSettings()
+        self.tasks_dir, self.settings, self.calibration = tasks_dir, settings, calibration
+        self._on_lost = on_lost
         self._ray = ray = connect(address)
         self._lock = threading.Lock()
         self._bundle_lock = threading.Lock()
         self._bundles: dict[Path, tuple[str, Any]] = {}  # task folder -> (archive digest, object ref)
         self._where: dict[str, _Slot] = {}  # live episode -> its actor
-        self._gone: OrderedDict[str, tuple[bool, str]] = OrderedDict()  # closed or lost episode -> (lost, why)
         self._turn = 0
         self._shut = False
         remote = ray.remote(EpisodeActor).options(
@@ -126,11 +153,11 @@ class EpisodePool:
         )  # a restarted actor would hold none of its episodes
         actors = [
             remote.remote(
-                self.settings,
-                machine_defaults(self.settings),
-                (str(self.tasks_dir),),
+                settings,
+                machine_defaults(settings),
+                tuple(str(p) for p in hide),
                 self.episodes_per_actor,
-                self.read_cap,
+                read_cap,
                 close_grace,
             )
             for _ in range(n_actors)
@@ -169,57 +196,41 @@ class EpisodePool:
         with self._lock:
             return [ActorInfo(s.index, s.node_id, s.pid, s.hostname, s.alive, s.load) for s in self._slots]
 
-    def _forget(self, episode_id: str, why: str, lost: bool = False) -> None:
-        self._gone[episode_id] = (lost, why)
-        while len(self._gone) > _REMEMBERED:
-            self._gone.popitem(last=False)
+    def init_pid(self, episode_id: str) -> int:
+        raise EpisodeError(f"episode {episode_id}: it runs in a Ray actor, whose processes are not this host's to name")
 
-    def _reserve(self) -> tuple[str, _Slot]:
-        """A new episode id on the least-loaded live actor (ties in turn), or ClusterError now."""
+    def _place(self, episode_id: str) -> _Slot:
+        """The least-loaded live actor (ties in turn), its slot taken for ``episode_id``."""
         with self._lock:
             if self._shut:
                 raise ClusterError("the episode pool was shut down")
             free = [s for s in self._slots if s.alive and s.load < self.episodes_per_actor]
-            if not free:
+            if not free:  # (the pool counts slots first: only when actors died meanwhile)
                 live = sum(s.alive for s in self._slots)
                 raise ClusterError(
-                    f"the episode pool is full: {live} live actors × {self.episodes_per_actor} "
-                    "episodes (episodes_per_actor) are held; close one first"
+                    f"no actor of the episode pool has room: {live} live actors × {self.episodes_per_actor} "
+                    "episodes (episodes_per_actor) are held"
                 )
             self._turn += 1
             slot = min(free, key=lambda s: (s.load, (s.index - self._turn) % len(self._slots)))
             slot.load += 1
-            episode_id = uuid.uuid4().hex
             self._where[episode_id] = slot
-            return episode_id, slot
+            return slot
 
     def _release(self, episode_id: str, slot: _Slot) -> None:
         with self._lock:
             if self._where.pop(episode_id, None) is not None:
                 slot.load -= 1
-            self._gone.pop(episode_id, None)  # never handed out: nothing to remember
 
-    @staticmethod
-    def _episode_id(ep: EpisodeHandle | str) -> str:
-        episode_id = ep.episode_id if isinstance(ep, EpisodeHandle) else ep
-        if not isinstance(episode_id, str):
-            raise PolicyError(f"episode: {type(ep).__name__} is not an EpisodeHandle or an episode id")
-        return episode_id
-
-    def _route(self, ep: EpisodeHandle | str) -> tuple[str, _Slot]:
-        episode_id = self._episode_id(ep)
+    def _route(self, episode_id: str) -> _Slot:
         with self._lock:
             slot = self._where.get(episode_id)
-            if slot is not None:
-                return episode_id, slot
-            gone = self._gone.get(episode_id)
-        if gone is not None:
-            lost, why = gone
-            raise ClusterError(why) if lost else EpisodeError(why)
-        raise EpisodeError(f"episode {episode_id[:64]!r}: not an episode of this pool")
+        if slot is None:
+            raise EpisodeError(f"episode {episode_id[:64]!r}: not held by the pool's actors (closed, or lost)")
+        return slot
 
     def _lose(self, slot: _Slot, exc: BaseException) -> None:
-        """The actor is gone: it takes no more resets, and its episodes are remembered as lost."""
+        """The actor is gone: it takes no more episodes, and the pool forgets its episodes as lost."""
         with self._lock:
             if slot.alive:
                 slot.alive = False
@@ -228,10 +239,11 @@ class EpisodePool:
                     f"({slot.hostname}) died or became unreachable ({type(exc).__name__})"
                 )
                 log.warning("episode pool: actor #%d: %s", slot.index, slot.lost)
-            for episode_id in [e for e, s in self._where.items() if s is slot]:
+            lost = [e for e, s in self._where.items() if s is slot]
+            for episode_id in lost:
                 del self._where[episode_id]
-                self._forget(episode_id, f"episode {episode_id} was lost: {slot.lost}", lost=True)
             slot.load = 0
+        self._on_lost(lost, slot.lost)
         try:
             self._ray.kill(slot.actor)  # gone or unreachable: make sure it holds nothing any more
         except Exception:  # noqa: BLE001 - gone already
@@ -268,9 +280,9 @@ class EpisodePool:
             raise self._failure(exc, episode_id, slot, what) from None
 
     # -- tasks ------------------------------------------------------------------------------
-    def _check_calibration(self, folder: Path) -> None:
+    def _check_calibration(self, folder: Path) -> dict[str, Any]:
         if self.calibration == "off":
-            return
+            return {"state": "off"}
         from sequester import __version__
         from sequester.calibration import lookup
         from sequester.errors import TaskNotCalibrated
@@ -285,19 +297,7 @@ class EpisodePool:
         )
         if state.state == "not-calibrated" or (self.calibration == "required" and state.state != "calibrated"):
             raise TaskNotCalibrated(f"task {folder.name} is not calibrated: {state.reason}")
-
-    def _folder(self, task_id: str) -> Path:
-        from sequester.serve import protocol
-        from sequester.serve.sessions import resolve_task
-
-        if self._shut:
-            raise ClusterError("the episode pool was shut down")
-        if not isinstance(task_id, str) or not task_id or len(task_id) > 4096:
-            raise PolicyError(f"task_id: {type(task_id).__name__} is not the name of a task of the tasks folder")
-        try:  # attack stopped: naming a task outside tasks_dir (see resolve_task)
-            return resolve_task(self.tasks_dir, task_id, "task_id")
-        except protocol.FrameError as exc:
-            raise PolicyError(exc.message) from None
+        return state.to_dict()
 
     def _bundle(self, folder: Path) -> tuple[str, Any]:
         """The task's archive in the object store, packed and put once per pool."""
@@ -307,8 +307,20 @@ class EpisodePool:
                 self._bundles[folder] = (bundle.digest, self._ray.put(bundle))
             return self._bundles[folder]
 
+    def prepare(self, folder: Path) -> tuple[tuple[str, Any], dict[str, Any]]:
+        """The task's calibration (the nodes choose their systems, so the key has none:
+        a task it does not calibrate is refused before anything starts) and its archive."""
+        calibration = self._check_calibration(folder)
+        return self._bundle(folder), calibration
+
+    async def aprepare(self, folder: Path) -> tuple[tuple[str, Any], dict[str, Any]]:
+        calibration = await asyncio.to_thread(self._check_calibration, folder)  # (reads the task's files)
+        cached = self._bundles.get(folder)
+        bundle = cached if cached is not None else await asyncio.to_thread(self._bundle, folder)
+        return bundle, calibration
+
     def _abandon(self, episode_id: str, slot: _Slot) -> None:
-        """A reset that did not come back: the actor may still start it; have it closed."""
+        """A start that did not come back: the actor may still start it; have it closed."""
         self._release(episode_id, slot)
         if slot.alive:
             try:
@@ -316,123 +328,78 @@ class EpisodePool:
             except Exception:  # noqa: BLE001 - the actor is gone: so is the episode
                 pass
 
-    def _send_reset(self, task_id: str, bundle: tuple[str, Any]) -> tuple[Any, str, _Slot]:
-        episode_id, slot = self._reserve()
-        digest, ref = bundle  # nested in a list: the actor fetches the archive only if it has not got it
-        return slot.actor.reset.remote(episode_id, task_id, digest, [ref]), episode_id, slot
+    def _send_start(self, episode_id: str, task_id: str, prepared: Any) -> tuple[Any, _Slot]:
+        slot = self._place(episode_id)
+        (digest, ref), _ = prepared  # nested in a list: the actor fetches the archive only if it has not got it
+        return slot.actor.reset.remote(episode_id, task_id, digest, [ref]), slot
 
-    def _send(self, ep: EpisodeHandle | str, method: str, *args: Any) -> tuple[Any, str, _Slot]:
-        episode_id, slot = self._route(ep)
-        return getattr(slot.actor, method).remote(episode_id, *args), episode_id, slot
+    def _started(self, got: tuple[str, str], slot: _Slot, prepared: Any) -> Started:
+        instruction, workdir = got
+        return Started(instruction, workdir, slot.node_id, slot.index, prepared[1])
 
-    def _begin_close(self, ep: EpisodeHandle | str) -> tuple[Any, str, _Slot] | None:
-        """Refuse every later call on the episode at once ("closed"), and ask its actor to
-        close it; None when it is closed or lost already (nothing to do)."""
-        episode_id = self._episode_id(ep)
-        with self._lock:
-            slot = self._where.pop(episode_id, None)
-            if slot is None:
-                if episode_id in self._gone:
-                    return None
-                raise EpisodeError(f"episode {episode_id[:64]!r}: not an episode of this pool")
-            self._forget(episode_id, f"episode {episode_id}: it was closed")
-        return slot.actor.close.remote(episode_id), episode_id, slot
-
-    def _end_close(self, slot: _Slot) -> None:
-        with self._lock:  # the slot is free once the actor has closed it (its own count agrees)
-            if slot.alive:
-                slot.load = max(0, slot.load - 1)
-
-    # -- sync API ---------------------------------------------------------------------------
-    def reset(self, task_id: str) -> EpisodeHandle:
-        """A new episode on task ``task_id`` (a folder of ``tasks_dir``), started. A task whose
-        calibration (sequester.calibration, with the pool's settings: the nodes choose their
-        systems, so the key has none) does not calibrate it is refused with
-        :class:`~sequester.errors.TaskNotCalibrated` before anything starts; with
-        ``calibration="required"``, one without a calibrated record too."""
-        folder = self._folder(task_id)
-        self._check_calibration(folder)
-        ref, episode_id, slot = self._send_reset(task_id, self._bundle(folder))
+    def start(self, episode_id: str, task_id: str, folder: Path, prepared: Any) -> Started:
+        ref, slot = self._send_start(episode_id, task_id, prepared)
         try:
-            started: tuple[str, str] = self._get(ref, episode_id, slot, "reset")  # instruction, workdir
+            got = self._get(ref, episode_id, slot, "reset")
         except BaseException:
             self._abandon(episode_id, slot)
             raise
-        return EpisodeHandle(episode_id, task_id, *started, slot.node_id, slot.index, self)
+        return self._started(got, slot, prepared)
 
-    def exec(self, ep: EpisodeHandle | str, command: str, timeout: float | None = None) -> ExecOutput:
-        return self._get(*self._send(ep, "exec", command, timeout), "exec")
-
-    def write_file(self, ep: EpisodeHandle | str, path: str, data: bytes | str, mode: int = 0o644) -> int:
-        """Write a file in the episode (as its root); the bytes written."""
-        return self._get(*self._send(ep, "write_file", path, data, mode), "write_file")
-
-    def read_file(self, ep: EpisodeHandle | str, path: str) -> FileContent:
-        """The file's bytes, at most ``read_cap`` of them (``.truncated`` says it was longer)."""
-        return FileContent.of(self._get(*self._send(ep, "read_file", path), "read_file"))
-
-    def evaluate(self, ep: EpisodeHandle | str) -> Verdict:
-        """The verdict, once per episode: later calls on it are refused (close it)."""
-        return self._get(*self._send(ep, "evaluate"), "evaluate")
-
-    def close(self, ep: EpisodeHandle | str) -> None:
-        """Close the episode, killing what runs in it. Idempotent; a lost episode is just forgotten."""
-        begun = self._begin_close(ep)
-        if begun is not None:
-            try:
-                self._get(*begun, "close")
-            except ClusterError as exc:  # the actor is gone, and its episode with it
-                log.info("%s", exc)
-            finally:
-                self._end_close(begun[2])
-
-    # -- async API (Ray's object refs are awaitable) ----------------------------------------
-    async def areset(self, task_id: str) -> EpisodeHandle:
-        folder = self._folder(task_id)
-        await asyncio.to_thread(self._check_calibration, folder)  # (reads the task's files)
-        cached = self._bundles.get(folder)
-        bundle = cached if cached is not None else await asyncio.to_thread(self._bundle, folder)
-        ref, episode_id, slot = self._send_reset(task_id, bundle)
+    async def astart(self, episode_id: str, task_id: str, folder: Path, prepared: Any) -> Started:
+        ref, slot = self._send_start(episode_id, task_id, prepared)
         try:
-            started: tuple[str, str] = await self._aget(ref, episode_id, slot, "reset")  # instruction, workdir
+            got = await self._aget(ref, episode_id, slot, "reset")
         except BaseException:  # cancelled too: the actor may have started it
             self._abandon(episode_id, slot)
             raise
-        return EpisodeHandle(episode_id, task_id, *started, slot.node_id, slot.index, self)
+        return self._started(got, slot, prepared)
 
-    async def aexec(self, ep: EpisodeHandle | str, command: str, timeout: float | None = None) -> ExecOutput:
-        return await self._aget(*self._send(ep, "exec", command, timeout), "exec")
+    # -- calls ------------------------------------------------------------------------------
+    def call(self, episode_id: str, method: str, *args: Any) -> Any:
+        slot = self._route(episode_id)
+        return self._get(getattr(slot.actor, method).remote(episode_id, *args), episode_id, slot, method)
 
-    async def awrite_file(self, ep: EpisodeHandle | str, path: str, data: bytes | str, mode: int = 0o644) -> int:
-        return await self._aget(*self._send(ep, "write_file", path, data, mode), "write_file")
+    async def acall(self, episode_id: str, method: str, *args: Any) -> Any:
+        slot = self._route(episode_id)
+        return await self._aget(getattr(slot.actor, method).remote(episode_id, *args), episode_id, slot, method)
 
-    async def aread_file(self, ep: EpisodeHandle | str, path: str) -> FileContent:
-        return FileContent.of(await self._aget(*self._send(ep, "read_file", path), "read_file"))
+    def begin_close(self, episode_id: str) -> Future[None]:
+        """Ask the episode's actor to close it; the future is done when the actor has (its
+        slot there free: the actor's own count agrees), or the actor is gone."""
+        with self._lock:
+            slot = self._where.pop(episode_id, None)
+        if slot is None:
+            return _done()
+        closed: Future[None] = Future()
+        ref = slot.actor.close.remote(episode_id)
 
-    async def aevaluate(self, ep: EpisodeHandle | str) -> Verdict:
-        return await self._aget(*self._send(ep, "evaluate"), "evaluate")
-
-    async def aclose(self, ep: EpisodeHandle | str) -> None:
-        begun = self._begin_close(ep)
-        if begun is not None:
+        def wait() -> None:  # (a thread of its own: Ray's callback threads must not call Ray)
             try:
-                await self._aget(*begun, "close")
-            except ClusterError as exc:
+                self._get(ref, episode_id, slot, "close")
+            except ClusterError as exc:  # the actor is gone, and its episode with it
                 log.info("%s", exc)
+            except BaseException as exc:  # noqa: BLE001 - the pool logs it
+                closed.set_exception(exc)
             finally:
-                self._end_close(begun[2])
+                with self._lock:
+                    if slot.alive:
+                        slot.load = max(0, slot.load - 1)
+                if not closed.done():
+                    closed.set_result(None)
+
+        threading.Thread(target=wait, name="episode-pool-close", daemon=True).start()
+        return closed
 
     # -- shutdown ---------------------------------------------------------------------------
-    def shutdown(self, timeout: float = CLOSE_GRACE + 30) -> None:
+    def shutdown(self, timeout: float) -> None:
         """Close every episode (their processes killed, their layers removed), then kill the
         actors. Idempotent."""
         with self._lock:
             if self._shut:
                 return
             self._shut = True
-            slots, live = list(self._slots), list(self._where)
-            for episode_id in live:
-                self._forget(episode_id, f"episode {episode_id}: it was closed (the pool was shut down)")
+            slots = list(self._slots)
             self._where.clear()
         ray = self._ray
         closing = [s.actor.close_all.remote() for s in slots if s.alive]
@@ -447,19 +414,3 @@ class EpisodePool:
             except Exception:  # noqa: BLE001 - gone already
                 pass
         self._bundles.clear()
-        log.info("episode pool: shut down (%d episodes closed)", len(live))
-
-    async def ashutdown(self, timeout: float = CLOSE_GRACE + 30) -> None:
-        await asyncio.to_thread(self.shutdown, timeout)
-
-    def __enter__(self) -> EpisodePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    async def __aenter__(self) -> EpisodePool:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.ashutdown()

@@ -7,6 +7,7 @@
     tasks_dir = "tasks"            # the tasks episode sessions may name (relative: to this file)
     max_sessions = 16              # live sessions (episodes and kernels) at once
     kernel_pool = 0                # kernels kept started for kernel sessions (0: each starts its own)
+    episode_pool = {python-csv-stats = 2}   # episodes kept started per task, for episode sessions
     idle_timeout = 600             # seconds without a frame before a connection and its session close
     max_message_bytes = 16777216   # one WebSocket message or HTTP body, at most
     progress_interval = 10         # seconds between keep-alive progress frames (clients opt in)
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class ServeSettings:
     tasks_dir: Path | None = None
     max_sessions: int = 16
     kernel_pool: int = 0
+    episode_pool: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
     idle_timeout: float = 600.0
     max_message_bytes: int = 16 * 1024 * 1024
     progress_interval: float = 10.0
@@ -86,6 +89,21 @@ class ServeSettings:
                 raise PolicyError(f"serve.{name}: {value!r} is not a positive {'whole ' * (kind is int)}number")
         if isinstance(self.kernel_pool, bool) or not isinstance(self.kernel_pool, int) or self.kernel_pool < 0:
             raise PolicyError(f"serve.kernel_pool: {self.kernel_pool!r} is not a whole number of kernels (0: none)")
+        if not isinstance(self.episode_pool, Mapping):
+            raise PolicyError(f"serve.episode_pool: {self.episode_pool!r} is not a table of task ids to episode counts")
+        pool = {}
+        for task, n in self.episode_pool.items():
+            if not isinstance(task, str) or not task:
+                raise PolicyError(f"serve.episode_pool: {task!r} is not a task id")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise PolicyError(f"serve.episode_pool.{task}: {n!r} is not a whole number of episodes (0: none)")
+            pool[task] = n
+        object.__setattr__(self, "episode_pool", pool)  # a copy of its own
+        if sum(pool.values()) > self.max_sessions:
+            raise PolicyError(
+                f"serve.episode_pool: {sum(pool.values())} episodes kept warm is more than max_sessions "
+                f"({self.max_sessions}), the episode pool's capacity"
+            )
         if self.calibration not in ("auto", "required", "off"):
             raise PolicyError(f"serve.calibration: {self.calibration!r} is not auto, required or off")
         if self.tasks_dir is not None:

@@ -1,18 +1,24 @@
 """Sessions of ``sequester serve``: an episode or a kernel per WebSocket connection.
 
-Every call into an :class:`~sequester.environments.local.episode.Episode` or a
-:class:`~sequester.kernel.client.Kernel` blocks (a command, a verifier run, a sandbox's
-start), so each session has **one worker thread of its own**: the event loop never blocks,
-sessions never wait for one another, and one session's calls run in order (neither class
-is thread-safe). The sandboxes a session starts die with the thread that started them
-(``bwrap --die-with-parent``), so they live exactly as long as their session's worker.
-Closing a session first kills what runs in it (``Episode.abort``, the kernel's processes;
-both are safe from any thread), then queues the close behind it on the same worker, so a
-close never races a step.
+Every call into an episode or a :class:`~sequester.kernel.client.Kernel` blocks (a
+command, a verifier run, a sandbox's start), so each runs on **a thread of its own**: the
+event loop never blocks, sessions never wait for one another, and one session's calls run
+in order (neither is thread-safe). The sandboxes started on a thread die with it
+(``bwrap --die-with-parent``), so that thread lives as long as what it started.
+
+* An episode session takes its episode from the server's
+  :class:`~sequester.environments.pool.EpisodePool` (its local backend; warm per task with
+  ``[serve] episode_pool``): the episode's own thread runs its calls, answered on the
+  event loop. Closing the session closes the episode (what runs in it is killed first),
+  never to be handed to anyone else.
+* A kernel session has a worker thread of its own (a warm kernel from the
+  :class:`~sequester.kernel.pool.KernelPool` with ``[serve] kernel_pool``). Closing it first
+  kills the kernel's processes (safe from any thread), then queues the close behind the
+  step on the same worker, so a close never races a step.
 
 :class:`SessionManager` holds the capacity (``max_sessions`` live sessions; a reset beyond
 is refused at once), the tasks folder (``resolve_task``: nothing outside it can be named),
-and the connections (closed on shutdown).
+the pools, and the connections (closed on shutdown).
 """
 
 from __future__ import annotations
@@ -30,14 +36,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
-from sequester.environments.verdict import VerifierError
-from sequester.errors import KernelClosedError, SequesterError
+from sequester.errors import KernelClosedError, PolicyError, SequesterError
 from sequester.serve import protocol
 from sequester.tasks import Task, load_task
-from sequester.tasks.finder import has_task_toml
+from sequester.tasks.finder import resolve_task_id
 
 if TYPE_CHECKING:
     from sequester.config import Config
+    from sequester.environments.pool import EpisodeHandle, EpisodePool
     from sequester.kernel.pool import KernelPool
 
 __all__ = ["Session", "EpisodeSession", "KernelSession", "SessionManager", "resolve_task", "log_event"]
@@ -46,6 +52,7 @@ log = logging.getLogger("sequester.serve")
 
 T = TypeVar("T")
 _CLOSE_GRACE = 30.0  # seconds a close waits for an interrupted step to give way
+_INLINE_READ = 1 << 20  # a read_file answer larger than this is encoded off the event loop
 StepResult = tuple[Any, float | None, bool]  # observation model, reward, done
 
 
@@ -98,7 +105,7 @@ def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
 
 
 class Session:
-    """One session: its worker thread, its counters, and the calls a connection makes."""
+    """One session: its counters, and the calls a connection makes (see the subclasses)."""
 
     kind: ClassVar[Literal["episode", "kernel"]]
     actions: ClassVar[frozenset[str]]
@@ -109,15 +116,6 @@ class Session:
         self.started_at: float | None = None
         self.closed = False
         self._closing: asyncio.Future[None] | None = None
-        self._running = 0  # calls submitted and not finished (on the event loop's side)
-        self._worker = _Worker(f"serve-{session_id}")
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        self._running += 1
-        try:
-            return await self._worker.submit(fn, *args)
-        finally:
-            self._running -= 1
 
     def state(self) -> protocol.SessionState:
         return protocol.SessionState(
@@ -130,24 +128,167 @@ class Session:
         )
 
     async def start(self) -> protocol.ResetObservation:
-        observation = await self._call(self._start)
+        observation = await self._start()
         self.started_at = time.time()
         return observation
 
     async def step(self, action: Any) -> StepResult:
-        result = await self._call(self._step, action)
+        result = await self._step(action)
         self.steps += 1
         self.done = self.done or result[2]
         return result
 
     async def close(self, grace: float = _CLOSE_GRACE) -> None:
-        """Kill what runs, then close on the worker. Idempotent: every caller waits for the
-        one close. A step that does not give way within ``grace`` seconds is left to finish
-        (the close runs right after it)."""
+        """Kill what runs, then close. Idempotent: every caller waits for the one close. A
+        step that does not give way within ``grace`` seconds is left to finish (the close
+        runs right after it)."""
         self.closed = True
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close_now(grace))
         await asyncio.shield(self._closing)
+
+    async def _start(self) -> protocol.ResetObservation:
+        raise NotImplementedError
+
+    async def _step(self, action: Any) -> StepResult:
+        raise NotImplementedError
+
+    async def _close_now(self, grace: float) -> None:
+        raise NotImplementedError
+
+
+class EpisodeSession(Session):
+    """An episode of one task, from the server's episode pool. ``evaluate`` ends it (``done``)."""
+
+    kind = "episode"
+    actions = protocol.EPISODE_ACTIONS
+
+    def __init__(self, session_id: str, task: Task, task_id: str, pool: EpisodePool, read_cap: int):
+        super().__init__(session_id, task.name)
+        self._task_id, self._pool, self._read_cap = task_id, pool, read_cap
+        self._acquiring: asyncio.Future[EpisodeHandle] | None = None
+        self._handle: EpisodeHandle | None = None
+
+    async def _start(self) -> protocol.ResetObservation:
+        if self.closed:
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "the session was closed before it started")
+        # A task of its own, so that a close while it runs (the client went) cancels it:
+        # the pool then gives back the slot, or closes the episode it was starting.
+        self._acquiring = asyncio.ensure_future(self._pool.aacquire(self._task_id))
+        handle = self._handle = await self._acquiring
+        return protocol.ResetObservation(
+            session_id=self.id,
+            kind="episode",
+            task=self.task,
+            instruction=handle.instruction,
+            workdir=handle.workdir,
+            calibration=dict(handle.calibration),
+        )
+
+    @property
+    def init_pid(self) -> int:
+        """Host pid of the episode's init (diagnostics and tests)."""
+        if self._handle is None:
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "the episode has not started")
+        return self._pool.init_pid(self._handle)
+
+    async def _step(self, action: Any) -> StepResult:
+        pool, handle = self._pool, self._handle
+        if handle is None:
+            raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "no episode: send a reset first")
+        if isinstance(action, protocol.ExecAction):
+            r = await pool.aexec(handle, action.command, action.timeout)
+            return (
+                protocol.ExecObservation(
+                    stdout=r.stdout,
+                    stderr=r.stderr,
+                    exit_code=r.exit_code,
+                    timed_out=r.timed_out,
+                    duration=r.duration,
+                    note=r.note,
+                ),
+                None,
+                False,
+            )
+        if isinstance(action, protocol.WriteFileAction):
+            data = action.data()
+            await pool.awrite_file(handle, action.path, data, action.mode)
+            return protocol.WriteFileObservation(path=action.path, bytes=len(data)), None, False
+        if isinstance(action, protocol.ReadFileAction):
+            content = await pool.aread_file(handle, action.path)  # at most read_cap (the pool's)
+            cap = self._read_cap if action.limit is None else min(action.limit, self._read_cap)
+            truncated, data = content.truncated or len(content) > cap, bytes(content[:cap])
+            if len(data) > _INLINE_READ:
+                text = await asyncio.to_thread(_encode, data, action.encoding)
+            else:
+                text = _encode(data, action.encoding)
+            return (
+                protocol.ReadFileObservation(content=text, encoding=action.encoding, truncated=truncated),
+                None,
+                False,
+            )
+        if isinstance(action, protocol.EvaluateAction):
+            return await self._evaluate(handle)
+        raise protocol.FrameError(
+            protocol.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action"
+        )
+
+    async def _evaluate(self, handle: EpisodeHandle) -> StepResult:
+        """The verdict only: neither the tests' output nor the files they left (the client
+        may hand observations to the model, and those would teach it the tests). A
+        verifier that could not run is no verdict (``error``, reward None), not a 0."""
+        result = await self._pool.aevaluate(handle)
+        verdict = protocol.VerifierObservation(
+            reward=result.reward,
+            rewards=dict(result.rewards),
+            zero_reason=result.zero_reason,
+            tampering=list(result.tampering),
+            notes=list(result.notes),
+            error=result.error,
+        )
+        return protocol.EvaluateObservation(verifier=verdict), (result.reward if result.error is None else None), True
+
+    async def _close_now(self, grace: float) -> None:
+        acquiring = self._acquiring
+        if acquiring is not None and not acquiring.done():
+            acquiring.cancel()  # the pool gives back what it had (a slot, a warm episode) or closes it
+            await asyncio.wait([acquiring])
+        handle = self._handle
+        if handle is None and acquiring is not None and acquiring.done() and not acquiring.cancelled():
+            if acquiring.exception() is None:  # it came back just as it was cancelled
+                handle = acquiring.result()
+        if handle is None:
+            return
+        try:
+            await self._pool.aclose(handle)  # what runs is killed first; the episode is never handed out again
+        except Exception as exc:  # noqa: BLE001 - a failed cleanup is the server's, not a client's
+            log.error("session %s was not closed cleanly: %s", self.id, exc)
+
+
+def _encode(data: bytes, encoding: str) -> str:
+    return base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
+
+
+class _WorkerSession(Session):
+    """A session whose calls run on a worker thread of its own (a kernel's)."""
+
+    def __init__(self, session_id: str, task: str | None = None):
+        super().__init__(session_id, task)
+        self._running = 0  # calls submitted and not finished (on the event loop's side)
+        self._worker = _Worker(f"serve-{session_id}")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        self._running += 1
+        try:
+            return await self._worker.submit(fn, *args)
+        finally:
+            self._running -= 1
+
+    async def _start(self) -> protocol.ResetObservation:
+        return await self._call(self._start_now)
+
+    async def _step(self, action: Any) -> StepResult:
+        return await self._call(self._step_now, action)
 
     async def _close_now(self, grace: float) -> None:
         if self._running:
@@ -171,10 +312,10 @@ class Session:
             log.error("session %s was not closed cleanly: %s", self.id, closing.exception())
 
     # -- on the worker -------------------------------------------------------------------
-    def _start(self) -> protocol.ResetObservation:
+    def _start_now(self) -> protocol.ResetObservation:
         raise NotImplementedError
 
-    def _step(self, action: Any) -> StepResult:
+    def _step_now(self, action: Any) -> StepResult:
         raise NotImplementedError
 
     def _interrupt(self) -> None:
@@ -184,144 +325,7 @@ class Session:
         raise NotImplementedError
 
 
-class EpisodeSession(Session):
-    """An :class:`Episode` on one task. ``evaluate`` ends it (``done``)."""
-
-    kind = "episode"
-    actions = protocol.EPISODE_ACTIONS
-
-    def __init__(self, session_id: str, task: Task, config: Config, hide: tuple[Path, ...], read_cap: int):
-        super().__init__(session_id, task.name)
-        from sequester.environments import open_environment
-        from sequester.sandbox.nsexec.client import shared_nsexec
-
-        self._task = task
-        # The namespace helper is one process for all episodes, and it dies with the
-        # *thread* that started it (PR_SET_PDEATHSIG): started (or restarted) here, on the
-        # event loop's thread, which lives as long as the server, never on a session's
-        # worker, which ends with its session and would take every other episode's helper
-        # with it. (The docker backend needs none.)
-        nsexec = shared_nsexec() if config.episodes.backend == "local" else None
-        self._episode = open_environment(config.episodes, hide=hide, nsexec=nsexec)
-        self._read_cap = read_cap
-        self._calibration_mode = config.serve.calibration
-
-    def _start(self) -> protocol.ResetObservation:
-        from sequester.environments import UnsupportedByBackend, missing_capabilities
-
-        missing = missing_capabilities(self._episode.capabilities, self._task, self._episode.settings)
-        if missing:  # before anything starts (a FACTORY_ERROR naming what is missing)
-            raise UnsupportedByBackend("; ".join(missing))
-        try:
-            self._episode.start(self._task)
-            calibration = self._calibration()
-        except BaseException:
-            self._episode.close()
-            raise
-        return protocol.ResetObservation(
-            session_id=self.id,
-            kind="episode",
-            task=self.task,
-            instruction=self._episode.instruction,
-            workdir=self._episode.workdir,
-            calibration=calibration,
-        )
-
-    def _calibration(self) -> dict[str, Any]:
-        """The task's calibration on the system its episode got (see sequester.calibration):
-        a record that does not calibrate it refuses the session (TaskNotCalibrated, a
-        FACTORY_ERROR); with ``required``, so does having none (a server does not calibrate
-        inside a reset: ``sequester calibrate`` with the server's settings does)."""
-        from sequester import __version__
-        from sequester.calibration import lookup
-        from sequester.errors import TaskNotCalibrated
-        from sequester.tasks.checksum import task_checksum
-
-        mode = self._calibration_mode
-        if mode == "off":
-            return {"state": "off"}
-        state = lookup(
-            task_checksum=task_checksum(self._task.path),
-            system=getattr(self._episode, "system", None),
-            settings=self._episode.settings,
-            version=__version__,
-            mode=mode,
-        )
-        if state.state == "not-calibrated" or (mode == "required" and state.state != "calibrated"):
-            raise TaskNotCalibrated(f"task {self._task.name} is not calibrated here: {state.reason}")
-        return state.to_dict()
-
-    @property
-    def init_pid(self) -> int:
-        """Host pid of the episode's init (diagnostics and tests)."""
-        return self._episode.init_pid  # type: ignore[attr-defined]  # only the local backend has one
-
-    def _step(self, action: Any) -> StepResult:
-        ep = self._episode
-        if isinstance(action, protocol.ExecAction):
-            r = ep.exec(action.command, action.timeout)
-            return (
-                protocol.ExecObservation(
-                    stdout=r.stdout,
-                    stderr=r.stderr,
-                    exit_code=r.exit_code,
-                    timed_out=r.timed_out,
-                    duration=r.duration,
-                    note=r.note,
-                ),
-                None,
-                False,
-            )
-        if isinstance(action, protocol.WriteFileAction):
-            data = action.data()
-            ep.write_file(action.path, data, mode=action.mode)
-            return protocol.WriteFileObservation(path=action.path, bytes=len(data)), None, False
-        if isinstance(action, protocol.ReadFileAction):
-            data = ep.read_file(action.path)
-            cap = self._read_cap if action.limit is None else min(action.limit, self._read_cap)
-            truncated, data = len(data) > cap, data[:cap]
-            content = (
-                base64.b64encode(data).decode() if action.encoding == "base64" else data.decode("utf-8", "replace")
-            )
-            return (
-                protocol.ReadFileObservation(content=content, encoding=action.encoding, truncated=truncated),
-                None,
-                False,
-            )
-        if isinstance(action, protocol.EvaluateAction):
-            return self._evaluate()
-        raise protocol.FrameError(
-            protocol.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action"
-        )
-
-    def _evaluate(self) -> StepResult:
-        """The verdict only: neither the tests' output nor the files they left (the client
-        may hand observations to the model, and those would teach it the tests)."""
-        try:
-            result = self._episode.evaluate()
-        except VerifierError as exc:  # the verifier could not run: no verdict, the trial is an error
-            verdict = protocol.VerifierObservation(
-                reward=None, rewards={}, zero_reason=None, tampering=list(exc.tampering), notes=[], error=str(exc)
-            )
-            return protocol.EvaluateObservation(verifier=verdict), None, True
-        verdict = protocol.VerifierObservation(
-            reward=result.reward,
-            rewards=dict(result.rewards),
-            zero_reason=result.zero_reason,
-            tampering=list(result.tampering),
-            notes=list(result.notes),
-            error=None,
-        )
-        return protocol.EvaluateObservation(verifier=verdict), result.reward, True
-
-    def _interrupt(self) -> None:
-        self._episode.abort()  # every process of the episode is killed: an exec in flight ends
-
-    def _close(self) -> None:
-        self._episode.close()
-
-
-class KernelSession(Session):
+class KernelSession(_WorkerSession):
     """A :class:`Kernel` under the config's policy; actions are code cells."""
 
     kind = "kernel"
@@ -334,14 +338,14 @@ class KernelSession(Session):
         self._pool = pool
         self._kernel = Kernel(config.policy)
 
-    def _start(self) -> protocol.ResetObservation:
+    def _start_now(self) -> protocol.ResetObservation:
         if self._pool is not None:  # a warm kernel, all this session's (it is closed with it, never reused)
             self._kernel = self._pool.acquire()
         else:
             self._kernel.start()
         return protocol.ResetObservation(session_id=self.id, kind="kernel")
 
-    def _step(self, action: Any) -> StepResult:
+    def _step_now(self, action: Any) -> StepResult:
         if not isinstance(action, protocol.CellAction):
             raise protocol.FrameError(
                 protocol.ErrorCode.SESSION_ERROR, f"a kernel session takes no {action.type!r} action"
@@ -389,39 +393,12 @@ class KernelSession(Session):
 
 
 def resolve_task(root: Path, task_id: str, where: str = "data.task") -> Path:
-    """The folder of task ``task_id`` under ``root`` (already resolved).
-
-    Attack stopped: a client naming a folder outside the tasks folder (``../../etc``,
-    ``/root/other-tasks/x``, a symlink inside the folder pointing out of it) to run an
-    episode on (and have verified, and see the instruction of) a task the operator did not
-    serve. The path is taken apart by name (no ``..``, no hidden names, not absolute),
-    then its real path must lie inside ``root``'s.
-    """
-    if task_id.startswith("/") or "\\" in task_id:
-        raise protocol.FrameError(
-            protocol.ErrorCode.VALIDATION_ERROR,
-            f"{where}: an absolute path is refused: name a task of the "
-            "tasks folder by its folder name or its path relative to it",
-        )
-    parts = task_id.split("/")
-    if parts[-1] == "":  # "python-csv-stats/"
-        parts = parts[:-1]
-    if not parts or any(part == "" or part.startswith(".") for part in parts):
-        raise protocol.FrameError(
-            protocol.ErrorCode.VALIDATION_ERROR,
-            f"{where}: '..', '.', empty and hidden path components are refused: name a task of the tasks folder",
-        )
-    real = Path(os.path.realpath(root.joinpath(*parts)))
-    if real == root or root not in real.parents:
-        raise protocol.FrameError(
-            protocol.ErrorCode.VALIDATION_ERROR,
-            f"{where}: resolves outside the tasks folder (a symlink pointing out of it?): refused",
-        )
-    if not has_task_toml(real):
-        raise protocol.FrameError(
-            protocol.ErrorCode.VALIDATION_ERROR, f"{where}: no task {task_id[:200]!r} in the tasks folder"
-        )
-    return real
+    """The folder of task ``task_id`` under ``root`` (already resolved); a name that leads
+    outside it is a ``VALIDATION_ERROR`` (:func:`~sequester.tasks.finder.resolve_task_id`)."""
+    try:
+        return resolve_task_id(root, task_id, where)
+    except PolicyError as exc:
+        raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, str(exc)) from None
 
 
 class _Closable(Protocol):
@@ -429,7 +406,11 @@ class _Closable(Protocol):
 
 
 class SessionManager:
-    """Capacity, the tasks folder, and every live connection (closed on shutdown)."""
+    """Capacity, the tasks folder, the pools, and every live connection (closed on shutdown).
+
+    Episode sessions take their episodes from :attr:`episode_pool` (the local backend of
+    :class:`~sequester.environments.pool.EpisodePool`, ``max_sessions`` episodes at most,
+    warm ones included; ``[serve] episode_pool`` keeps episodes of some tasks started)."""
 
     def __init__(self, config: Config, *, hide: tuple[Path, ...] = (), tasks: int = 0):
         self.config = config
@@ -444,6 +425,27 @@ class SessionManager:
         self.active = 0
         self.connections: set[_Closable] = set()
         self.kernel_pool: KernelPool | None = None
+        self.episode_pool: EpisodePool | None = None
+        if self.tasks_dir is not None:
+            from sequester.environments.pool import EpisodePool
+
+            # Its capacity is the server's: it never waits unless warm starts or closes
+            # still hold slots (the server refuses a reset beyond max_sessions itself).
+            self.episode_pool = EpisodePool(
+                self.tasks_dir,
+                backend="local",
+                capacity=self.max_sessions,
+                warm=self.settings.episode_pool,
+                settings=config.episodes,
+                hide=self.hide,
+                read_cap=self.settings.max_message_bytes,
+                close_grace=_CLOSE_GRACE,
+                calibration=self.settings.calibration,
+                wait_timeout=_CLOSE_GRACE + 30,
+                max_waiting=self.max_sessions,
+            )
+        elif self.settings.episode_pool:
+            raise PolicyError("serve.episode_pool: this server serves no tasks (no tasks_dir) to keep episodes of")
         if self.settings.kernel_pool:
             from sequester.kernel.pool import KernelPool
 
@@ -466,7 +468,7 @@ class SessionManager:
         """A session for a reset (not started); :class:`FrameError` for a task that cannot be named or loaded."""
         if isinstance(request, protocol.KernelReset):
             return KernelSession(session_id, self.config, self.kernel_pool)
-        if self.tasks_dir is None:
+        if self.tasks_dir is None or self.episode_pool is None:
             raise protocol.FrameError(
                 protocol.ErrorCode.VALIDATION_ERROR,
                 f"{where}.task: this server serves no tasks (it was "
@@ -479,12 +481,15 @@ class SessionManager:
             raise protocol.FrameError(
                 protocol.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}"
             ) from None
-        return EpisodeSession(session_id, task, self.config, self.hide, self.settings.max_message_bytes)
+        return EpisodeSession(session_id, task, request.task, self.episode_pool, self.settings.max_message_bytes)
 
     async def close_all(self) -> None:
-        """Graceful shutdown: every connection's session closed, its processes gone."""
+        """Graceful shutdown: every connection's session closed, its processes gone; then
+        the pools (their warm episodes and kernels closed)."""
         connections = list(self.connections)
         if connections:
             await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
+        if self.episode_pool is not None:
+            await self.episode_pool.ashutdown()
         if self.kernel_pool is not None:
             self.kernel_pool.close()

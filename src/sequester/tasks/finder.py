@@ -6,9 +6,9 @@ Two rules, each kept by the commands that had it:
   take a folder as a task when it has ``task.toml`` *or* ``instruction.md``: a task with
   one of them missing is still a task, and its own error (naming the missing file) is
   clearer than "not a folder of tasks";
-* ``sequester serve`` serves the folders that hold a ``task.toml``
-  (:func:`has_task_toml`, :func:`served_task_folders`), found by name under its tasks
-  folder.
+* ``sequester serve`` and the episode pool serve the folders that hold a ``task.toml``
+  (:func:`has_task_toml`, :func:`served_task_folders`), found by name under their tasks
+  folder (:func:`resolve_task_id`: nothing outside it).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from sequester.errors import TaskError
+from sequester.errors import PolicyError, TaskError
 from sequester.tasks.task import Task, load_task
 
-__all__ = ["find_tasks", "has_task_toml", "looks_like_task", "served_task_folders"]
+__all__ = ["find_tasks", "has_task_toml", "looks_like_task", "resolve_task_id", "served_task_folders"]
 
 
 def looks_like_task(folder: Path) -> bool:
@@ -31,6 +31,39 @@ def looks_like_task(folder: Path) -> bool:
 def has_task_toml(folder: Path) -> bool:
     """A task folder as ``serve`` sees one: it holds a ``task.toml`` file."""
     return (folder / "task.toml").is_file()
+
+
+def resolve_task_id(root: Path, task_id: str, where: str = "task") -> Path:
+    """The folder of task ``task_id`` under ``root`` (already resolved), or a
+    :class:`PolicyError` that starts with ``where``.
+
+    Attack stopped: a client naming a folder outside the tasks folder (``../../etc``,
+    ``/root/other-tasks/x``, a symlink inside the folder pointing out of it) to run an
+    episode on (and have verified, and see the instruction of) a task the operator did not
+    serve. The path is taken apart by name (no ``..``, no hidden names, not absolute),
+    then its real path must lie inside ``root``'s.
+    """
+    if task_id.startswith("/") or "\\" in task_id:
+        raise PolicyError(
+            f"{where}: an absolute path is refused: name a task of the "
+            "tasks folder by its folder name or its path relative to it"
+        )
+    parts = task_id.split("/")
+    if parts[-1] == "":  # "python-csv-stats/"
+        parts = parts[:-1]
+    if not parts or any(part == "" or part.startswith(".") for part in parts):
+        raise PolicyError(
+            f"{where}: '..', '.', empty and hidden path components are refused: name a task of the tasks folder"
+        )
+    # (strings, not Paths: a pool resolves the task id of every reset, a warm one's in well
+    # under a millisecond)
+    top = os.fspath(root)
+    real = os.path.realpath(os.path.join(top, *parts))
+    if real == top or not real.startswith(top.rstrip(os.sep) + os.sep):
+        raise PolicyError(f"{where}: resolves outside the tasks folder (a symlink pointing out of it?): refused")
+    if not os.path.isfile(os.path.join(real, "task.toml")):
+        raise PolicyError(f"{where}: no task {task_id[:200]!r} in the tasks folder")
+    return Path(real)
 
 
 def served_task_folders(root: Path, depth: int = 3) -> Iterator[Path]:
