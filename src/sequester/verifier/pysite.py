@@ -42,7 +42,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from sequester.verifier.layout import RUNNER_MOUNT
+from sequester.verifier.layout import LIB, RUNNER_MOUNT, TASK_LIBS
 
 __all__ = [
     "SITECUSTOMIZE",
@@ -277,6 +277,49 @@ def _trusted_find_spec(cls, name, path=None, target=None):
 # (A classmethod, as the path finder's own: a copy kept on another class, as pytest keeps
 # one, stays bound to the path finder.)
 _PathFinder.find_spec = classmethod(_trusted_find_spec)
+
+
+
+# ctypes.util.find_library in the runner: the standard one runs the view's ldconfig (then
+# gcc, ld, objdump from PATH) and takes the name it prints, slashes and all: an agent's
+# ldconfig named /app/evil.so and the tests' CDLL loaded it into the runner (red team).
+# Here it names only what the runner's own loaders can load, found in their folders (the
+# tests' installed libraries, then the tree's), by file name, never running anything.
+def _find_library(name):
+    import re
+
+    if not isinstance(name, str) or not name or "/" in name:
+        return None
+    wanted = re.compile(r"lib" + re.escape(name) + r"\\.so(\\.[0-9][0-9.]*)?$")
+    for folder in ({str(TASK_LIBS)!r}, {str(LIB)!r}):
+        try:
+            names = [n for n in os.listdir(folder) if wanted.match(n)]
+        except OSError:
+            continue
+        if names:  # the soname (libz.so.1) before a longer version, before the bare .so
+            return min(names, key=lambda n: (n.endswith(".so"), len(n), n))
+    return None
+
+
+class _CtypesUtil:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "ctypes.util":
+            return None
+        spec = _PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            module.find_library = _find_library
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+sys.meta_path.insert(0, _CtypesUtil)
 
 # A C extension that needs a system library the runner does not carry (opencv's libGL):
 # the runner's loader has no system folders and says "/: cannot read file data" (see

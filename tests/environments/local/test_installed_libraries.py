@@ -72,6 +72,11 @@ TEST_SH = (
     # a runner Python started however a test starts one (multiprocessing, xdist) finds it too
     "again = [sys.executable, '-S', '-c', 'import sys; sys.path.insert(0, \"/tmp/ext\"); import yamlcheck._contextvars']\n"
     "subprocess.run(again, check=True)\n"
+    # ctypes finds it by name in the runner's own folders (never by running the view's ldconfig)
+    "import ctypes, ctypes.util\n"
+    "assert ctypes.util.find_library('yaml-0') == 'libyaml-0.so.2', ctypes.util.find_library('yaml-0')\n"
+    "ctypes.CDLL(ctypes.util.find_library('yaml-0')).yaml_get_version_string\n"
+    "assert ctypes.util.find_library('../../app/evil') is None\n"
     "PY\n"
     "touch /opt/sequester-verifier/a/planted 2>/dev/null && r=0\n"
     "rm -f /opt/sequester-verifier/a/libyaml-0.so.2 2>/dev/null; "
