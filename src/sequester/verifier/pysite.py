@@ -14,8 +14,11 @@ moment); it passes it as ``SEQUESTER_PYTHONPATH`` instead, and the tree's
   adds ``/app``, after ``site`` ran) and the task's ``PYTHONPATH`` stay importable for
   the tests, but a module the agent planted there cannot shadow the standard library,
   pytest or its plugins;
-* appends the task's ``PYTHONPATH`` entries to ``sys.path`` and puts ``PYTHONPATH`` back
-  in the environment, so the programs the tests start get it as the task wrote it;
+* appends the task's ``PYTHONPATH`` entries to ``sys.path`` and passes them on under
+  ``SEQUESTER_PYTHONPATH`` only: a runner Python the tests start (through the shims or as
+  ``sys.executable``) appends them the same way; a program that is not one does not get
+  them (red team: given back as ``PYTHONPATH``, they put the agent's
+  ``/app/sitecustomize.py`` ahead of the runner's in a runner Python started directly);
 * appends the image's site folders when the runner's ``python3``, ``pip`` or ``pytest``
   started it (``SEQUESTER_IMAGE_SITE``, see :mod:`.image_python`): the image's numpy is
   found, after everything of the runner's, with the folders their ``.pth`` files name
@@ -356,10 +359,14 @@ if _ld is not None:
     else:
         os.environ.pop("LD_LIBRARY_PATH", None)
 del _ld
-_extra = os.environ.pop({PYTHONPATH_VAR!r}, None)
+_extra = os.environ.get({PYTHONPATH_VAR!r})
 if _extra is not None:
+    # After the runner's own folders; passed on under the same name, never as PYTHONPATH:
+    # a runner Python the tests start directly (sys.executable: multiprocessing, xdist)
+    # looks its sitecustomize up on PYTHONPATH's folders first (red team: the image's
+    # PYTHONPATH=/app ran the agent's /app/sitecustomize.py in one). A program that is not
+    # a runner Python does not get it.
     sys.path.extend(p for p in _extra.split(os.pathsep) if p and p not in sys.path)
-    os.environ["PYTHONPATH"] = _extra
 
 
 def _image_site(folders):

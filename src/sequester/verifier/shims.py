@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sequester.verifier import layout
 from sequester.verifier.image_python import IMAGE_PYTHON_VAR, IMAGE_SITE_VAR
-from sequester.verifier.pysite import LD_SAVED_VAR, SITE_VAR
+from sequester.verifier.pysite import LD_SAVED_VAR, PYTHONPATH_VAR, SITE_VAR
 from sequester.verifier.pythons import HostPython
 
 __all__ = ["write_shims", "BASH_ENV_TEXT", "FINGERPRINT"]
@@ -35,9 +35,15 @@ _AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUEST
 # give it back to the programs they start, which get what they would have in the
 # container. (The tests' installed libraries need no variable: the runner's loaders search
 # layout.TASK_LIBS after everything else, see tree.py.)
+# Likewise a PYTHONPATH the script exported (red team: =/app put the agent's
+# sitecustomize.py before the runner's): the runner's Pythons append it after their own
+# folders (pysite.PYTHONPATH_VAR, as environ.py does with the image's) and give it back.
 _LIBS = (
     'if [ -n "${LD_LIBRARY_PATH+x}" ]; then '
     f'{LD_SAVED_VAR}="=$LD_LIBRARY_PATH"; export {LD_SAVED_VAR}; unset LD_LIBRARY_PATH; fi\n'
+    'if [ -n "${PYTHONPATH+x}" ]; then '
+    f'{PYTHONPATH_VAR}="${{{PYTHONPATH_VAR}:+${PYTHONPATH_VAR}:}}$PYTHONPATH"; export {PYTHONPATH_VAR}; '
+    "unset PYTHONPATH; fi\n"
 )
 
 # Tell the host something on the runner's pipe (see sequester.verifier.pysite): a word per line.

@@ -59,7 +59,7 @@ __all__ = [
 
 log = logging.getLogger("sequester.verifier")
 
-BUILD_FORMAT = "15"
+BUILD_FORMAT = "16"
 # The core tools test scripts call, from the host's trusted system (those it has).
 TOOLS = (
     "bash",
