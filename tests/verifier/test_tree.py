@@ -94,8 +94,12 @@ def test_the_trees_python_never_imports_a_planted_module_first(tree, tmp_path):
     app.mkdir()
     (app / "json.py").write_text("print('PLANTED')\n")
     out = _in_view(tree, tmp_path, f"cd {app} && python3 -c 'import json; print(json.__file__)' && "
-                   f"SEQUESTER_PYTHONPATH={app} python3 -c 'import json, os; print(os.environ[\"PYTHONPATH\"])'")
-    assert "PLANTED" not in out and str(layout.PYTHONS) in out and str(app) in out
+                   f"SEQUESTER_PYTHONPATH={app} python3 -c 'import json, os, sys; "
+                   f"print(os.environ.get(\"PYTHONPATH\", \"no PYTHONPATH\"), os.environ[\"SEQUESTER_PYTHONPATH\"], "
+                   f"sys.path[-1])'")
+    assert "PLANTED" not in out and str(layout.PYTHONS) in out
+    # appended after the runner's folders, passed on under its own name only (red team)
+    assert f"no PYTHONPATH {app} {app}" in out
 
 
 def test_the_names_uvs_interpreter_query_tries_are_never_the_agents(tree, tmp_path):

@@ -488,17 +488,6 @@ def exported_pythonpath(built):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "WIN: the shims hand a PYTHONPATH the test script exported (export PYTHONPATH=/app) straight to the "
-        "real Python; site imports sitecustomize from sys.path, where PYTHONPATH's entries come before the "
-        "standard library: the agent's /app/sitecustomize.py replaces the runner's (no guard of pysite "
-        "runs) and runs in the runner's Python; environ.py moves PYTHONPATH to SEQUESTER_PYTHONPATH only "
-        "in the script's starting environment, and pysite puts PYTHONPATH back for every program a runner "
-        "Python starts (a runner Python started by one gets the same)"
-    ),
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_scripts_own_pythonpath_never_replaces_the_runners_sitecustomize(exported_pythonpath, mode):
     case = exported_pythonpath[f"pythonpath-{mode}"]
@@ -563,15 +552,6 @@ def test_task_pythonpath_baseline_scores_0(task_pythonpath):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "WIN: the task's PYTHONPATH (/app) is kept from the runner's Python at start-up (SEQUESTER_PYTHONPATH), "
-        "but its sitecustomize puts PYTHONPATH back into os.environ for the programs it starts: a runner "
-        "Python the tests start (sys.executable, or python3 through the shim, which passes PYTHONPATH on) "
-        "imports the agent's /app/sitecustomize.py before the runner's"
-    ),
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_runner_python_started_by_the_tests_never_imports_the_agents_sitecustomize(task_pythonpath, mode):
     case = task_pythonpath[f"child-{mode}"]
