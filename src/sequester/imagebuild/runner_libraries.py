@@ -119,9 +119,14 @@ def closure(
     return taken
 
 
+# The copy's format: a folder of another is made again (a change of what a copy is, such as
+# its search paths removed, must not leave an older copy in use).
+FORMAT = "2"
+
+
 def libraries_dir(tar: Path) -> Path:
     """Where the folder of the install ``tar``'s libraries is kept."""
-    return tar.with_suffix(".libs")
+    return tar.with_suffix(f".libs{FORMAT}")
 
 
 def runner_libraries(tar: Path) -> Path | None:
@@ -148,7 +153,8 @@ def ensure_runner_libraries(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (folder / _DONE).exists():
             return runner_libraries(tar)
-        shutil.rmtree(folder, ignore_errors=True)  # (a crash's leftover)
+        for old in tar.parent.glob(f"{tar.stem}.libs*"):  # a crash's leftover, another format's
+            shutil.rmtree(old, ignore_errors=True)
         layers = [store.layer_dir(layer.diff_id) for layer in record.layers]
         with tempfile.TemporaryDirectory(prefix="libs-", dir=tar.parent) as work:
             made = Path(work) / "libs"
