@@ -88,6 +88,9 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     # the Ray cluster lost the trial with its worker or node (after its retry), or could
     # not be joined: another run may not meet it again
     "ClusterError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
+    # an episode pool at capacity past its wait: a later try may find a slot
+    "PoolFull": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
+    "RayPoolFull": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "SequesterError": _NO_RETRY,  # e.g. the oracle on a task without solution/solve.sh
     "KernelError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "KernelClosedError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
