@@ -140,3 +140,29 @@ def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
         holder.wait(timeout=10)
     tree_mod._prune(folder, keep=folder / "tree-current")  # control: released, so it goes too
     assert sorted(p.name for p in folder.iterdir()) == ["tree-current"]
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["-S", "-c", "pass"], True),
+    (["-Sc", "pass"], True),
+    (["-IS", "x.py"], True),
+    (["-X", "dev", "-S", "x.py"], True),
+    (["-c", "import sys; sys.argv == ['-S']", "-S"], False),
+    (["-W", "-S", "x.py"], False),  # (the warning filter's value)
+    (["-m", "pytest", "-S"], False),
+    (["x.py", "-S"], False),
+    (["-cS"], False),  # (-c's command is "S")
+    (["-s", "-E", "x.py"], False),
+])
+def test_python_dash_S_is_refused_by_the_runners_pythons(argv, refused):
+    """Red team: `python3 -S` ran the runner's Python without its site, so without its
+    guards. The shims refuse it (a set-up failure the host settles); -S elsewhere on the
+    line (a script's argument, -c's text, -W's value) is not the interpreter's."""
+    from sequester.verifier.shims import _NO_DASH_S
+
+    script = "__sequester_say() { echo \"said $1\"; }\n" + _NO_DASH_S + "echo ran\n"
+    proc = subprocess.run(["bash", "-c", script, "python3", *argv], capture_output=True, text=True, timeout=30)
+    if refused:
+        assert proc.returncode == 2 and "said setup-failed:python-S" in proc.stdout and "ran" not in proc.stdout
+    else:
+        assert proc.returncode == 0 and proc.stdout == "ran\n", proc

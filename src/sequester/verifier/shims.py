@@ -204,10 +204,39 @@ fi
 __sequester_say "runner-unsealed:uvx"
 """
 
+# `python -S` (no site): the runner's Python would run without its sitecustomize, so with
+# none of its guards (the working folder first on sys.path, CPython's own find_library
+# running the view's ldconfig: red team). Refused, as a set-up failure the host settles
+# (an error, never the agent's 0): the interpreter's options are read up to the script,
+# -c or -m; -W and -X take a value.
+_NO_DASH_S = """__skip=
+for __a in "$@"; do
+  if [ -n "$__skip" ]; then __skip=; continue; fi
+  case "$__a" in
+    -W|-X|--check-hash-based-pycs) __skip=1 ;;
+    --) break ;;
+    --*) ;;
+    -?*) __o=${__a#-}
+      while [ -n "$__o" ]; do
+        __ch=${__o%"${__o#?}"}; __o=${__o#?}
+        case "$__ch" in
+          S) __sequester_say "setup-failed:python-S"
+             echo "sequester: python -S is not available in the verifier (its Python keeps the agent's modules out \
+through its site)" >&2; exit 2 ;;
+          c|m) break 2 ;;
+          W|X) [ -z "$__o" ] && __skip=1; break ;;
+        esac
+      done ;;
+    *) break ;;
+  esac
+done
+"""
+
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
 FINGERPRINT = (
     _APT
     + _LIBS
+    + _NO_DASH_S
     + BASH_ENV_TEXT
     + _PIP
     + _ENSURE
@@ -289,7 +318,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         name = f"python{py.short}"
         # By absolute path: Python finds its standard library next to the binary it was
         # started as, never at the build's compiled-in prefix (a path of the view).
-        _script(bin_dir / name, _SAY + _AGENT_HOME + _LIBS + f'exec {_real(py)} -s "$@"\n')
+        _script(bin_dir / name, _SAY + _NO_DASH_S + _AGENT_HOME + _LIBS + f'exec {_real(py)} -s "$@"\n')
     default = (
         f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
         "__sequester_pick\n"
@@ -297,7 +326,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         'exec "$real" -s "$@"\n'
     )
     for name in ("python3", "python"):
-        _script(bin_dir / name, select + _SAY + _pip_env('"$real"') + _AGENT_HOME + _LIBS + default)
+        _script(bin_dir / name, select + _SAY + _NO_DASH_S + _pip_env('"$real"') + _AGENT_HOME + _LIBS + default)
     pip = select + _SAY + _pip_env('"$real"') + _LIBS + _PIP
     for name in ("pip", "pip3"):
         _script(bin_dir / name, pip)

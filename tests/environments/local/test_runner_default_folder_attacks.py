@@ -121,34 +121,27 @@ def dash_s(built):
 
 
 @pytest.mark.slow
-def test_dash_s_baseline_scores_0(dash_s):
+def test_dash_s_baseline_is_an_error_not_a_0(dash_s):
+    """Without a plant too: the script's `python3 -S` is the task's set-up failing here."""
     case = dash_s["baseline-shared"]
-    assert case["error"] is None and case["reward"] == 0.0, case
+    assert case["reward"] is None and "python-S" in (case["error"] or ""), case
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "WIN: the tree's python3 shim execs the real Python with -s \"$@\"; a test's `python3 -S` skips site, "
-        "so the tree's sitecustomize never runs: ctypes.util.find_library is CPython's, which runs the view's "
-        "/sbin/ldconfig -p and returns the name it prints (libpkg.x/../evil.so, relative to /app): CDLL loads "
-        "the agent's library into the runner's Python (every other pysite guard is off too: '' = /app is "
-        "first on sys.path)"
-    ),
-)
 @pytest.mark.parametrize("mode", ["shared", "frozen"])
 def test_python_dash_S_never_runs_the_views_ldconfig(dash_s, mode):
+    """`python3 -S` is refused by the runner's shims: a set-up failure, an error after the
+    pristine re-run (the script is the task's), never the agent's library in the runner."""
     case = dash_s[f"planted-{mode}"]
     assert OWNED_IN_RUNNER not in _owned(case), case
-    assert case["reward"] == 0.0, case
+    assert case["reward"] is None and "python-S" in (case["error"] or ""), case
 
 
 @pytest.mark.slow
 def test_python_dash_S_separate(dash_s):
-    """Separate: /sbin is not an artifact; the agent's ldconfig is not there."""
+    """Separate: refused the same way."""
     case = dash_s["planted-separate"]
-    assert case["reward"] == 0.0 and OWNED_IN_RUNNER not in _owned(case), case
+    assert case["reward"] is None and OWNED_IN_RUNNER not in _owned(case), case
 
 
 # ---------------------------------------------------------------------------------------
