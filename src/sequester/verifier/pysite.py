@@ -352,6 +352,11 @@ def _create_module(self, spec):
 
 
 _ExtensionFileLoader.create_module = _create_module
+# No user site in the Pythons this one starts either (the shims give the runner's their
+# -s): a runner Python the tests start as sys.executable ran the .pth import lines of the
+# agent's ~/.local/lib/pythonX.Y/site-packages at start-up (red team round 2). (site is
+# frozen into the interpreter: its ENABLE_USER_SITE cannot be changed on disk.)
+os.environ["PYTHONNOUSERSITE"] = "1"
 _ld = os.environ.pop({LD_SAVED_VAR!r}, None)
 if _ld is not None:
     if _ld.startswith("="):

@@ -602,15 +602,6 @@ def test_user_site_baseline_scores_0(user_site_pth):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "WIN: only the python3 shim adds -s; a runner Python the tests start as sys.executable (the tree's "
-        "base interpreter, not a virtual environment) has the user site on, with the agent's HOME given back "
-        "to the runner's Pythons: site runs the .pth import lines (and usercustomize) of "
-        "/root/.local/lib/python3.X/site-packages before anything of the runner's can check them"
-    ),
-)
 @pytest.mark.parametrize("mode", ["shared", "frozen"])
 def test_a_runner_python_started_as_sys_executable_runs_no_user_site_of_the_agents(user_site_pth, mode):
     case = user_site_pth[f"usersite-{mode}"]
