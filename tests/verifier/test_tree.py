@@ -145,7 +145,9 @@ def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
 @pytest.mark.parametrize("argv, refused", [
     (["-S", "-c", "pass"], True),
     (["-Sc", "pass"], True),
-    (["-IS", "x.py"], True),
+    (["-ES", "x.py"], True),
+    (["-IS", "x.py"], False),  # (isolated: sequester's own build steps run so)
+    (["-I", "-S", "x.py"], False),
     (["-X", "dev", "-S", "x.py"], True),
     (["-c", "import sys; sys.argv == ['-S']", "-S"], False),
     (["-W", "-S", "x.py"], False),  # (the warning filter's value)

@@ -207,9 +207,10 @@ __sequester_say "runner-unsealed:uvx"
 # `python -S` (no site): the runner's Python would run without its sitecustomize, so with
 # none of its guards (the working folder first on sys.path, CPython's own find_library
 # running the view's ldconfig: red team). Refused, as a set-up failure the host settles
-# (an error, never the agent's 0): the interpreter's options are read up to the script,
-# -c or -m; -W and -X take a value.
-_NO_DASH_S = """__skip=
+# (an error, never the agent's 0), unless -I is given too (isolated: nothing of the working
+# folder, PYTHONPATH or the user site on sys.path; sequester's own build steps run so):
+# the interpreter's options are read up to the script, -c or -m; -W and -X take a value.
+_NO_DASH_S = """__skip=; __dash_s=; __iso=
 for __a in "$@"; do
   if [ -n "$__skip" ]; then __skip=; continue; fi
   case "$__a" in
@@ -220,9 +221,8 @@ for __a in "$@"; do
       while [ -n "$__o" ]; do
         __ch=${__o%"${__o#?}"}; __o=${__o#?}
         case "$__ch" in
-          S) __sequester_say "setup-failed:python-S"
-             echo "sequester: python -S is not available in the verifier (its Python keeps the agent's modules out \
-through its site)" >&2; exit 2 ;;
+          S) __dash_s=1 ;;
+          I) __iso=1 ;;
           c|m) break 2 ;;
           W|X) [ -z "$__o" ] && __skip=1; break ;;
         esac
@@ -230,6 +230,11 @@ through its site)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
+if [ -n "$__dash_s" ] && [ -z "$__iso" ]; then
+  __sequester_say "setup-failed:python-S"
+  echo "sequester: python -S is not available in the verifier (its Python keeps the agent's modules out through \
+its site; with -I it is)" >&2; exit 2
+fi
 """
 
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
