@@ -26,7 +26,7 @@ from sequester.imagebuild.runner_libraries import (
     is_library_name,
     library_folders,
 )
-from sequester.verifier.elf import dynamic_names, needed_libraries, redirect_paths, view_paths_in
+from sequester.verifier.elf import dynamic_names, redirect_paths, view_paths_in
 
 HOST_LIBS = Path("/usr/lib/x86_64-linux-gnu")
 TRIPLE = library_folders()[1]  # usr/lib/<triple>
@@ -51,14 +51,14 @@ def _host(name: str) -> Path:
     return path.resolve()
 
 
-def test_needed_libraries_reads_the_dynamic_section():
-    assert needed_libraries(_host("libgthread-2.0.so.0").read_bytes()) == ["libglib-2.0.so.0", "libc.so.6"]
-    assert needed_libraries(_host("libglib-2.0.so.0").read_bytes())[0] == "libpcre2-8.so.0"
-    assert needed_libraries(b"#!/bin/sh\n") is None
-    assert needed_libraries(b"\x7fELF" + b"\xff" * 60) is None  # (a broken header: no answer, no exception)
+def test_dynamic_names_reads_the_dynamic_section():
+    assert dynamic_names(_host("libgthread-2.0.so.0").read_bytes()) == (["libglib-2.0.so.0", "libc.so.6"], [])
+    assert dynamic_names(_host("libglib-2.0.so.0").read_bytes())[0][0] == "libpcre2-8.so.0"
+    assert dynamic_names(b"#!/bin/sh\n") is None
+    assert dynamic_names(b"\x7fELF" + b"\xff" * 60) is None  # (a broken header: no answer, no exception)
     data = bytearray(_host("libgthread-2.0.so.0").read_bytes())
     data[32:40] = (len(data) + 10).to_bytes(8, "little")  # program headers past the end
-    assert needed_libraries(bytes(data)) is None
+    assert dynamic_names(bytes(data)) is None
 
 
 def test_names():

@@ -36,7 +36,6 @@ __all__ = [
     "replacement",
     "is_elf",
     "view_paths_in",
-    "needed_libraries",
     "dynamic_names",
 ]
 
@@ -130,14 +129,6 @@ _PT_LOAD, _PT_DYNAMIC = 1, 2
 _DT_NULL, _DT_NEEDED, _DT_STRTAB, _DT_RPATH, _DT_RUNPATH = 0, 1, 5, 15, 29
 _MAX_SEGMENTS = 256
 _MAX_ENTRIES = 4096
-
-
-def needed_libraries(data: bytes) -> list[str] | None:
-    """The names ``data`` (a whole ELF file's bytes) asks the loader for (its
-    ``DT_NEEDED`` entries, in order); ``[]`` for a static file, None for what is not a
-    well-formed ELF file. Both classes and byte orders; bounded, never raises."""
-    found = dynamic_names(data)
-    return None if found is None else found[0]
 
 
 def dynamic_names(data: bytes) -> tuple[list[str], list[str]] | None:

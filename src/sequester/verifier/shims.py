@@ -38,7 +38,7 @@ _AGENT_HOME = 'HOME="${SEQUESTER_AGENT_HOME:-$HOME}"; export HOME; unset SEQUEST
 # Likewise a PYTHONPATH the script exported (red team: =/app put the agent's
 # sitecustomize.py before the runner's): the runner's Pythons append it after their own
 # folders (pysite.PYTHONPATH_VAR, as environ.py does with the image's) and give it back.
-_LIBS = (
+_RUNNER_ENV = (
     'if [ -n "${LD_LIBRARY_PATH+x}" ]; then '
     f'{LD_SAVED_VAR}="=$LD_LIBRARY_PATH"; export {LD_SAVED_VAR}; unset LD_LIBRARY_PATH; fi\n'
     'if [ -n "${PYTHONPATH+x}" ]; then '
@@ -197,7 +197,7 @@ _UVX_AHEAD = f"""if [ -r {layout.TOOL_INDEX} ]; then
     fi
     shift "$__n"; PATH="$__b:$PATH"; UV={layout.LIBEXEC}/uv; export PATH UV
     {_AGENT_HOME.strip()}
-    {_LIBS.strip()}
+    {_RUNNER_ENV.strip()}
     exec "$__b/$__c" "$@"
   done < {layout.TOOL_INDEX}
 fi
@@ -240,7 +240,7 @@ fi
 # What the tree's stamp includes (see sequester.verifier.tree): a change of a shim is a new tree.
 FINGERPRINT = (
     _APT
-    + _LIBS
+    + _RUNNER_ENV
     + _NO_DASH_S
     + BASH_ENV_TEXT
     + _PIP
@@ -303,14 +303,14 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
     unsealed = (
         'case "${1:-}" in ""|-V|--version|version|help|-h|--help) ;; *) __sequester_say "runner-unsealed:uv" ;; esac\n'
     )
-    _script(bin_dir / "uv", _SAY + unsealed + asks + _AGENT_HOME + _LIBS + f'exec {layout.LIBEXEC}/uv "$@"\n')
+    _script(bin_dir / "uv", _SAY + unsealed + asks + _AGENT_HOME + _RUNNER_ENV + f'exec {layout.LIBEXEC}/uv "$@"\n')
     uvx = f"{layout.LIBEXEC}/uvx" if has_uvx else f"{layout.LIBEXEC}/uv tool run"
     # Tell the host uvx started (see sequester.environments.local.evaluation: a run where uvx
     # started and pytest never did is a failed bootstrap, not the agent's 0).
     said = 'case "${SEQUESTER_RUNNER_FD:-}" in ""|*[!0-9]*) ;; *) printf \'uvx\\n\' >&"$SEQUESTER_RUNNER_FD" ;; esac 2>/dev/null\n'  # noqa: E501 - a program's text
     # (the Python asked is checked first: a version the runner lacks is the failure named,
     # not the tool that could not be installed ahead for it)
-    _script(bin_dir / "uvx", said + _SAY + asks + _UVX_AHEAD + _AGENT_HOME + _LIBS + f'exec {uvx} "$@"\n')
+    _script(bin_dir / "uvx", said + _SAY + asks + _UVX_AHEAD + _AGENT_HOME + _RUNNER_ENV + f'exec {uvx} "$@"\n')
     # python3, python, pip and pytest: the image's python3 version when the runner has it
     # (IMAGE_PYTHON_VAR, see sequester.verifier.image_python), else the first Python; their
     # Pythons find the image's packages after their own (pysite's SITE_VAR).
@@ -323,7 +323,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         name = f"python{py.short}"
         # By absolute path: Python finds its standard library next to the binary it was
         # started as, never at the build's compiled-in prefix (a path of the view).
-        _script(bin_dir / name, _SAY + _NO_DASH_S + _AGENT_HOME + _LIBS + f'exec {_real(py)} -s "$@"\n')
+        _script(bin_dir / name, _SAY + _NO_DASH_S + _AGENT_HOME + _RUNNER_ENV + f'exec {_real(py)} -s "$@"\n')
     default = (
         f'if [ "$1 $2" = "-m pytest" ] || [ "$1 $2" = "-m pip" ]; then {_ENSURE}; fi\n'
         "__sequester_pick\n"
@@ -331,8 +331,8 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         'exec "$real" -s "$@"\n'
     )
     for name in ("python3", "python"):
-        _script(bin_dir / name, select + _SAY + _NO_DASH_S + _pip_env('"$real"') + _AGENT_HOME + _LIBS + default)
-    pip = select + _SAY + _pip_env('"$real"') + _LIBS + _PIP
+        _script(bin_dir / name, select + _SAY + _NO_DASH_S + _pip_env('"$real"') + _AGENT_HOME + _RUNNER_ENV + default)
+    pip = select + _SAY + _pip_env('"$real"') + _RUNNER_ENV + _PIP
     for name in ("pip", "pip3"):
         _script(bin_dir / name, pip)
     pytest = (
@@ -342,7 +342,7 @@ def write_shims(root: Path, *, tools: Iterable[str], pythons: list[HostPython], 
         + _ENSURE
         + "\n"
         + _AGENT_HOME
-        + _LIBS
+        + _RUNNER_ENV
         + 'exec "$__sequester_pip/bin/pytest" "$@"\n'
     )
     for name in ("pytest", "py.test"):
