@@ -292,6 +292,22 @@ def judge(
             *notes,
             f"the tests imported modules from the agent's folders (they run with the tests' rights): {shown}",
         )
+    preloaded = list(dict.fromkeys(m.partition(":")[2] for m in ev.runner_said if m.startswith("agent-preload:")))
+    if preloaded:
+        notes = (
+            *notes,
+            f"the verifier's Python started with {', '.join(preloaded[:4])} (the test script's own export): the "
+            "loader put that library into it before anything of the runner's ran, as under Docker; it runs with "
+            "the tests' rights and can change their outcome",
+        )
+    native = list(dict.fromkeys(m.partition(":")[2] for m in ev.runner_said if m.startswith("agent-native:")))
+    if native:
+        shown = ", ".join(native[:8]) + (f" and {len(native) - 8} more" if len(native) > 8 else "")
+        notes = (
+            *notes,
+            "the verifier's Python ran native code from outside the runner's folders (the agent's system, loaded "
+            f"by what the tests imported or preloaded; it runs with the tests' rights): {shown}",
+        )
 
     def lacking() -> BootstrapFailed:
         said = []

@@ -45,7 +45,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from sequester.verifier.layout import LIB, RUNNER_MOUNT, TASK_LIBS
+from sequester.verifier.layout import LIB, RUNNER_MOUNT, SCRATCH, TASK_LIBS
 
 __all__ = [
     "SITECUSTOMIZE",
@@ -447,14 +447,52 @@ del _runs_pytest
 if _is_pytest:  # the tests' pytest started: its bootstrap worked
     _say("pytest")
 del _argv, _is_pytest
+# Native code from outside the runner's folders in this process: an LD_PRELOAD or LD_AUDIT
+# it started with (the test script's own export, naming the agent's library: the loader
+# honoured it before any of this ran), a library the tests' imports loaded from the system
+# they check (a plugin folder of the view, a module named in the agent's HOME). The tests'
+# own choice, as under Docker (docs/security.md, residual risks): told to the host, which
+# names it in the trial's notes. Information only: code that ran in here can silence it.
+for _var in ("LD_PRELOAD", "LD_AUDIT"):
+    if os.environ.get(_var):
+        _say("agent-preload:" + _var + "=" + os.environ[_var])
+del _var
+
+
+def _native_outside():
+    trusted, scratch, seen = ({str(RUNNER_MOUNT)!r} + "/", "/tests/"), {str(SCRATCH)!r} + "/", []
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            for n, line in enumerate(maps):
+                fields = line.split(None, 5)
+                if n > 65536 or len(seen) >= 16:
+                    break
+                if len(fields) < 6 or b"x" not in fields[1] or not fields[5].startswith(b"/"):
+                    continue  # not executable, or not a file ([vdso], anonymous)
+                path = fields[5].rstrip(b"\\n").decode("utf-8", "backslashreplace")
+                if (not path.startswith(trusted) or path.startswith(scratch)) and path not in seen:
+                    seen.append(path)
+    except (OSError, ValueError):
+        return
+    for path in seen:
+        _say("agent-native:" + path)
+
+
+import atexit as _atexit
+
+_atexit.register(_native_outside)
 '''
 
 
 def write_sitecustomize(stdlib: Path, probed: Iterable[str] = ()) -> None:
     """``probed``: the optional modules the runner's own code tries (:func:`probed_names`)."""
     target = stdlib / "sitecustomize.py"
+    text = SITECUSTOMIZE.replace("__PROBED__", repr(sorted(set(probed))))
+    # A sitecustomize that does not compile is only a warning to Python ("Error in
+    # sitecustomize"), and the runner would run without every guard here: no tree then.
+    compile(text, str(target), "exec")
     target.unlink(missing_ok=True)  # never write through whatever was there
-    target.write_text(SITECUSTOMIZE.replace("__PROBED__", repr(sorted(set(probed)))))
+    target.write_text(text)
 
 
 _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}

@@ -14,15 +14,16 @@ Wins (strict xfails, the mechanism in the reason):
   ``ctypes.util.find_library`` is CPython's, which runs the view's ``/sbin/ldconfig`` and
   returns the path it prints (the agent's library loaded into the runner's Python, 1.0 for
   absent work);
-* an installed library that builds a plugin path at run time from a prefix string the
-  redirection does not see (Qt5's ``qt_prfxpath=/usr`` + ``lib/<triplet>/qt5/plugins``):
-  the copy in ``a`` loads the agent's module from the view;
-* an installed library that loads modules from a per-user folder or file (GStreamer's
-  ``~/.local/share/gstreamer-1.0/plugins``, the Vulkan loader's implicit layers): the
-  runner's Pythons get the agent's ``HOME`` back;
-* a test script's own ``export LD_PRELOAD=/app/libhook.so`` (meant for the agent's
-  program): the shims take out ``LD_LIBRARY_PATH`` only; the python3 shim's bash and the
-  runner's Python preload the agent's library (every mode);
+* (residual, strict xfails saying so, and told in the trial's notes) an installed library
+  that builds a plugin path at run time from a prefix string the redirection does not see
+  (Qt5's ``qt_prfxpath=/usr`` + ``lib/<triplet>/qt5/plugins``): the copy in ``a`` loads the
+  system's module, the agent's to change, as under Docker;
+* (residual, the same) an installed library that loads modules from a per-user folder or
+  file (GStreamer's ``~/.local/share/gstreamer-1.0/plugins``, the Vulkan loader's implicit
+  layers): the tests run with the agent's ``HOME``, as under Docker;
+* (residual, the same) a test script's own ``export LD_PRELOAD=/app/libhook.so`` (meant for
+  the agent's program): every program the script runs after loads it, the runner's Python
+  too, as under Docker (every mode);
 * a test script's own ``export PYTHONPATH=/app`` (TB2 scripts do): the shims pass it to the
   real Python, whose ``site`` imports the agent's ``/app/sitecustomize.py`` in place of the
   runner's (every mode);
@@ -203,6 +204,11 @@ def runtime_paths(built):
     cases = [{"name": "baseline-shared", "mode": "shared"}]
     cases += [{"name": f"prefix-{m}", "mode": m, "plants": prefix} for m in MODES]
     cases += [{"name": f"home-{m}", "mode": m, "plants": home} for m in MODES]
+    # The same with a module that does nothing (the agent's that ends the Python at once also
+    # ends its report): the residual, told.
+    told = str(libs["plain"])
+    cases += [{"name": "prefix-told", "mode": "shared", "plants": [[prefix[0][0], told, "755"]]}]
+    cases += [{"name": "home-told", "mode": "shared", "plants": [home[0], ["/app/evil.so", told, "755"]]}]
     return _scenario(
         root / "runtime-paths",
         root,
@@ -224,10 +230,10 @@ def test_runtime_paths_baseline_scores_0(runtime_paths):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "WIN: elf.view_paths_in redirects only whole C strings starting with /etc/, /usr/, /lib/, ...; a "
-        "prefix stored inside a longer string (Qt5Core's 'qt_prfxpath=/usr') joined at run time with a "
-        "relative folder ('lib/<triplet>/qt5/plugins') is never seen: the installed library's copy in "
-        "/opt/sequester-verifier/a dlopens the agent's module from the view into the runner's Python"
+        "RESIDUAL (docs/security.md, residual risks: native code the tests' imports load): a library the "
+        "tests import builds a plugin path at run time from a prefix (Qt5Core's 'qt_prfxpath=/usr' joined with "
+        "'lib/<triplet>/qt5/plugins') and loads the system's plugin, the agent's to change, as under Docker; "
+        "the trial's notes name it (test below)"
     ),
 )
 @pytest.mark.parametrize("mode", ["shared", "frozen"])
@@ -241,11 +247,11 @@ def test_an_installed_librarys_run_time_plugin_path_never_loads_the_agents_modul
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "WIN: the runner's Pythons get the agent's HOME back (shims._AGENT_HOME); an installed library that "
-        "reads a per-user folder or configuration naming a module (GStreamer's user plugin folder "
-        "$HOME/.local/share/gstreamer-1.0/plugins and its registry cache in ~/.cache, the Vulkan loader's "
-        "~/.local/share/vulkan/implicit_layer.d/*.json library_path) loads the agent's module into the "
-        "runner's Python; no compiled-in path is involved, so the redirection cannot see it"
+        "RESIDUAL (docs/security.md, residual risks: native code the tests' imports load): the tests run with "
+        "the agent's HOME (as under Docker: tests read the agent's files there); a library they import that "
+        "reads a per-user folder or configuration naming a module (GStreamer's user plugins, the Vulkan "
+        "loader's implicit layers) loads the agent's module into their Python; the trial's notes name it "
+        "(test below)"
     ),
 )
 @pytest.mark.parametrize("mode", ["shared", "frozen"])
@@ -253,6 +259,30 @@ def test_an_installed_librarys_user_configuration_never_loads_the_agents_module(
     case = runtime_paths[f"home-{mode}"]
     assert OWNED_IN_RUNNER not in _owned(case), case
     assert case["reward"] == 0.0, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["prefix", "home"])
+def test_native_code_the_tests_imports_load_from_the_agents_system_is_named_in_the_notes(runtime_paths, kind):
+    """The residual above, told: the trial's notes name the agent's module the tests'
+    Python ran (fails without pysite's mapped-code report)."""
+    case = runtime_paths[f"{kind}-told"]
+    named = [n for n in case["notes"] if "native code from outside the runner's folders" in n]
+    assert named, case
+    assert ("/usr/lib/" if kind == "prefix" else "/app/evil.so") in named[0], case
+
+
+@pytest.mark.slow
+def test_a_clean_run_names_only_the_native_code_the_tests_load_from_a_folder_the_agent_can_write(runtime_paths):
+    """The tests copy their extension into /tmp (a folder the agent writes) and import it:
+    that is named; the installed library loaded from the runner's copy is not, nor any file
+    of the runner's."""
+    case = runtime_paths["baseline-shared"]
+    assert not [n for n in case["notes"] if "started with LD_" in n], json.dumps(case)
+    native = [n for n in case["notes"] if "native code" in n]
+    assert len(native) == 1 and native[0].endswith("/tmp/ext/pkgcheck/_contextvars.cpython-311-x86_64-linux-gnu.so"), (
+        json.dumps(case)
+    )
 
 
 @pytest.mark.slow
@@ -413,6 +443,8 @@ def preload(built):
     (root / "prog").write_text("#!/bin/sh\necho hello\n")
     plants = [["/app/libhook.so", str(libs["evil"]), "755"], ["/app/prog", str(root / "prog"), "755"]]
     cases = [{"name": f"preload-{m}", "mode": m, "plants": plants} for m in MODES]
+    told = [["/app/libhook.so", str(libs["plain"]), "755"], plants[1]]
+    cases += [{"name": "preload-told", "mode": "shared", "plants": told}]
     return _scenario(
         root / "preload",
         root,
@@ -428,10 +460,10 @@ def preload(built):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "WIN: shims._LIBS takes the script's LD_LIBRARY_PATH out for the runner's programs but not its "
-        "LD_PRELOAD (nor LD_AUDIT): after `export LD_PRELOAD=/app/libhook.so` (meant for the agent's program) "
-        "every runner program the script starts, the python3 shim's bash and the runner's Python, loads the "
-        "agent's library first; environ.py strips these only from the script's starting environment"
+        "RESIDUAL (docs/security.md, residual risks: native code the tests' imports load): the test script's "
+        "own `export LD_PRELOAD=/app/libhook.so` puts the agent's library into every program it runs after, "
+        "the runner's Python too, as under Docker (the script's choice; its starting environment has none); "
+        "the trial's notes name it (test below)"
     ),
 )
 @pytest.mark.parametrize("mode", MODES)
@@ -439,6 +471,16 @@ def test_a_scripts_own_ld_preload_never_reaches_the_runners_programs(preload, mo
     case = preload[f"preload-{mode}"]
     assert OWNED_IN_RUNNER not in _owned(case), case
     assert case["reward"] == 0.0, case
+
+
+@pytest.mark.slow
+def test_a_scripts_own_ld_preload_in_the_runners_python_is_named_in_the_notes(preload):
+    """The residual above, told: the notes name the variable and the agent's library (fails
+    without pysite's report), here one that does nothing (one that ends the Python at once
+    ends its report too: information only)."""
+    case = preload["preload-told"]
+    assert any("LD_PRELOAD=/app/libhook.so" in n for n in case["notes"]), json.dumps(case)
+    assert any("native code" in n and "/app/libhook.so" in n for n in case["notes"]), case
 
 
 # ---------------------------------------------------------------------------------------
