@@ -80,7 +80,7 @@ _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
 _ENDED = "exited (or did not end a timed-out command) and was restarted (its state was reset)"
 # The descriptors one episode may hold at once in the process that runs it (counted in
-# docs/running-tasks.md): 6 while its agent thinks, 18 with a network, one more on an image,
+# docs/running-tasks.md): 6 while its agent thinks, 17 with a network, one more on an image,
 # about 26 at most while it starts, runs a command or evaluates. reset() makes sure of room
 # for one more, and as much again for the caller's own work, before it starts anything.
 EPISODE_DESCRIPTORS = 32
