@@ -66,6 +66,7 @@ from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.fdlimit import ensure_room
 from sequester.sandbox.gpus import available_gpus
+from sequester.sandbox.hostlimits import check_pty_room
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
@@ -206,13 +207,17 @@ class Episode:
         (a job's, with its notes). An image that cannot be had raises
         :class:`~sequester.errors.ImageError` before anything starts; so does a process
         whose open-file limit cannot hold another episode, :class:`SandboxError` (the
-        soft limit is raised first: :mod:`sequester.sandbox.fdlimit`)."""
+        soft limit is raised first: :mod:`sequester.sandbox.fdlimit`), or a machine whose
+        ptys are all in use (``kernel.pty.max``); one that cannot make another namespace or
+        process fails naming the limit it hit (:mod:`sequester.sandbox.hostlimits`)."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
         if not namespace_support().available:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         ensure_room(2 * EPISODE_DESCRIPTORS, "another episode")
+        if shell:
+            check_pty_room("another episode")  # its shell's terminal (sequester.sandbox.hostlimits)
         task = task if isinstance(task, Task) else load_task(task)
         if shell:  # (a separate verifier's environment gets the started episode's task, already timed)
             task = timed_task(task, self.settings)
