@@ -144,6 +144,23 @@ def fake_v2(tmp_path, monkeypatch):
     return own
 
 
+def test_a_v2_base_lists_its_processes_only_where_the_plan_may_need_them(tmp_path):
+    """cgroup.procs decides only whether controllers can still be enabled (no internal
+    processes): not read at the top, nor once every controller offered is enabled. Read at
+    every reset, a hybrid host's v2 root listed every process of the machine, thousands
+    with a thousand episodes open (issue #25)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (base / "cgroup.procs").write_text("1\n2\n3\n")
+    (base / "cgroup.subtree_control").write_text("memory\n")
+    assert limits.read_v2_base(base, top=False, what="ours").procs == (1, 2, 3)  # cpu, pids may be enabled
+    assert limits.read_v2_base(base, top=True, what="the root").procs == ()
+    (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    read = limits.read_v2_base(base, top=False, what="ours")
+    assert read.procs == () and read.enabled == {"cpu", "memory", "pids"}
+
+
 def test_the_v2_executor_makes_one_cgroup_shared_with_the_freezer(fake_v2):
     group, why = limits.make_limit_groups("sequester-1-0", memory_mb=64, cpus=0.5, pids=60)
     assert why is None and group is not None
