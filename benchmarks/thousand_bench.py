@@ -39,8 +39,9 @@ A process or machine that cannot hold ``-n`` of them (the open-file limit, ptys,
 namespaces, memory: :func:`sequester.environments.local.capacity.shortfalls`) is told so
 before any starts, exit status 2.
 An interrupted run (Ctrl-C, SIGTERM) closes what it started; a killed one leaves its
-sandboxes to die with it (``--die-with-parent``) and its state folders to the next start's
-clean-up of folders of dead processes.
+sandboxes to die with it (``--die-with-parent``), and its state folders, cgroups and any
+sandbox it was still starting to the next start's clean-up of dead processes' (the next
+run removes its memory cgroup).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from _report import Row, report
 from sequester.environments.local.capacity import shortfalls
 from sequester.environments.local.episode import Episode
 from sequester.environments.settings import EpisodeSettings
+from sequester.sandbox.cgroups.pool import remove_stale_cgroups
 from sequester.sandbox.fdlimit import open_descriptors
 from sequester.sandbox.procs import descendants
 
@@ -139,6 +141,12 @@ class Charged:
         if own is None or os.getuid() != 0 or not (mount / "memory.usage_in_bytes").exists():
             return
         self._old = mount / own.lstrip("/")
+        for stale in self._old.glob("seq-thousand-*"):  # a killed run's (its episodes' cgroups below it)
+            owner = stale.name.rsplit("-", 1)[1]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                remove_stale_cgroups(stale)
+                with contextlib.suppress(OSError):
+                    stale.rmdir()
         path = self._old / f"seq-thousand-{os.getpid()}"
         try:
             path.mkdir()
