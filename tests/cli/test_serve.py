@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -182,3 +183,26 @@ def test_ctrl_c_is_a_clean_stop_exit_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_more_sessions_than_the_open_file_limit_holds_is_said_at_start(tmp_path):
+    """--max-sessions 1000 under a hard open-file limit of 1024 (about 150 idle sessions):
+    a warning naming the limit and how to raise it, before any session (issue #25); the
+    server still serves what fits."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    proc = subprocess.Popen([sys.executable, "-m", "sequester.cli", "serve", "--port", "0", "--token-file",
+                             str(token_file), "--max-sessions", "1000"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=low_limit)
+    try:
+        first, second = proc.stderr.readline(), proc.stderr.readline()
+        assert "up to 1000 sessions" in first, first
+        assert second.startswith("sequester serve: warning: 1000 sessions with an episode each would not fit"), second
+        assert "the open-file limit: " in second and "hard 1024" in second and "ulimit -n 8192" in second, second
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

@@ -8,13 +8,17 @@ real v2 path is tested in tests/environments/local/test_limits.py only where one
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from sequester.sandbox.cgroups import limits
+from sequester.sandbox.cgroups import limits, pool
 from sequester.sandbox.cgroups.freezer import Hierarchy
 from sequester.sandbox.cgroups.hierarchy import find_v1
+from sequester.sandbox.cgroups.hierarchy import own_cgroup as hierarchy_own
 from sequester.sandbox.cgroups.limits import V2Base, V2Plan, choose_version, limit_plan, plan_v2
 
 ALL = frozenset({"cpuset", "cpu", "io", "memory", "hugetlb", "pids", "rdma", "misc"})
@@ -144,6 +148,23 @@ def fake_v2(tmp_path, monkeypatch):
     return own
 
 
+def test_a_v2_base_lists_its_processes_only_where_the_plan_may_need_them(tmp_path):
+    """cgroup.procs decides only whether controllers can still be enabled (no internal
+    processes): not read at the top, nor once every controller offered is enabled. Read at
+    every reset, a hybrid host's v2 root listed every process of the machine, thousands
+    with a thousand episodes open (issue #25)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (base / "cgroup.procs").write_text("1\n2\n3\n")
+    (base / "cgroup.subtree_control").write_text("memory\n")
+    assert limits.read_v2_base(base, top=False, what="ours").procs == (1, 2, 3)  # cpu, pids may be enabled
+    assert limits.read_v2_base(base, top=True, what="the root").procs == ()
+    (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    read = limits.read_v2_base(base, top=False, what="ours")
+    assert read.procs == () and read.enabled == {"cpu", "memory", "pids"}
+
+
 def test_the_v2_executor_makes_one_cgroup_shared_with_the_freezer(fake_v2):
     group, why = limits.make_limit_groups("sequester-1-0", memory_mb=64, cpus=0.5, pids=60)
     assert why is None and group is not None
@@ -257,3 +278,45 @@ def test_a_group_still_busy_is_removed_once_its_last_process_is_gone():
     while any(p.exists() for p in group.paths) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(p.exists() for p in group.paths)
+
+
+def _own_v1(controller: str) -> Path | None:
+    """This process's cgroup in the v1 hierarchy of ``controller``, where root may make cgroups."""
+    mount = find_v1(controller)
+    own = hierarchy_own(controller)
+    if os.geteuid() != 0 or mount is None or own is None:
+        return None
+    path = mount.mount / own.lstrip("/")
+    return path if os.access(path, os.W_OK) else None
+
+
+@pytest.mark.parametrize("controller", ["pids", "freezer"])
+def test_a_dead_processs_cgroup_that_still_holds_a_sandbox_is_emptied_and_removed(controller):
+    """A process killed while a reset was under way could leave the episode's init running
+    in its cgroup for good (seen after a killed thousand-episode benchmark): the next
+    process's clean-up of dead processes' cgroups kills what is in them, thawing a frozen
+    one first, then removes them (before, only empty ones went). v1 stand-in: a sleep of
+    this test's own in a cgroup named as a dead sequester process's."""
+    base = _own_v1(controller)
+    if base is None:
+        pytest.skip(f"needs root and a v1 {controller} hierarchy (this machine kind's)")
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)  # a pid that is gone
+    group = base / f"sequester-{dead}-7"
+    group.mkdir()
+    sandbox = subprocess.Popen(["sleep", "60"])
+    try:
+        (group / "cgroup.procs").write_text(str(sandbox.pid))
+        if controller == "freezer":
+            (group / "freezer.state").write_text("FROZEN")
+        pool.remove_stale_cgroups(base)
+        assert sandbox.wait(5) == -signal.SIGKILL
+        assert not group.exists()
+    finally:
+        if sandbox.poll() is None:
+            if (group / "freezer.state").exists():
+                (group / "freezer.state").write_text("THAWED")
+            sandbox.kill()
+            sandbox.wait()
+        if group.exists():
+            group.rmdir()

@@ -71,6 +71,7 @@ def _loopback(host: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from sequester.environments.local.capacity import shortfalls
     from sequester.serve.app import count_tasks, create_app, uvicorn_config
     from sequester.serve.auth import load_token
 
@@ -122,6 +123,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if token.generated:  # printed once, here: nowhere else, in no log
         err.write(f"sequester serve: token: {token.value}\n")
+    if episodes.backend == "local":
+        # Whether this process and machine could hold every session at once, said now rather
+        # than at the reset that finds out (each reset still refuses, naming the limit).
+        short = shortfalls(settings.max_sessions, session=True)
+        if short:
+            err.write(
+                f"sequester serve: warning: {settings.max_sessions} sessions with an episode each would not fit "
+                f"here at once (the resets beyond will be refused): {'; '.join(short)}\n"
+            )
     err.flush()
     if logging.getLogger().level > logging.INFO:
         log.setLevel(logging.INFO)  # one line per session event is the server's log

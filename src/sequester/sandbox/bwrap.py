@@ -24,6 +24,7 @@ from pathlib import Path
 from sequester.errors import SandboxError
 from sequester.guard.privileges import KERNEL_HOST_ID, NOBODY
 from sequester.sandbox.argv import Identity, LaunchFds, SandboxSpec, build_argv
+from sequester.sandbox.hostlimits import explain
 from sequester.sandbox.idmap import write_id_map
 from sequester.sandbox.probe import bwrap_path
 from sequester.sandbox.readiness import readable
@@ -140,15 +141,18 @@ def start_bwrap(
             *([seccomp_fd] if seccomp_fd is not None else []),
             *([hold_r] if hold_r is not None else []),
         ]
-        popen = subprocess.Popen(
-            build_argv(bwrap_path(), spec, fds),
-            env=dict(spec.env),
-            pass_fds=pass_fds,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
+        try:
+            popen = subprocess.Popen(
+                build_argv(bwrap_path(), spec, fds),
+                env=dict(spec.env),
+                pass_fds=pass_fds,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        except BlockingIOError as exc:  # EAGAIN: no process may be started (pid_max, pids.max, ...)
+            raise SandboxError(explain(f"bwrap could not be started: {exc}")) from None
 
         def kill_bwrap() -> None:
             popen.kill()
@@ -165,14 +169,14 @@ def start_bwrap(
         if not isinstance(info, dict) or not isinstance(info.get("child-pid"), int):
             popen.wait()
             said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
-            raise SandboxError(f"bwrap failed to create the sandbox: {said or 'no message'}")
+            raise SandboxError(explain(f"bwrap failed to create the sandbox: {said or 'no message'}"))
         pid = info["child-pid"]
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:  # the sandbox failed right after it was made (a mount)
             popen.wait()
             said = read_pending(stderr_reader).decode(errors="replace").strip() if stderr_reader is not None else ""
-            raise SandboxError(f"bwrap failed to set up the sandbox: {said or 'no message'}") from None
+            raise SandboxError(explain(f"bwrap failed to set up the sandbox: {said or 'no message'}")) from None
         on_failure.callback(close_fd, pidfd)
         if needs_map:
             if spec.id_map is not None:

@@ -6,7 +6,10 @@ The pure tampering report (:mod:`.tamper`) is tested here too."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 from conditions import requires_root
@@ -155,3 +158,70 @@ def test_skeletons_untouched_for_a_day_are_removed_and_recent_ones_kept(tmp_path
     os.utime(old, (past, past))
     removed = remove_stale(tmp_path)
     assert removed == [old] and not old.exists() and recent.is_dir()
+
+
+_KILLED_MID_START = """
+import json, os, signal, subprocess, sys
+bwrap, folder = sys.argv[1], sys.argv[2]
+block_r, block_w = os.pipe()
+info_r, info_w = os.pipe()
+# as an episode's start runs it: die with this process, wait for the id map on a block fd
+subprocess.Popen([bwrap, "--unshare-user", "--unshare-pid", "--die-with-parent", "--userns-block-fd", str(block_r),
+                  "--info-fd", str(info_w), "--ro-bind", "/", "/", "--bind", folder + "/new", "/mnt", "--", "/bin/true"],
+                 pass_fds=[block_r, info_w], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+os.close(info_w)
+info = b""
+while b"}" not in info:
+    info += os.read(info_r, 4096)
+holder = os.fork()  # keeps the block's write end open past this process: bwrap's read never ends by
+if holder == 0:     # itself (in sequester, that end's close races the parent-death signal)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    __import__("time").sleep(20)
+    os._exit(0)
+print(json.loads(info)["child-pid"], holder, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # killed before it wrote the map: the sandbox waits for good
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 and not os.path.exists("/proc/self/ns/user"), reason="needs namespaces")
+def test_a_sandbox_left_starting_by_a_killed_process_goes_with_its_folder(tmp_path):
+    """A process killed while a reset was under way (a benchmark's Ctrl-C, an OOM kill): its
+    sandbox's PID 1 waits for a go-ahead its dead parent never gives, and bwrap sets its
+    parent-death signal only after that, so it stayed for good (seen after a killed
+    thousand-episode benchmark). The next start's clean-up of dead processes' folders
+    kills it (and only bwrap naming such a folder)."""
+    from sequester.sandbox.probe import bwrap_path
+
+    base = tmp_path / "state"
+    started = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(started.stdout)  # a pid that is gone (for the folder's name)
+    folder = base / f"{dead}-abc"
+    (folder / "new").mkdir(parents=True)
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_MID_START)
+    middle = subprocess.run([sys.executable, str(script), bwrap_path(), str(folder)], capture_output=True, text=True,
+                            timeout=60)
+    sandbox, holder = (int(p) for p in middle.stdout.split())
+    try:
+        time.sleep(0.5)
+        assert _alive(sandbox), "bwrap no longer leaves it: this test has nothing left to show"
+        removed = remove_stale(base)
+        deadline = time.monotonic() + 5
+        while _alive(sandbox) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(sandbox) and removed == [folder]
+    finally:
+        for pid in (sandbox, holder):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except OSError:
+        return False

@@ -66,6 +66,7 @@ from sequester.sandbox.argv import CONTAINER_RLIMITS
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.fdlimit import ensure_room
 from sequester.sandbox.gpus import available_gpus
+from sequester.sandbox.hostlimits import check_pty_room
 from sequester.sandbox.nsexec.client import NsExec, shared_nsexec
 from sequester.sandbox.probe import namespace_support
 from sequester.sandbox.procs import pid_namespace
@@ -80,7 +81,7 @@ _READ_LIMIT = 64 * 1024 * 1024
 _CHOOSE = object()  # reset(): choose the image from the task and the image source
 _ENDED = "exited (or did not end a timed-out command) and was restarted (its state was reset)"
 # The descriptors one episode may hold at once in the process that runs it (counted in
-# docs/running-tasks.md): 6 while its agent thinks, 18 with a network, one more on an image,
+# docs/running-tasks.md): 6 while its agent thinks, 17 with a network, one more on an image,
 # about 26 at most while it starts, runs a command or evaluates. reset() makes sure of room
 # for one more, and as much again for the caller's own work, before it starts anything.
 EPISODE_DESCRIPTORS = 32
@@ -206,13 +207,17 @@ class Episode:
         (a job's, with its notes). An image that cannot be had raises
         :class:`~sequester.errors.ImageError` before anything starts; so does a process
         whose open-file limit cannot hold another episode, :class:`SandboxError` (the
-        soft limit is raised first: :mod:`sequester.sandbox.fdlimit`)."""
+        soft limit is raised first: :mod:`sequester.sandbox.fdlimit`), or a machine whose
+        ptys are all in use (``kernel.pty.max``); one that cannot make another namespace or
+        process fails naming the limit it hit (:mod:`sequester.sandbox.hostlimits`)."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
         if not namespace_support().available:
             raise SandboxError(f"episodes need user namespaces: {namespace_support().detail}")
         self._stop()
         ensure_room(2 * EPISODE_DESCRIPTORS, "another episode")
+        if shell:
+            check_pty_room("another episode")  # its shell's terminal (sequester.sandbox.hostlimits)
         task = task if isinstance(task, Task) else load_task(task)
         if shell:  # (a separate verifier's environment gets the started episode's task, already timed)
             task = timed_task(task, self.settings)

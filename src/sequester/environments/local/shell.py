@@ -45,6 +45,7 @@ import termios
 import time
 
 from sequester.environments.base import ExecResult
+from sequester.sandbox.hostlimits import no_pty_left
 from sequester.sandbox.procs import open_pidfd, pid_namespace, signal_group_in, signal_in
 from sequester.sandbox.readiness import readable_among
 
@@ -121,8 +122,15 @@ class Shell:
 
     @staticmethod
     def make_pty() -> tuple[int, int]:
-        """A pty with raw output (no ``\\n`` to ``\\r\\n``) and no echo: (master, slave)."""
-        master, slave = os.openpty()
+        """A pty with raw output (no ``\\n`` to ``\\r\\n``) and no echo: (master, slave).
+        The machine's last pty taken (``kernel.pty.max``) is a :class:`SandboxError` naming it."""
+        try:
+            master, slave = os.openpty()
+        except OSError as exc:
+            full = no_pty_left(exc, "the episode's shell")
+            if full is None:
+                raise
+            raise full from None
         attrs = termios.tcgetattr(slave)
         attrs[1] &= ~termios.OPOST
         attrs[3] &= ~(termios.ECHO | termios.ICANON)

@@ -33,6 +33,7 @@ from sequester.sandbox.bwrap import StartedBwrap, close_fd, read_pending, start_
 from sequester.sandbox.freeze import Freezer, make_freezer
 from sequester.sandbox.gpus import GpuPlan
 from sequester.sandbox.host import HostFacts, gather_host_facts
+from sequester.sandbox.hostlimits import explain
 from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.mounts import ROOT_SECRETS, SYSTEM_DIRS, MountKind, MountOp, hidden_paths
 from sequester.sandbox.quota import ProjectQuota
@@ -275,7 +276,7 @@ def launch_init(
             said = read_pending(err_r, limit=4096).decode(errors="replace").strip()
             below = describe_mounts_below(overlaid)  # name what may have been in the way
             raise SandboxError(
-                f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}"
+                explain(f"the episode's sandbox did not come up: {said or 'bwrap failed to build the view'}")
                 + (f" (mounted below the host folders of the view now: {below})" if below else "")
             )
         freezer = make_freezer(started.pid, cgroup=limits.freezer_cgroup if limits is not None else None)

@@ -4,13 +4,17 @@
 ``upper/<top>`` and ``work/<top>`` for the overlay on each visible top-level folder,
 ``new/<top>`` for top-level folders the agent gets fresh (``/app``, ``/root``, ...).
 Nothing of the task's tests is ever written here. A folder left by a process that died
-is removed the next time episodes start.
+is removed the next time episodes start, with any sandbox still starting on it: a process
+killed while a reset was under way left bwrap's half-started sandbox (its PID 1, waiting
+for a go-ahead its killed parent never gave, and which no parent-death signal reaches yet:
+bwrap sets it later) for good (issue #25, a thousand-episode benchmark killed mid-start).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterable
@@ -20,7 +24,7 @@ from pathlib import Path
 from sequester.sandbox.idspace import remove_mapped_tree
 from sequester.sandbox.remove import RemovalError
 
-__all__ = ["EpisodeDirs", "RemovalError", "remove_stale"]
+__all__ = ["EpisodeDirs", "RemovalError", "kill_stragglers", "remove_stale"]
 
 log = logging.getLogger("sequester.environments.local")
 
@@ -84,6 +88,16 @@ def remove_stale(base: Path) -> list[Path]:
         names = os.listdir(base)
     except OSError:
         return removed
+    stale = [
+        name
+        for name in names
+        if not name.startswith("skeleton-")
+        and name.split("-", 1)[0].isdigit()
+        and int(name.split("-", 1)[0]) != os.getpid()
+        and not _alive(int(name.split("-", 1)[0]))
+    ]
+    if stale:
+        kill_stragglers(base, stale)
     for name in names:
         if name.startswith("skeleton-"):  # a composed folder's skeleton (see submounts.py)
             if _older_than(base / name, SKELETON_MAX_AGE):
@@ -99,6 +113,44 @@ def remove_stale(base: Path) -> list[Path]:
             continue
         removed.append(base / name)
     return removed
+
+
+def kill_stragglers(base: Path, names: Iterable[str]) -> list[int]:
+    """SIGKILL every ``bwrap`` whose command line names one of the folders ``names`` of
+    ``base`` (episodes of dead processes): the sandboxes a killed process left while they
+    started (see the module). Only bwrap, only those folders; what cannot be signalled
+    (another user's) is left. Returns the pids killed. One walk of ``/proc``, when there
+    are stale folders at all."""
+    marks = [os.fsencode(f"{base}/{name}/") for name in names]
+    killed: list[int] = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return killed
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                if f.read().strip() != b"bwrap":
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                line = f.read()
+            if not any(mark in line for mark in marks):
+                continue
+            fd = os.pidfd_open(pid)  # (the pid checked above is the one signalled: no reuse between)
+        except OSError:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() != line:
+                    continue
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            killed.append(pid)
+            log.info("killed a sandbox left starting by a dead process (pid %d)", pid)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return killed
 
 
 # Skeletons are shared by the episodes of one host layout and rebuilt when missing; one

@@ -102,6 +102,9 @@ class EpisodeNetwork:
         except BaseException:
             router.close()
             raise
+        # The stack has joined the router's namespaces (it joins them through the holder's
+        # pid, and only while it starts): the holder may go.
+        router.release_holder()
         net._refused = refused
         return net
 
@@ -210,7 +213,7 @@ class EpisodeNetwork:
         return found
 
     def close(self) -> None:
-        """Stop everything of it (idempotent): the stack, the router's holder, the threads."""
+        """Stop everything of it (idempotent): the stack, the router's namespaces, the threads."""
         if self._closed:
             return
         try:
@@ -229,7 +232,7 @@ class EpisodeNetwork:
             os.kill(self.stack_pid, signal.SIGKILL)
         except OSError:
             pass
-        self.router.close()  # the holder ends with its lifeline; the namespaces with it
+        self.router.close()  # the namespaces go with their last descriptor (and the stack)
 
 
 class Preparing:

@@ -214,7 +214,8 @@ class V2Base:
     """A cgroup v2 folder under which ours could be made, as read from the host (the
     input of :func:`plan_v2`). ``controllers``: its ``cgroup.controllers`` (what its
     children can be given); ``enabled``: its ``cgroup.subtree_control``; ``procs``: the
-    processes in it; ``usable``: we may make children and move processes there (root, or
+    processes in it (not read, empty, where no controller is left to enable or at the
+    top: see :func:`read_v2_base`); ``usable``: we may make children and move processes there (root, or
     a delegated subtree); ``top``: the hierarchy's root cgroup (which may hold processes
     and enable controllers at once); ``what``: how the notes name it."""
 
@@ -299,21 +300,23 @@ def _read(path: Path) -> str:
 
 
 def read_v2_base(path: Path, *, top: bool, what: str) -> V2Base:
-    """What :class:`V2Base` says of the v2 cgroup at ``path``, read from the host."""
-    procs = tuple(int(p) for p in _read(path / "cgroup.procs").split() if p.isdigit())
+    """What :class:`V2Base` says of the v2 cgroup at ``path``, read from the host.
+
+    Its ``cgroup.procs`` only where :func:`plan_v2` may need it: a base not at the top
+    whose controllers are not all enabled for its children yet. (Read at every reset, it
+    listed every process of the machine where the base is the hierarchy's root, a hybrid
+    host's: thousands with a thousand episodes open, twice per reset; issue #25.)"""
+    controllers = frozenset(_read(path / "cgroup.controllers").split())
+    enabled = frozenset(_read(path / "cgroup.subtree_control").split())
+    wanted = controllers & frozenset(_CONTROLLERS)
+    procs = (
+        () if top or wanted <= enabled else tuple(int(p) for p in _read(path / "cgroup.procs").split() if p.isdigit())
+    )
     if os.geteuid() == 0:
         usable = os.access(path / "cgroup.procs", os.W_OK) and os.access(path, os.W_OK | os.X_OK)
     else:
         usable = is_delegated(path)
-    return V2Base(
-        path,
-        frozenset(_read(path / "cgroup.controllers").split()),
-        frozenset(_read(path / "cgroup.subtree_control").split()),
-        procs,
-        usable,
-        top,
-        what,
-    )
+    return V2Base(path, controllers, enabled, procs, usable, top, what)
 
 
 _v2_lock = threading.Lock()

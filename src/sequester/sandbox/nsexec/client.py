@@ -124,9 +124,10 @@ class Worker:
 class Router:
     """An episode's router namespace as the host holds it (made by :meth:`NsExec.net_router`):
     its user and network namespaces (descriptors), the pid of the process that holds them
-    (the stack attaches to it) and the lifeline that keeps that process alive (closing it
-    ends it), the DNS responder's UDP and TCP sockets in it, and the relays' listening
-    sockets in the agent's namespace."""
+    while the stack starts (the stack joins them through its pid) and the lifeline that
+    keeps that process alive (closing it ends it: :meth:`release_holder`, once the stack is
+    up), the DNS responder's UDP and TCP sockets in it, and the relays' listening sockets in
+    the agent's namespace."""
 
     userns: int
     netns: int
@@ -134,6 +135,18 @@ class Router:
     lifeline: int
     dns: list[socket.socket]
     relays: list[socket.socket]
+
+    def release_holder(self) -> None:
+        """End the holder (closing its lifeline): once the stack has joined the namespaces,
+        nothing needs it (these descriptors, and the stack, keep them). Kept, it was a
+        forked copy of the helper's Python per episode with a network, about 1 to 2 MB each
+        (issue #25: a thousand episodes)."""
+        if self.lifeline >= 0:
+            try:
+                os.close(self.lifeline)
+            except OSError:
+                pass
+            self.lifeline = -1
 
     def close(self) -> None:
         for sock in (*self.dns, *self.relays):

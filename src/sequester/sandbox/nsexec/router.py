@@ -6,8 +6,10 @@ attached to it.
   capability in: for a root caller, a user namespace of the stack's own host id (so the
   stack, which runs as that id, can join it; no other process has that id), made before
   the episode's sandbox is; for an ordinary user, the episode's outer user namespace
-  (bwrap's, whose child the agent is in). A process of the stack's uid holds it (the stack
-  attaches to it) until the host closes its lifeline. In it: forwarding, the nftables
+  (bwrap's, whose child the agent is in). A process of the stack's uid holds it while the
+  stack starts (slirp4netns joins the namespaces of a pid), until the host closes its
+  lifeline once the stack is up (the host's descriptors then keep the namespaces; the
+  holder no longer costs a process per episode). In it: forwarding, the nftables
   ruleset (through libnftables), the DNS responder's sockets. Its user and network
   namespaces and the sockets go back to the host over a socket (``SCM_RIGHTS``): the host
   holds the router; nothing of it is in the agent's reach.
