@@ -87,6 +87,9 @@ class Capabilities:
     compose: bool = False  # starts a task's Docker Compose services (environment/docker-compose.yaml)
     gpus: int | None = 0  # NVIDIA GPUs it can give a trial here; None: its engine says when the container starts
     gpu_source: str = ""  # where those GPUs come from, or why there are none
+    # checkpoint(), rollback() and fork() of an episode on an image (the local backend's
+    # sealed layers); a Docker-API engine's containers have no layer a client can seal.
+    checkpoint: bool = False
 
 
 class UnsupportedByBackend(SequesterError):

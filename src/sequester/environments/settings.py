@@ -16,6 +16,8 @@ docker_network = "NAME"     # docker: the engine network public tasks get (defau
 network = "task"            # or "allowlist" / "none": what the run lets tasks have (see sequester.net.episode)
 allowed_hosts = []          # HOST[:PORT] the agent's phase may reach besides (a model API, a loopback mock)
 dns_servers = []            # IP[:PORT] the episodes' DNS responder asks (default: /etc/resolv.conf's)
+checkpoint_depth = 16       # sealed layers an episode may stand on (Episode.checkpoint)
+checkpoint_disk_mb = 20480  # disk the sealed layers of one process may take
 """
 
 from __future__ import annotations
@@ -100,8 +102,16 @@ class EpisodeSettings:
     # [agent] and [verifier] timeout_sec are scaled by them (see timed_task).
     agent_timeout_multiplier: float = 1.0
     verifier_timeout_multiplier: float = 1.0
+    # Checkpoints (sequester.environments.local.checkpoint): the sealed layers an episode
+    # may stand on, and the disk the sealed layers of one process may take.
+    checkpoint_depth: int = 16
+    checkpoint_disk_mb: int = 20480
 
     def __post_init__(self) -> None:
+        for name in ("checkpoint_depth", "checkpoint_disk_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise PolicyError(f"episodes.{name}: {value!r} is not a positive whole number")
         for name in (
             "exec_timeout",
             "output_bytes",

@@ -23,6 +23,7 @@ import enum
 import io
 import logging
 import os
+import secrets
 import shlex
 import tarfile
 import threading
@@ -41,6 +42,8 @@ from sequester.environments.base import (
     wanted_verifier_env,
     wants_freeze,
 )
+from sequester.environments.local import checkpoint as checkpoints
+from sequester.environments.local.checkpoint import Checkpoint, CheckpointError
 from sequester.environments.local.evaluation import run_tests
 from sequester.environments.local.layers import report_episode, view_points
 from sequester.environments.local.process import run_process
@@ -103,6 +106,7 @@ LOCAL_CAPABILITIES = Capabilities(
     freeze=True,
     trusted_runner=True,
     network_policies=frozenset({"none", "public", "allowlist"}),
+    checkpoint=True,
 )
 
 
@@ -210,6 +214,23 @@ class Episode:
         soft limit is raised first: :mod:`sequester.sandbox.fdlimit`), or a machine whose
         ptys are all in use (``kernel.pty.max``); one that cannot make another namespace or
         process fails naming the limit it hit (:mod:`sequester.sandbox.hostlimits`)."""
+        return self._begin(
+            task, workdir=workdir, shell=shell, image_source=image_source, image=image, choice=choice, resume=None
+        )
+
+    def _begin(
+        self,
+        task: Task | str | os.PathLike[str],
+        *,
+        workdir: str | None,
+        shell: bool,
+        image_source: str | None,
+        image: ImageRecord | None | object,
+        choice: Choice | None,
+        resume: Checkpoint | None,
+    ) -> Episode:
+        """:meth:`reset`, or with ``resume`` a start on a checkpoint's layers, in its
+        shell's working directory and with its exported variables."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
         if not namespace_support().available:
@@ -219,7 +240,7 @@ class Episode:
         if shell:
             check_pty_room("another episode")  # its shell's terminal (sequester.sandbox.hostlimits)
         task = task if isinstance(task, Task) else load_task(task)
-        if shell:  # (a separate verifier's environment gets the started episode's task, already timed)
+        if shell and resume is None:  # (a separate verifier's environment, a checkpoint: already timed)
             task = timed_task(task, self.settings)
         # What the task needs of this backend and host (GPUs, Compose services), before
         # anything is chosen, fetched, built or started.
@@ -243,6 +264,8 @@ class Episode:
         wanted = policy.has_network and network_unavailable() is None
         # A root caller's router and stack are made while the sandbox starts (half the cost).
         early = Preparing(self._nsexec, policy) if wanted and stack_host_id() is not None else None
+        above = resume.layers if resume is not None else ()
+        checkpoints.hold(above)  # (before the start: the checkpoint may be released meanwhile)
         try:
             self._run = start_system(
                 task,
@@ -252,12 +275,20 @@ class Episode:
                 workdir,
                 resolv_conf() if wanted else None,
                 installs_of=self._installs_of,
+                above=above,
             )
         except BaseException:
+            checkpoints.let_go(above)
             if early is not None:
                 early.discard()
             raise
         run, chosen = self._run, self._run.workdir
+        if resume is not None:
+            run.env = dict(resume.env)
+            try:
+                checkpoints.copy_logs(resume.logs, run.dirs.root / "logs")
+            except OSError as exc:
+                run.notes.append(f"the agent's log folders of checkpoint {resume.id} could not be copied: {exc}")
         self._state = _State.RUNNING
         try:
             # The network is linked while the shell starts (the shell is sequester's and runs
@@ -266,7 +297,7 @@ class Episode:
             try:
                 if not shell:  # else the shell's start does it
                     self._nsexec.harden(run.bwrap.pid)
-                if run.lease is not None and chosen != "/" and image_path_kind(run.lease.layers, chosen) == "none":
+                if run.lease is not None and chosen != "/" and image_path_kind(run.layers, chosen) == "none":
                     self._make_dir(chosen)
                 if shell:
                     self._start_shell(harden=True)
@@ -291,7 +322,9 @@ class Episode:
         assert run.shell is not None
         r = run.shell.run("ldconfig " + " ".join(shlex.quote(f) for f in folders), 60, 4096)
         if r.exit_code != 0:
-            run.notes.append(f"ldconfig of the GPU driver's folders failed ({r.exit_code}): {r.output.strip()[:300]}")
+            run.notes.append(
+                f"ldconfig of the GPU driver's folders failed ({r.exit_code}): {(r.stdout + r.stderr).strip()[:300]}"
+            )
 
     def network_policy(self, task: Task) -> EpisodePolicy:
         """``task``'s network narrowed by the settings' (the operator's); a separate
@@ -619,7 +652,7 @@ class Episode:
         # What the tests' installs unpack (sequester.imagebuild.apt_install) is the tests'
         # writing, not the agent's: not reported.
         known = run.view_points | (unpacked_paths(run.installs) if run.installs is not None else frozenset())
-        lines = report_episode(run.dirs, known=known, ids=run.id_map, image=image)
+        lines = report_episode(run.dirs, known=known, ids=run.id_map, image=image, sealed=run.above)
         return lines + (self._top_level_entries(run) if image else self._top_level_changes(run))
 
     def _top_level_entries(self, run: RunningEpisode) -> list[str]:
@@ -732,6 +765,147 @@ class Episode:
                 notes=notes,
             )
 
+    # -- checkpoints (sequester.environments.local.checkpoint) -----------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """Seal the episode's files as they are now and go on from them: the agent's
+        processes are frozen, the sandbox ends, its writable layer becomes a read-only
+        layer of the returned :class:`Checkpoint`, and the episode starts again on it under
+        a fresh writable layer, its shell in the working directory and with the exported
+        variables it had. Every other process is not restored: named in
+        ``Checkpoint.not_restored`` and the episode's notes. The agent's remaining time
+        goes on. :class:`CheckpointError` (the episode as it was) past ``[episodes]
+        checkpoint_depth`` or ``checkpoint_disk_mb``; :class:`UnsupportedByBackend` for a
+        host-mode episode."""
+        run = self._running()
+        if run.lease is None or run.image is None:
+            raise UnsupportedByBackend(
+                "checkpoint() needs an episode on an image (a host-mode view keeps the agent's fresh folders as "
+                "plain folders, not as a layer that can be sealed)"
+            )
+        if len(run.above) >= self.settings.checkpoint_depth:
+            raise CheckpointError(
+                f"the episode already stands on {len(run.above)} sealed layers ([episodes] checkpoint_depth = "
+                f"{self.settings.checkpoint_depth}): roll back to or fork from an earlier checkpoint"
+            )
+        cwd, env = self._shell_state(run)
+        run.freezer.freeze()
+        try:
+            size = checkpoints.tree_bytes(run.dirs.upper_root)
+            cap = self.settings.checkpoint_disk_mb << 20
+            if checkpoints.held_bytes() + size > cap:
+                raise CheckpointError(
+                    f"the checkpoint's layer takes {size >> 20} MB and this process's checkpoints "
+                    f"{checkpoints.held_bytes() >> 20} MB already ([episodes] checkpoint_disk_mb = "
+                    f"{self.settings.checkpoint_disk_mb}): release checkpoints no longer needed"
+                )
+            others = self._other_processes(run)
+        except BaseException:
+            run.freezer.thaw()
+            raise
+        remaining = run.deadline - time.monotonic() if run.deadline is not None else None
+        run.bwrap.kill()  # (nothing writes the layer from here on)
+        try:
+            layer = checkpoints.seal(run.dirs, self.settings.state_dir, size)
+        except BaseException:
+            self._stop()
+            raise
+        checkpoints.hold(run.above)  # the checkpoint's own hold on the layers below
+        cp = Checkpoint(
+            task=run.task,
+            choice=Choice(run.image, "image"),
+            layers=(*run.above, layer),
+            workdir=cwd or run.workdir,
+            env=env or dict(run.env),
+            not_restored=tuple(others),
+            layer_bytes=size,
+            remaining=remaining,
+        )
+        self._resume(cp, "checkpoint")
+        return cp
+
+    def rollback(self, checkpoint: Checkpoint) -> Episode:
+        """Start the episode again on ``checkpoint``: every change since is gone (its
+        writable layer dropped), the shell as the checkpoint had it, no other process.
+        ``checkpoint`` stays held (roll back to it again, or fork from it)."""
+        if self._state is _State.CLOSED:
+            raise EpisodeError("the episode is closed")
+        self._resume(checkpoint, "rollback")
+        return self
+
+    def fork(self, checkpoint: Checkpoint, n: int) -> list[Episode]:
+        """``n`` new episodes started on ``checkpoint`` (this episode's settings): each
+        shares every layer up to it and has its own writable layer, namespaces, network and
+        processes; none sees another's. Each gets a machine id of its own. Close each.
+        On a failure, the ones started are closed and the error raised."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise CheckpointError(f"fork: n = {n!r} is not a positive number of episodes")
+        started: list[Episode] = []
+        try:
+            for _ in range(n):
+                episode = Episode(self.settings, hide=self.extra_hidden)
+                started.append(episode)
+                episode._resume(checkpoint, "fork")
+        except BaseException:
+            for episode in started:
+                episode.close()
+            raise
+        return started
+
+    def _resume(self, cp: Checkpoint, how: str) -> None:
+        cp.check()
+        self._begin(
+            cp.task, workdir=cp.workdir, shell=True, image_source=None, image=_CHOOSE, choice=cp.choice, resume=cp
+        )
+        run = self._running()
+        if cp.remaining is not None:
+            run.deadline = time.monotonic() + cp.remaining
+        if how == "fork":
+            self._new_machine_id()
+        run.notes.append(
+            f"{how} {cp.id}: the shell started again in {cp.workdir} with the exported variables it had"
+            + (f"; not restored: {', '.join(cp.not_restored[:8])}" if cp.not_restored else "")
+            + ("" if len(cp.not_restored) <= 8 else f" and {len(cp.not_restored) - 8} more")
+        )
+
+    def _shell_state(self, run: RunningEpisode) -> tuple[str | None, dict[str, str]]:
+        """The agent's shell's working directory and exported variables (its own builtins),
+        or ``(None, {})`` when it does not answer within 10 s."""
+        if run.shell is None or not run.shell.alive:
+            return None, {}
+        result = run.shell.run(checkpoints.SHELL_STATE_COMMAND, 10.0, 1 << 20)
+        if result.exit_code != 0 or result.timed_out:
+            return None, {}
+        return checkpoints.parse_shell_state(result.stdout)
+
+    def _other_processes(self, run: RunningEpisode) -> list[str]:
+        """The command lines of the episode's processes but its init, the init's ``sleep``
+        and the agent's shell: what a restart does not bring back (at most 100)."""
+        skip = {run.bwrap.pid, run.shell.pid if run.shell is not None else -1}
+        found: list[str] = []
+        for proc in run.freezer.ns.members():
+            with proc:
+                if proc.pid in skip or len(found) >= 100:
+                    continue
+                line = (proc.read("cmdline") or b"").rstrip(b"\0")
+                stat_line = proc.read("stat") or b""
+                ppid = stat_line.rpartition(b")")[2].split()[1:2]
+                if ppid == [str(run.bwrap.pid).encode()] and line == b"sleep\x0086400":
+                    continue
+                if line:
+                    found.append(printable(line.replace(b"\0", b" ").decode(errors="replace"))[:200])
+        return found
+
+    def _new_machine_id(self) -> None:
+        """A fork's own ``/etc/machine-id`` when the view has a non-empty one (systemd's
+        format: 32 lowercase hex digits and a newline)."""
+        try:
+            current = self.read_file("/etc/machine-id")
+        except (EpisodeError, SandboxError, OSError):
+            return
+        if current.strip():
+            self.write_file("/etc/machine-id", secrets.token_hex(16) + "\n", 0o444)
+
     # -- teardown ------------------------------------------------------------------------
 
     def _stop(self) -> None:
@@ -752,6 +926,7 @@ class Episode:
             run.dirs.remove,
             (run.storage_quota.remove if run.storage_quota else None),
             (run.lease.release if run.lease else None),
+            ((lambda: checkpoints.let_go(run.above)) if run.above else None),
         ):
             if step is None:
                 continue

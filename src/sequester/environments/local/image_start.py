@@ -82,11 +82,15 @@ def start_on_image(
     resolv_conf: str | None = None,
     *,
     gpus: GpuPlan | None = None,
+    above: Sequence[Path] = (),
 ) -> RunningEpisode:
     """The episode's init on the image's view; ``resolv_conf``: the agent's
     ``/etc/resolv.conf`` (an episode with a network), a regular file in the writable layer
-    over whatever the image has there (never followed: an image's link stays as it is)."""
+    over whatever the image has there (never followed: an image's link stays as it is).
+    ``above``: sealed layers of a checkpoint to start on (:mod:`.checkpoint`), lowest
+    first: their ``/etc/hosts`` and ``/etc/resolv.conf`` are the episode's as they were."""
     record = lease.record
+    layers = (*lease.layers, *above)
     runner = runner_tree(settings.toolchain_dir)
     if runner is None:
         raise SandboxError(
@@ -100,9 +104,9 @@ def start_on_image(
     ):
         raise ImageError(f"image {record.short_id} has {RUNNER_MOUNT}, where the verifier's runner is mounted")
     fresh = {workdir.strip("/").split("/")[0]} if workdir != "/" else set()
-    uid, gid, home = resolve_user(lease.layers, record.config.user)
+    uid, gid, home = resolve_user(layers, record.config.user)
     mounts = plan_image_view(
-        lease.layers,
+        layers,
         dirs,
         toolchain=runner,
         new_tops=fresh,
@@ -116,19 +120,21 @@ def start_on_image(
                 f"mount can name ({overlay_option_bytes(op)} bytes of options, at most "
                 f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)"
             )
-    _make_upper(dirs, lease.layers, runner_top)
+    _make_upper(dirs, layers, runner_top)
     dirs.make_agent_logs(p.name for p in AGENT_LOG_POINTS)
     placed = False
-    etc_here = image_path_kind(lease.layers, "/etc") in ("dir", "none")
-    lower_etc = [layer / "etc" for layer in reversed(lease.layers) if (layer / "etc").is_dir()]
-    if etc_here:  # Docker's /etc/hosts: the episode's hostname resolves without DNS
+    etc_here = image_path_kind(layers, "/etc") in ("dir", "none")
+    lower_etc = [layer / "etc" for layer in reversed(layers) if (layer / "etc").is_dir()]
+    if above:  # the sealed layer has them as the episode had them
+        placed = resolv_conf is not None and etc_here
+    elif etc_here:  # Docker's /etc/hosts: the episode's hostname resolves without DNS
         place_etc_file(
             dirs.upper_root / "etc",
             "hosts",
             hosts_file(task.name[:63] or "sequester", resolv_conf is not None),
             like=lower_etc[0] if lower_etc else None,
         )
-    if resolv_conf is not None and etc_here:
+    if resolv_conf is not None and etc_here and not above:
         place_resolv_conf(dirs.upper_root / "etc", resolv_conf, like=lower_etc[0] if lower_etc else None)
         placed = True
     image_env = record.config.env_map()
@@ -183,4 +189,5 @@ def start_on_image(
         id_map=ids,
         agent_ids=(uid, gid) if ids is not None and uid != 0 else None,
         resolv_placed=placed,
+        above=tuple(above),
     )

@@ -29,7 +29,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
@@ -86,15 +86,18 @@ class Layer:
     homes: str = ""
 
 
-def episode_layers(dirs: EpisodeDirs, *, image: bool = False) -> list[Layer]:
+def episode_layers(dirs: EpisodeDirs, *, image: bool = False, sealed: Sequence[Path] = ()) -> list[Layer]:
     """The layers of an episode that a verifier trusts (see the module's docstring). On an
     image (``image``) the episode has one writable layer for its whole tree: its system
-    folders and homes are scanned, the rest (``/app``, ``/tmp``) is the agent's own."""
+    folders and homes are scanned, the rest (``/app``, ``/tmp``) is the agent's own; and
+    so are the ``sealed`` layers of its checkpoints (:mod:`.checkpoint`), lowest first (a
+    path changed in more than one counts in each)."""
     if image:
         return [
             layer
-            for name in _names(dirs.upper_root)
-            if (layer := _layer(name, dirs.upper_root / name, overlay=True)) is not None
+            for root in (*sealed, dirs.upper_root)
+            for name in _names(root)
+            if (layer := _layer(name, root / name, overlay=True)) is not None
             and os.path.isdir(layer.path)
             and not os.path.islink(layer.path)
         ]
@@ -374,6 +377,7 @@ def report_episode(
     known: frozenset[str] = frozenset(),
     ids: IdMap | None = None,
     image: bool = False,
+    sealed: Sequence[Path] = (),
 ) -> list[str]:
     """The tampering report of an episode's layers (:func:`~.tamper.tampering_report`
     lines), from one bounded scan; never raises for anything the agent left. ``known``:
@@ -385,7 +389,7 @@ def report_episode(
     everything the episode owns (never changing a mode to look)."""
     scan = Scan(budget or Budget(), known)
     summary = ChangeSummary(limit, host_has=_host_has)
-    for change in scan.changes(episode_layers(dirs, image=image)):
+    for change in scan.changes(episode_layers(dirs, image=image, sealed=sealed)):
         summary.add(change)
     lines = summary.lines(scan.problems, scan.n_problems)
     if scan.denied and ids is not None and os.getuid() != 0:
@@ -399,6 +403,7 @@ def report_episode(
                 limit,
                 (budget or Budget()).entries,
                 image,
+                [str(p) for p in sealed],
             )
         except SandboxError as exc:
             return [*lines, f"the scan could not be made again as the episode's root: {printable(str(exc))}"]
@@ -407,9 +412,18 @@ def report_episode(
     return lines
 
 
-def report_episode_at(root: str, known: list[str], limit: int, entries: int, image: bool) -> list[str]:
+def report_episode_at(
+    root: str, known: list[str], limit: int, entries: int, image: bool, sealed: list[str] | None = None
+) -> list[str]:
     """:func:`report_episode` of the episode folder ``root`` (the id-space worker's entry)."""
-    return report_episode(EpisodeDirs(Path(root)), Budget(entries=entries), limit, frozenset(known), image=image)
+    return report_episode(
+        EpisodeDirs(Path(root)),
+        Budget(entries=entries),
+        limit,
+        frozenset(known),
+        image=image,
+        sealed=tuple(Path(p) for p in sealed or ()),
+    )
 
 
 def _host_has(rel: str) -> bool:

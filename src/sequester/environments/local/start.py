@@ -95,6 +95,15 @@ class RunningEpisode:
     storage_quota: ProjectQuota | None = None  # the writable layers' cap (sequester.sandbox.quota)
     network: EpisodeNetwork | None = None  # the episode's network (sequester.net.episode), if it has one
     resolv_placed: bool = False  # its /etc/resolv.conf was put in the view's writable layer before the start
+    # Sealed layers of checkpoints (sequester.environments.local.checkpoint) between the
+    # image's and the writable one, lowest first; held while the episode runs.
+    above: tuple[Path, ...] = ()
+
+    @property
+    def layers(self) -> tuple[Path, ...]:
+        """Every read-only layer of an episode on an image, lowest first (the image's, then
+        the sealed ones); empty in host mode."""
+        return (*self.lease.layers, *self.above) if self.lease is not None else ()
 
     @property
     def agent_cgroups(self) -> list[str]:

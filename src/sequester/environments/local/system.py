@@ -131,12 +131,16 @@ def start_system(
     resolv_conf: str | None = None,
     *,
     installs_of: RunningEpisode | None = None,
+    above: tuple[Path, ...] = (),
 ) -> RunningEpisode:
     """The episode's sandbox up on ``choice``'s system (nothing of it is left on failure);
     ``workdir`` overrides the working directory (:class:`EpisodeError` if not absolute);
     ``resolv_conf``: the agent's ``/etc/resolv.conf`` when the episode has a network.
     GPUs the task asks for that this host cannot give: :class:`UnsupportedByBackend`,
-    before anything starts."""
+    before anything starts. ``above``: a checkpoint's sealed layers to start on (an
+    episode on an image only)."""
+    if above and choice.record is None:
+        raise EpisodeError("a checkpoint's layers need an episode on an image (host mode has none)")
     gpus = _gpus(task)
     # The wheels the test script pins beyond the runner's, fetched once on the host before
     # anything starts: a pin that cannot be had costs no agent run.
@@ -164,7 +168,7 @@ def start_system(
         limits, why = make_episode_limits(task, max_processes=settings.max_processes)
         try:
             if lease is not None:
-                run = start_on_image(task, chosen, dirs, settings, lease, limits, resolv_conf, gpus=gpus)
+                run = start_on_image(task, chosen, dirs, settings, lease, limits, resolv_conf, gpus=gpus, above=above)
             else:
                 run = start_episode(task, chosen, dirs, settings, extra_hidden, limits, resolv_conf, gpus=gpus)
         except BaseException:
