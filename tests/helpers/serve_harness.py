@@ -33,11 +33,12 @@ TOKEN = "serve-test-" + os.urandom(12).hex()
 
 
 class Server:
-    def __init__(self, tasks_dir: Path | None = EXAMPLES, token: str = TOKEN, **serve: Any):
+    def __init__(self, tasks_dir: Path | None = EXAMPLES, token: str = TOKEN, images: Any = None, **serve: Any):
+        """``images``: the episodes' ImageSettings (default: host mode, nothing pulled)."""
         config = load_config(None)
         settings = dataclasses.replace(config.serve, tasks_dir=tasks_dir, **serve)
-        episodes = dataclasses.replace(config.episodes, images=dataclasses.replace(config.episodes.images,
-                                                                                   source="host"))
+        episodes = dataclasses.replace(config.episodes, images=images or dataclasses.replace(config.episodes.images,
+                                                                                             source="host"))
         self.config = dataclasses.replace(config, serve=settings, episodes=episodes)
         self.token = token
         self.app = create_app(self.config, token=token)

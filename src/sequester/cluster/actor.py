@@ -142,6 +142,39 @@ class EpisodeActor:
         log.info("episode %s: evaluated, reward %s", episode_id, verdict.reward)
         return verdict
 
+    def checkpoint(self, episode_id: str) -> dict[str, Any]:
+        held = self._held(episode_id)
+        return held.thread.call(held.checkpoint)
+
+    def rollback_to(self, episode_id: str, source_id: str, checkpoint_id: str) -> str:
+        held = self._held(episode_id)
+        cp = self._held(source_id).held_checkpoint(checkpoint_id)
+        return held.thread.call(held.rollback, cp)
+
+    def release(self, source_id: str, checkpoint_id: str) -> bool:
+        with self._lock:
+            held = self._episodes.get(source_id)
+        return held.release(checkpoint_id) if held is not None else False
+
+    def fork(self, episode_id: str, task_name: str, source_id: str, checkpoint_id: str) -> tuple[str, str]:
+        """Start episode ``episode_id`` on a checkpoint of episode ``source_id`` (both this actor's)."""
+        cp = self._held(source_id).held_checkpoint(checkpoint_id)
+        with self._lock:
+            if episode_id in self._episodes:
+                raise EpisodeError(f"episode {episode_id}: already held by this actor")
+            if len(self._episodes) >= self._capacity:
+                raise ClusterError(f"this actor holds {self._capacity} episodes already (episodes_per_actor)")
+            held = self._episodes[episode_id] = HeldEpisode(episode_id, task_name)
+        try:
+            got = held.thread.call(held.start_from, cp, self._settings, self._hide)
+        except BaseException:
+            with self._lock:
+                self._episodes.pop(episode_id, None)
+            held.shutdown(self._grace)
+            raise
+        log.info("episode %s: forked from a checkpoint of %s", episode_id, source_id)
+        return got
+
     def close(self, episode_id: str) -> bool:
         """Close the episode (False: it was not held). Later calls on it are refused at once."""
         with self._lock:

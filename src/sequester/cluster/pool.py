@@ -217,6 +217,22 @@ class RayBackend:
             self._where[episode_id] = slot
             return slot
 
+    def _place_on(self, episode_id: str, slot: _Slot) -> None:
+        """``slot``'s actor takes ``episode_id`` (a fork: beside its checkpoint's layers)."""
+        with self._lock:
+            if self._shut:
+                raise ClusterError("the episode pool was shut down")
+            if not slot.alive or slot.load >= self.episodes_per_actor:
+                raise ClusterError(
+                    f"a fork runs on the actor of its checkpoint (its layers are that node's files), and "
+                    f"actor #{slot.index} has no room: its {self.episodes_per_actor} episodes (episodes_per_actor) "
+                    "are held"
+                    if slot.alive
+                    else f"the checkpoint's actor #{slot.index} is gone: {slot.lost}"
+                )
+            slot.load += 1
+            self._where[episode_id] = slot
+
     def _release(self, episode_id: str, slot: _Slot) -> None:
         with self._lock:
             if self._where.pop(episode_id, None) is not None:
@@ -363,6 +379,55 @@ class RayBackend:
     async def acall(self, episode_id: str, method: str, *args: Any) -> Any:
         slot = self._route(episode_id)
         return await self._aget(getattr(slot.actor, method).remote(episode_id, *args), episode_id, slot, method)
+
+    # -- checkpoints: each is its actor's (the layers are files of that node) ------------------
+    def _same_actor(self, episode_id: str, source_id: str) -> _Slot:
+        slot, source = self._route(episode_id), self._route(source_id)
+        if slot is not source:
+            raise EpisodeError(
+                f"episode {episode_id[:64]}: checkpoint of episode {source_id[:64]} is on another actor "
+                "(a checkpoint's layers are files of its actor's node): roll back to one of that actor's episodes'"
+            )
+        return slot
+
+    def rollback(self, episode_id: str, source_id: str, checkpoint_id: str) -> None:
+        slot = self._same_actor(episode_id, source_id)
+        self._get(slot.actor.rollback_to.remote(episode_id, source_id, checkpoint_id), episode_id, slot, "rollback")
+
+    async def arollback(self, episode_id: str, source_id: str, checkpoint_id: str) -> None:
+        slot = self._same_actor(episode_id, source_id)
+        await self._aget(
+            slot.actor.rollback_to.remote(episode_id, source_id, checkpoint_id), episode_id, slot, "rollback"
+        )
+
+    def release(self, source_id: str, checkpoint_id: str) -> None:
+        with self._lock:
+            slot = self._where.get(source_id)
+        if slot is not None and slot.alive:
+            self._get(slot.actor.release.remote(source_id, checkpoint_id), source_id, slot, "release")
+
+    def _send_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> tuple[Any, _Slot]:
+        slot = self._route(source_id)
+        self._place_on(episode_id, slot)
+        return slot.actor.fork.remote(episode_id, task_id, source_id, checkpoint_id), slot
+
+    def start_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> Started:
+        ref, slot = self._send_fork(episode_id, task_id, source_id, checkpoint_id)
+        try:
+            got = self._get(ref, episode_id, slot, "fork")
+        except BaseException:
+            self._abandon(episode_id, slot)
+            raise
+        return Started(got[0], got[1], slot.node_id, slot.index, {"state": "fork"})
+
+    async def astart_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> Started:
+        ref, slot = self._send_fork(episode_id, task_id, source_id, checkpoint_id)
+        try:
+            got = await self._aget(ref, episode_id, slot, "fork")
+        except BaseException:
+            self._abandon(episode_id, slot)
+            raise
+        return Started(got[0], got[1], slot.node_id, slot.index, {"state": "fork"})
 
     def begin_close(self, episode_id: str) -> Future[None]:
         """Ask the episode's actor to close it; the future is done when the actor has (its

@@ -224,14 +224,16 @@ class AsyncSequesterClient:
 
     async def reset(self, task: str | None = None, kind: str = "episode", **extra: Any) -> StepResult:
         """Start the session: an episode of ``task`` (an id under the server's tasks
-        folder), or with ``kind="kernel"`` a kernel. ``extra`` goes in the frame as is."""
+        folder), a fork of a checkpoint (``checkpoint=ID``, no task), or with
+        ``kind="kernel"`` a kernel. ``extra`` goes in the frame as is."""
         data: dict[str, Any] = dict(extra)
         if kind == "kernel":
             data["kind"] = "kernel"
         elif kind == "episode":
-            if not task:
-                raise ValueError("reset: an episode needs a task id")
-            data["task"] = task
+            if not task and "checkpoint" not in data:
+                raise ValueError("reset: an episode needs a task id (or checkpoint=ID, a fork of one)")
+            if task:
+                data["task"] = task
         else:
             raise ValueError(f"reset: kind {kind!r} is not 'episode' or 'kernel'")
         if self.message_timeout_s is not None:
@@ -264,6 +266,19 @@ class AsyncSequesterClient:
     async def evaluate(self) -> StepResult:
         """The verdict: ``reward``, ``done=True``, ``observation["verifier"]`` (structured)."""
         return await self.step({"type": "evaluate"})
+
+    async def checkpoint(self) -> StepResult:
+        """Seal the episode's files: ``observation["checkpoint"]`` is its id (fork it from
+        another session with ``reset(checkpoint=ID)``), ``not_restored`` what did not come back."""
+        return await self.step({"type": "checkpoint"})
+
+    async def rollback(self, checkpoint: str) -> StepResult:
+        """Start the episode again on ``checkpoint``."""
+        return await self.step({"type": "rollback", "checkpoint": checkpoint})
+
+    async def release(self, checkpoint: str) -> StepResult:
+        """Let ``checkpoint`` go (it goes with its session's close anyway)."""
+        return await self.step({"type": "release", "checkpoint": checkpoint})
 
     async def cell(self, code: str, timeout: float | None = None) -> StepResult:
         """A code cell in a kernel session: ``stdout``, ``value``, ``error``, ..."""
@@ -330,6 +345,9 @@ class SequesterClient:
     write_file = _blocking("write_file")
     read_file = _blocking("read_file")
     evaluate = _blocking("evaluate")
+    checkpoint = _blocking("checkpoint")
+    rollback = _blocking("rollback")
+    release = _blocking("release")
     cell = _blocking("cell")
     state = _blocking("state")
 

@@ -156,6 +156,31 @@ class EvaluateAction(_Action):
     type: Literal["evaluate"]
 
 
+CheckpointId = Annotated[str, Field(min_length=3, max_length=128, pattern=r"^[0-9a-f]+-[0-9a-f]+$")]
+
+
+class CheckpointAction(_Action):
+    """Seal the episode's files and go on from them (``EpisodePool.checkpoint``): the shell
+    restarts with its working directory and exports; other processes are named as not
+    restored. The checkpoint lives until released or until this session closes."""
+
+    type: Literal["checkpoint"]
+
+
+class RollbackAction(_Action):
+    """Start the episode again on a checkpoint (this session's, or one a fork came from)."""
+
+    type: Literal["rollback"]
+    checkpoint: CheckpointId
+
+
+class ReleaseAction(_Action):
+    """Let a checkpoint go (episodes started on it keep its layers)."""
+
+    type: Literal["release"]
+    checkpoint: CheckpointId
+
+
 class CellAction(_Action):
     """A code cell in the session's kernel (``Kernel.run``)."""
 
@@ -165,11 +190,19 @@ class CellAction(_Action):
 
 
 Action = Annotated[
-    ExecAction | WriteFileAction | ReadFileAction | EvaluateAction | CellAction, Field(discriminator="type")
+    ExecAction
+    | WriteFileAction
+    | ReadFileAction
+    | EvaluateAction
+    | CheckpointAction
+    | RollbackAction
+    | ReleaseAction
+    | CellAction,
+    Field(discriminator="type"),
 ]
-EPISODE_ACTIONS = frozenset({"exec", "write_file", "read_file", "evaluate"})
+EPISODE_ACTIONS = frozenset({"exec", "write_file", "read_file", "evaluate", "checkpoint", "rollback", "release"})
 KERNEL_ACTIONS = frozenset({"cell"})
-ACTION_TYPES = ("exec", "write_file", "read_file", "evaluate", "cell")
+ACTION_TYPES = ("exec", "write_file", "read_file", "evaluate", "checkpoint", "rollback", "release", "cell")
 _ACTION = TypeAdapter(Action)
 
 
@@ -181,8 +214,20 @@ class _ResetCommon(_In):
 
 
 class EpisodeReset(_ResetCommon):
+    """A task's episode, or (``checkpoint``) a fork of a checkpoint another session made:
+    a new session of that task, counted against ``max_sessions``."""
+
     kind: Literal["episode"] = "episode"
-    task: Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_unicode), AfterValidator(_no_nul)]
+    task: (
+        Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_unicode), AfterValidator(_no_nul)] | None
+    ) = None
+    checkpoint: CheckpointId | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> EpisodeReset:
+        if (self.task is None) == (self.checkpoint is None):
+            raise ValueError("task: give a task, or a checkpoint to fork (one of the two)")
+        return self
 
 
 class KernelReset(_ResetCommon):
@@ -243,6 +288,23 @@ class EvaluateObservation(_Out):
     verifier: VerifierObservation
 
 
+class CheckpointObservation(_Out):
+    checkpoint: str
+    depth: int
+    bytes: int
+    not_restored: list[str]
+
+
+class RollbackObservation(_Out):
+    checkpoint: str
+    workdir: str | None = None
+
+
+class ReleaseObservation(_Out):
+    checkpoint: str
+    released: bool
+
+
 class CellErrorModel(_Out):
     type: str
     message: str
@@ -260,7 +322,15 @@ class CellObservation(_Out):
 
 
 Observation = Union[  # noqa: UP007 - pydantic reads this alias at run time
-    ResetObservation, ExecObservation, WriteFileObservation, ReadFileObservation, EvaluateObservation, CellObservation
+    ResetObservation,
+    ExecObservation,
+    WriteFileObservation,
+    ReadFileObservation,
+    EvaluateObservation,
+    CheckpointObservation,
+    RollbackObservation,
+    ReleaseObservation,
+    CellObservation,
 ]
 
 
@@ -339,7 +409,16 @@ def parse_frame(text: str) -> ClientFrame:
 
 def parse_action(
     data: dict[str, Any], where: str = "data"
-) -> ExecAction | WriteFileAction | ReadFileAction | EvaluateAction | CellAction:
+) -> (
+    ExecAction
+    | WriteFileAction
+    | ReadFileAction
+    | EvaluateAction
+    | CheckpointAction
+    | RollbackAction
+    | ReleaseAction
+    | CellAction
+):
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in ACTION_TYPES:
         said = (

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 from sequester.errors import KernelClosedError, PolicyError, SequesterError
 from sequester.serve import protocol
-from sequester.tasks import Task, load_task
+from sequester.tasks import load_task
 from sequester.tasks.finder import resolve_task_id
 
 if TYPE_CHECKING:
@@ -163,9 +163,18 @@ class EpisodeSession(Session):
     kind = "episode"
     actions = protocol.EPISODE_ACTIONS
 
-    def __init__(self, session_id: str, task: Task, task_id: str, pool: EpisodePool, read_cap: int):
-        super().__init__(session_id, task.name)
+    def __init__(
+        self,
+        session_id: str,
+        task_name: str,
+        task_id: str,
+        pool: EpisodePool,
+        read_cap: int,
+        fork_of: str | None = None,
+    ):
+        super().__init__(session_id, task_name)
         self._task_id, self._pool, self._read_cap = task_id, pool, read_cap
+        self._fork_of = fork_of  # a checkpoint's id: the episode starts as a fork of it
         self._acquiring: asyncio.Future[EpisodeHandle] | None = None
         self._handle: EpisodeHandle | None = None
 
@@ -174,7 +183,9 @@ class EpisodeSession(Session):
             raise protocol.FrameError(protocol.ErrorCode.SESSION_ERROR, "the session was closed before it started")
         # A task of its own, so that a close while it runs (the client went) cancels it:
         # the pool then gives back the slot, or closes the episode it was starting.
-        self._acquiring = asyncio.ensure_future(self._pool.aacquire(self._task_id))
+        self._acquiring = asyncio.ensure_future(
+            self._pool.afork(self._fork_of) if self._fork_of is not None else self._pool.aacquire(self._task_id)
+        )
         handle = self._handle = await self._acquiring
         return protocol.ResetObservation(
             session_id=self.id,
@@ -229,6 +240,21 @@ class EpisodeSession(Session):
             )
         if isinstance(action, protocol.EvaluateAction):
             return await self._evaluate(handle)
+        if isinstance(action, protocol.CheckpointAction):
+            cp = await pool.acheckpoint(handle)
+            return (
+                protocol.CheckpointObservation(
+                    checkpoint=cp.id, depth=cp.depth, bytes=cp.bytes, not_restored=list(cp.not_restored)
+                ),
+                None,
+                False,
+            )
+        if isinstance(action, protocol.RollbackAction):
+            await pool.arollback(handle, action.checkpoint)
+            return protocol.RollbackObservation(checkpoint=action.checkpoint), None, False
+        if isinstance(action, protocol.ReleaseAction):
+            await pool.arelease(action.checkpoint)
+            return protocol.ReleaseObservation(checkpoint=action.checkpoint, released=True), None, False
         raise protocol.FrameError(
             protocol.ErrorCode.SESSION_ERROR, f"an episode session takes no {action.type!r} action"
         )
@@ -474,6 +500,20 @@ class SessionManager:
                 f"{where}.task: this server serves no tasks (it was "
                 'started without --tasks-dir); only kernel sessions ({"kind": "kernel"})',
             )
+        if request.checkpoint is not None:  # a fork: the task is the checkpoint's episode's
+            try:
+                task_id = self.episode_pool.checkpoint_task(request.checkpoint)
+            except SequesterError as exc:
+                raise protocol.FrameError(protocol.ErrorCode.VALIDATION_ERROR, f"{where}.checkpoint: {exc}") from None
+            return EpisodeSession(
+                session_id,
+                task_id,
+                task_id,
+                self.episode_pool,
+                self.settings.max_message_bytes,
+                fork_of=request.checkpoint,
+            )
+        assert request.task is not None
         folder = resolve_task(self.tasks_dir, request.task, f"{where}.task")
         try:
             task = load_task(folder)
@@ -481,7 +521,7 @@ class SessionManager:
             raise protocol.FrameError(
                 protocol.ErrorCode.FACTORY_ERROR, f"the task could not be loaded: {exc}"
             ) from None
-        return EpisodeSession(session_id, task, request.task, self.episode_pool, self.settings.max_message_bytes)
+        return EpisodeSession(session_id, task.name, request.task, self.episode_pool, self.settings.max_message_bytes)
 
     async def close_all(self) -> None:
         """Graceful shutdown: every connection's session closed, its processes gone; then

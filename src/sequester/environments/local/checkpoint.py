@@ -61,6 +61,9 @@ __all__ = [
     "tree_bytes",
     "held_bytes",
     "copy_logs",
+    "hold",
+    "hold_for",
+    "let_go",
 ]
 
 
@@ -110,19 +113,42 @@ class _Refs:
                 if size and folder in size:
                     self._bytes[folder] = size[folder]
 
-    def drop(self, folders: Iterable[Path]) -> None:
-        gone = []
+    def add_for(self, cp: Checkpoint) -> None:
+        """A hold on ``cp``'s layers, unless it was released (checked in the same lock
+        as its release: a fork that starts while its checkpoint is released either holds
+        the layers or is refused, never left on removed ones)."""
         with self._lock:
-            for folder in folders:
-                left = self._count.get(folder, 0) - 1
-                if left > 0:
-                    self._count[folder] = left
-                else:
-                    self._count.pop(folder, None)
-                    self._bytes.pop(folder, None)
-                    gone.append(folder)
+            if cp.released:
+                raise CheckpointError(f"checkpoint {cp.id} was released")
+            for folder in _folders(cp.layers):
+                self._count[folder] = self._count.get(folder, 0) + 1
+
+    def release(self, cp: Checkpoint) -> None:
+        with self._lock:
+            if cp.released:
+                return
+            cp.released = True
+            gone = self._dropped(_folders(cp.layers))
         for folder in gone:
             remove_mapped_tree(folder)
+
+    def drop(self, folders: Iterable[Path]) -> None:
+        with self._lock:
+            gone = self._dropped(folders)
+        for folder in gone:
+            remove_mapped_tree(folder)
+
+    def _dropped(self, folders: Iterable[Path]) -> list[Path]:
+        gone = []
+        for folder in folders:
+            left = self._count.get(folder, 0) - 1
+            if left > 0:
+                self._count[folder] = left
+            else:
+                self._count.pop(folder, None)
+                self._bytes.pop(folder, None)
+                gone.append(folder)
+        return gone
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -138,8 +164,14 @@ def held_bytes() -> int:
 
 
 def hold(layers: Iterable[Path]) -> None:
-    """A running episode's hold on the layers it stands on (their folders)."""
+    """A hold on the layers (their folders): a checkpoint's on those below its own."""
     _REFS.add(_folders(layers))
+
+
+def hold_for(cp: Checkpoint) -> None:
+    """A running episode's hold on the layers of the checkpoint it starts on;
+    :class:`CheckpointError` if it was released."""
+    _REFS.add_for(cp)
 
 
 def let_go(layers: Iterable[Path]) -> None:
@@ -178,15 +210,9 @@ class Checkpoint:
         """The agent's log folders as they were (``agent``, ``artifacts``)."""
         return self.layers[-1].parent / "logs"
 
-    def check(self) -> None:
-        if self.released:
-            raise CheckpointError(f"checkpoint {self.id} was released")
-
     def release(self) -> None:
-        """Idempotent."""
-        if not self.released:
-            self.released = True
-            let_go(self.layers)
+        """Idempotent; the layers go once no episode stands on them either."""
+        _REFS.release(self)
 
     def __enter__(self) -> Checkpoint:
         return self

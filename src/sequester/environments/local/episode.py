@@ -265,7 +265,8 @@ class Episode:
         # A root caller's router and stack are made while the sandbox starts (half the cost).
         early = Preparing(self._nsexec, policy) if wanted and stack_host_id() is not None else None
         above = resume.layers if resume is not None else ()
-        checkpoints.hold(above)  # (before the start: the checkpoint may be released meanwhile)
+        if resume is not None:
+            checkpoints.hold_for(resume)  # (or CheckpointError: it was released)
         try:
             self._run = start_system(
                 task,
@@ -843,17 +844,24 @@ class Episode:
         started: list[Episode] = []
         try:
             for _ in range(n):
-                episode = Episode(self.settings, hide=self.extra_hidden)
+                episode = Episode(self.settings, hide=self.extra_hidden, nsexec=self._nsexec)
                 started.append(episode)
-                episode._resume(checkpoint, "fork")
+                episode.start_from(checkpoint)
         except BaseException:
             for episode in started:
                 episode.close()
             raise
         return started
 
+    def start_from(self, checkpoint: Checkpoint) -> Episode:
+        """Start this episode as a fork of ``checkpoint`` (:meth:`fork` of one, for an
+        episode made elsewhere: a pool's, on its own thread), replacing any earlier one."""
+        self._resume(checkpoint, "fork")
+        return self
+
     def _resume(self, cp: Checkpoint, how: str) -> None:
-        cp.check()
+        if cp.released:
+            raise CheckpointError(f"checkpoint {cp.id} was released")
         self._begin(
             cp.task, workdir=cp.workdir, shell=True, image_source=None, image=_CHOOSE, choice=cp.choice, resume=cp
         )

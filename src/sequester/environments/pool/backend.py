@@ -77,10 +77,27 @@ class PoolBackend(Protocol):
         ...
 
     def call(self, episode_id: str, method: str, *args: Any) -> Any:
-        """``exec``, ``write_file``, ``read_file`` (``(bytes, truncated)``) or ``evaluate``."""
+        """``exec``, ``write_file``, ``read_file`` (``(bytes, truncated)``), ``evaluate`` or
+        ``checkpoint`` (a dict: ``id``, ``depth``, ``bytes``, ``not_restored``)."""
         ...
 
     async def acall(self, episode_id: str, method: str, *args: Any) -> Any: ...
+
+    def rollback(self, episode_id: str, source_id: str, checkpoint_id: str) -> None:
+        """Start ``episode_id`` again on checkpoint ``checkpoint_id`` of episode ``source_id``."""
+        ...
+
+    async def arollback(self, episode_id: str, source_id: str, checkpoint_id: str) -> None: ...
+
+    def release(self, source_id: str, checkpoint_id: str) -> None:
+        """Let the checkpoint go (no error when it is gone already)."""
+        ...
+
+    def start_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> Started:
+        """Start ``episode_id`` on checkpoint ``checkpoint_id`` of episode ``source_id`` (as :meth:`start`)."""
+        ...
+
+    async def astart_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> Started: ...
 
     def begin_close(self, episode_id: str) -> Future[None]:
         """Kill what runs in the episode and close it; never blocks. The future is done when

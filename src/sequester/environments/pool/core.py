@@ -66,7 +66,7 @@ from sequester.environments.settings import EpisodeSettings
 from sequester.errors import EpisodeError, PolicyError
 from sequester.tasks.finder import resolve_task_id
 
-__all__ = ["EpisodePool", "PoolStats", "DEFAULT_CAPACITY", "WAIT_TIMEOUT", "MAX_WAITING"]
+__all__ = ["EpisodePool", "PoolStats", "CheckpointInfo", "DEFAULT_CAPACITY", "WAIT_TIMEOUT", "MAX_WAITING"]
 
 log = logging.getLogger("sequester.environments.pool")
 
@@ -90,6 +90,20 @@ class PoolStats:
     starting: int = 0
     closing: int = 0
     waiting: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint of a pool's episode (:meth:`EpisodePool.checkpoint`): ``id`` names it to
+    :meth:`~EpisodePool.rollback`, :meth:`~EpisodePool.fork` and :meth:`~EpisodePool.release`;
+    ``depth``: sealed layers it stands on; ``bytes``: its own layer's disk;
+    ``not_restored``: the processes the episode's restart did not bring back."""
+
+    id: str
+    episode_id: str
+    depth: int
+    bytes: int
+    not_restored: tuple[str, ...] = ()
 
 
 @dataclass
@@ -591,6 +605,21 @@ class EpisodePool:
         backend, whose nodes choose their systems, the record without one, before anything
         starts."""
         folder = self._folder(task_id)
+        got = self._slot(folder, task_id, wait_timeout)
+        if isinstance(got, EpisodeHandle):
+            return got
+        episode_id = got
+        try:
+            started = self._backend.start(episode_id, task_id, folder, self._backend.prepare(folder))
+        except BaseException:
+            self._free(episode_id)
+            raise
+        return self._handed(episode_id, task_id, started)
+
+    acquire = reset
+
+    def _slot(self, folder: Path, task_id: str, wait_timeout: Any) -> EpisodeHandle | str:
+        """A warm episode of ``folder``'s task, or a slot's episode id (waiting at capacity)."""
         waited = self._wait_for(wait_timeout)
         taken = self._take(folder, task_id, None, waited)
         if isinstance(taken, _Waiter):
@@ -604,18 +633,60 @@ class EpisodePool:
             grant = waiter.grant if arrived and waiter.grant is not None else self._gave_up(waiter, waited)
         else:
             grant = taken
-        got = self._granted(grant)
-        if isinstance(got, EpisodeHandle):
-            return got
-        episode_id = got
-        try:
-            started = self._backend.start(episode_id, task_id, folder, self._backend.prepare(folder))
-        except BaseException:
-            self._free(episode_id)
-            raise
-        return self._handed(episode_id, task_id, started)
+        return self._granted(grant)
 
-    acquire = reset
+    # -- checkpoints (episodes on an image, local episodes: sequester.environments.local.checkpoint)
+    def checkpoint(self, ep: EpisodeHandle | str) -> CheckpointInfo:
+        """Seal the episode's files and go on from them (``Episode.checkpoint``): its shell
+        restarted with its working directory and exports, other processes named as not
+        restored. Held until :meth:`release` or until the episode that made it is closed
+        (episodes started on it keep its layers)."""
+        episode_id = self._route(ep)
+        got = self._backend.call(episode_id, "checkpoint")
+        return self._checkpoint_info(episode_id, got)
+
+    def rollback(self, ep: EpisodeHandle | str, checkpoint: CheckpointInfo | str) -> None:
+        """Start the episode again on ``checkpoint`` (one of this pool's episodes', on the
+        same Ray actor for the Ray backend): every change since is gone."""
+        source, local = _checkpoint_route(checkpoint)
+        self._backend.rollback(self._route(ep), source, local)
+
+    def release(self, checkpoint: CheckpointInfo | str) -> None:
+        """Let a checkpoint go (idempotent; its layers stay while episodes stand on them)."""
+        source, local = _checkpoint_route(checkpoint)
+        self._backend.release(source, local)
+
+    def fork(self, checkpoint: CheckpointInfo | str, *, wait_timeout: Any = _POOL_ARGUMENT) -> EpisodeHandle:
+        """A new episode started on ``checkpoint``: its own writable layer, namespaces,
+        network and processes, sharing the layers up to it. It takes a slot like
+        :meth:`reset` (never a warm episode) and waits the same way at capacity."""
+        source, local = _checkpoint_route(checkpoint)
+        task_id = self._task_of(source)
+        got = self._slot(_fork_folder(source, local), task_id, wait_timeout)
+        assert isinstance(got, str)  # (no warm episode is ever kept for a fork's folder)
+        try:
+            started = self._backend.start_fork(got, task_id, source, local)
+        except BaseException:
+            self._free(got)
+            raise
+        return self._handed(got, task_id, started)
+
+    def checkpoint_task(self, checkpoint: CheckpointInfo | str) -> str:
+        """The task id of the episode that made ``checkpoint`` (while it is held)."""
+        return self._task_of(_checkpoint_route(checkpoint)[0])
+
+    def _task_of(self, episode_id: str) -> str:
+        with self._lock:
+            entry = self._entries.get(episode_id)
+            if entry is not None and entry.state == "held":
+                return entry.task_id
+        raise EpisodeError(f"episode {episode_id[:64]!r}: its checkpoints went when it was closed")
+
+    @staticmethod
+    def _checkpoint_info(episode_id: str, got: dict[str, Any]) -> CheckpointInfo:
+        return CheckpointInfo(
+            f"{episode_id}-{got['id']}", episode_id, int(got["depth"]), int(got["bytes"]), tuple(got["not_restored"])
+        )
 
     def _route(self, ep: EpisodeHandle | str) -> str:
         episode_id = ep.episode_id if isinstance(ep, EpisodeHandle) else ep
@@ -687,6 +758,24 @@ class EpisodePool:
         """:meth:`reset` on an event loop, which it never blocks. Cancelled while it waits,
         it leaves the queue; while its episode starts, that episode is closed."""
         folder = self._folder(task_id)
+        got = await self._aslot(folder, task_id, wait_timeout)
+        if isinstance(got, EpisodeHandle):
+            return got
+        episode_id = got
+        try:
+            prepared = await self._backend.aprepare(folder)
+            started = await self._backend.astart(episode_id, task_id, folder, prepared)
+        except asyncio.CancelledError:  # the start goes on: its episode is closed, then its slot freed
+            self._abandon(episode_id)
+            raise
+        except BaseException:
+            self._free(episode_id)
+            raise
+        return self._handed(episode_id, task_id, started)
+
+    aacquire = areset
+
+    async def _aslot(self, folder: Path, task_id: str, wait_timeout: Any) -> EpisodeHandle | str:
         waited = self._wait_for(wait_timeout)
         taken = self._take(folder, task_id, asyncio.get_running_loop(), waited)
         if isinstance(taken, _Waiter):
@@ -703,22 +792,36 @@ class EpisodePool:
                 grant = waiter.grant if waiter.grant is not None else self._gave_up(waiter, waited)
         else:
             grant = taken
-        got = self._granted(grant)
-        if isinstance(got, EpisodeHandle):
-            return got
-        episode_id = got
+        return self._granted(grant)
+
+    async def acheckpoint(self, ep: EpisodeHandle | str) -> CheckpointInfo:
+        episode_id = self._route(ep)
+        got = await self._backend.acall(episode_id, "checkpoint")
+        return self._checkpoint_info(episode_id, got)
+
+    async def arollback(self, ep: EpisodeHandle | str, checkpoint: CheckpointInfo | str) -> None:
+        source, local = _checkpoint_route(checkpoint)
+        await self._backend.arollback(self._route(ep), source, local)
+
+    async def arelease(self, checkpoint: CheckpointInfo | str) -> None:
+        source, local = _checkpoint_route(checkpoint)
+        await asyncio.to_thread(self._backend.release, source, local)
+
+    async def afork(self, checkpoint: CheckpointInfo | str, *, wait_timeout: Any = _POOL_ARGUMENT) -> EpisodeHandle:
+        """:meth:`fork` on an event loop (cancelled while it starts, its episode is closed)."""
+        source, local = _checkpoint_route(checkpoint)
+        task_id = self._task_of(source)
+        got = await self._aslot(_fork_folder(source, local), task_id, wait_timeout)
+        assert isinstance(got, str)
         try:
-            prepared = await self._backend.aprepare(folder)
-            started = await self._backend.astart(episode_id, task_id, folder, prepared)
-        except asyncio.CancelledError:  # the start goes on: its episode is closed, then its slot freed
-            self._abandon(episode_id)
+            started = await self._backend.astart_fork(got, task_id, source, local)
+        except asyncio.CancelledError:
+            self._abandon(got)
             raise
         except BaseException:
-            self._free(episode_id)
+            self._free(got)
             raise
-        return self._handed(episode_id, task_id, started)
-
-    aacquire = areset
+        return self._handed(got, task_id, started)
 
     def _abandon(self, episode_id: str) -> None:
         with self._lock:
@@ -794,3 +897,21 @@ class EpisodePool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.ashutdown()
+
+
+_FORKS = Path("/nonexistent/sequester-forks")  # a fork's slot's folder: no warm episode is ever kept there
+
+
+def _fork_folder(source: str, local: str) -> Path:
+    return _FORKS / f"{source}-{local}"
+
+
+def _checkpoint_route(checkpoint: CheckpointInfo | str) -> tuple[str, str]:
+    """``(episode id, its checkpoint's id)`` of a pool checkpoint id (``EPISODE-CHECKPOINT``)."""
+    cid = checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
+    if not isinstance(cid, str):
+        raise PolicyError(f"checkpoint: {type(checkpoint).__name__} is not a CheckpointInfo or a checkpoint id")
+    source, sep, local = cid.rpartition("-")
+    if not sep or not source or not local or not (source + local).isalnum() or len(cid) > 128:
+        raise EpisodeError(f"checkpoint {cid[:64]!r}: not a checkpoint id of this pool")
+    return source, local

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from sequester.environments.pool.held import ExecOutput, FileContent, Verdict
 
 if TYPE_CHECKING:
-    from sequester.environments.pool.core import EpisodePool
+    from sequester.environments.pool.core import CheckpointInfo, EpisodePool
 
 __all__ = ["EpisodeHandle"]
 
@@ -44,6 +44,18 @@ class EpisodeHandle:
 
     def close(self) -> None:
         self.pool.close(self)
+
+    def checkpoint(self) -> CheckpointInfo:
+        return self.pool.checkpoint(self)
+
+    def rollback(self, checkpoint: CheckpointInfo | str) -> None:
+        self.pool.rollback(self, checkpoint)
+
+    async def acheckpoint(self) -> CheckpointInfo:
+        return await self.pool.acheckpoint(self)
+
+    async def arollback(self, checkpoint: CheckpointInfo | str) -> None:
+        await self.pool.arollback(self, checkpoint)
 
     async def aexec(self, command: str, timeout: float | None = None) -> ExecOutput:
         return await self.pool.aexec(self, command, timeout)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sequester.environments.base import ExecResult
+from sequester.environments.base import ExecResult, UnsupportedByBackend
+from sequester.environments.local.checkpoint import Checkpoint, CheckpointError
 from sequester.environments.settings import EpisodeSettings
 from sequester.environments.verdict import VerifierError
 from sequester.errors import EpisodeError
@@ -44,6 +45,7 @@ log = logging.getLogger("sequester.environments.pool")
 T = TypeVar("T")
 READ_CAP = 16 << 20  # bytes of one read_file that come back (the rest is cut: ``truncated``)
 CLOSE_GRACE = 30.0  # seconds a close waits for an interrupted call to give way
+_MAX_CHECKPOINTS = 64  # held by one episode at once (each is bounded too: checkpoint_depth, _disk_mb)
 
 
 # One command's result, as the episode gave it (output capped by ``output_bytes``).
@@ -155,6 +157,9 @@ class HeldEpisode:
         self.env: Environment | None = None
         self.evaluated = False
         self.aborted = False
+        # The checkpoints this episode made (sequester.environments.local.checkpoint), by
+        # their ids: released when it closes (episodes started on one keep its layers).
+        self.checkpoints: dict[str, Checkpoint] = {}
 
     # -- on the episode's thread -------------------------------------------------------
     def start(
@@ -185,6 +190,61 @@ class HeldEpisode:
             env.close()
             raise
         return env.instruction, env.workdir, state
+
+    def start_from(self, checkpoint: Checkpoint, settings: EpisodeSettings, hide: tuple[Path, ...]) -> tuple[str, str]:
+        """Start the episode as a fork of ``checkpoint`` (another episode's, of this
+        process): its instruction and working directory."""
+        from sequester.environments.local.episode import Episode
+        from sequester.sandbox.nsexec.client import shared_nsexec
+
+        if settings.backend != "local":
+            raise UnsupportedByBackend(f"fork: the {settings.backend} backend's episodes have no checkpoints")
+        env = Episode(settings, hide=hide, nsexec=shared_nsexec())
+        self.env = env
+        if self.aborted:
+            raise EpisodeError(f"episode {self.id}: it was closed while it started")
+        try:
+            env.start_from(checkpoint)
+        except BaseException:
+            env.close()
+            raise
+        return env.instruction, env.workdir
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Seal the episode's state (``Episode.checkpoint``): the checkpoint's id, depth,
+        disk and what was not restored. At most 64 held per episode."""
+        env = self._env()
+        if not env.capabilities.checkpoint or not hasattr(env, "checkpoint"):
+            raise UnsupportedByBackend(f"checkpoint: the {env.capabilities.backend} backend cannot seal an episode")
+        if len(self.checkpoints) >= _MAX_CHECKPOINTS:
+            raise CheckpointError(
+                f"episode {self.id}: it holds {len(self.checkpoints)} checkpoints already: release one first"
+            )
+        cp: Checkpoint = env.checkpoint()
+        self.checkpoints[cp.id] = cp
+        return {"id": cp.id, "depth": cp.depth, "bytes": cp.layer_bytes, "not_restored": list(cp.not_restored)}
+
+    def rollback(self, checkpoint: Checkpoint) -> str:
+        """Start the episode again on ``checkpoint`` (``Episode.rollback``): its working
+        directory."""
+        env = self._env()
+        if not hasattr(env, "rollback"):
+            raise UnsupportedByBackend(f"rollback: the {env.capabilities.backend} backend cannot seal an episode")
+        env.rollback(checkpoint)
+        return str(env.workdir)
+
+    def held_checkpoint(self, checkpoint_id: str) -> Checkpoint:
+        """One of this episode's checkpoints (any thread: a dictionary read)."""
+        cp = self.checkpoints.get(checkpoint_id)
+        if cp is None or cp.released:
+            raise CheckpointError(f"checkpoint {checkpoint_id[:64]!r}: not held by episode {self.id} (released?)")
+        return cp
+
+    def release(self, checkpoint_id: str) -> bool:
+        cp = self.checkpoints.pop(checkpoint_id, None)
+        if cp is not None:
+            cp.release()
+        return cp is not None
 
     @staticmethod
     def _calibration(env: Environment, folder: Path, name: str, mode: str) -> dict[str, Any]:
@@ -240,8 +300,13 @@ class HeldEpisode:
         )
 
     def close_env(self) -> None:
-        if self.env is not None:
-            self.env.close()
+        try:
+            if self.env is not None:
+                self.env.close()
+        finally:
+            held, self.checkpoints = list(self.checkpoints.values()), {}
+            for cp in held:
+                cp.release()
 
     # -- from any thread ---------------------------------------------------------------
     def abort(self) -> None:

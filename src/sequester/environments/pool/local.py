@@ -127,6 +127,45 @@ class LocalBackend:
             args = (*args, self._read_cap)
         return await held.thread.asubmit(getattr(held, method), *args)
 
+    # -- checkpoints: the Checkpoint object stays with the episode that made it -----------
+    def rollback(self, episode_id: str, source_id: str, checkpoint_id: str) -> None:
+        held = self._held(episode_id)
+        cp = self._held(source_id).held_checkpoint(checkpoint_id)
+        held.thread.call(held.rollback, cp)
+
+    async def arollback(self, episode_id: str, source_id: str, checkpoint_id: str) -> None:
+        held = self._held(episode_id)
+        cp = self._held(source_id).held_checkpoint(checkpoint_id)
+        await held.thread.asubmit(held.rollback, cp)
+
+    def release(self, source_id: str, checkpoint_id: str) -> None:
+        with self._lock:
+            held = self._episodes.get(source_id)
+        if held is not None:
+            held.release(checkpoint_id)
+
+    def start_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> Started:
+        cp = self._held(source_id).held_checkpoint(checkpoint_id)
+        held = self._hold(episode_id, task_id)
+        try:
+            got = held.thread.call(held.start_from, cp, self.settings, self._hide)
+        except BaseException:
+            if self._drop(episode_id) is not None:
+                held.shutdown(self._grace)
+            raise
+        return self._started((*got, {"state": "fork", "checkpoint": f"{source_id}-{checkpoint_id}"}))
+
+    async def astart_fork(self, episode_id: str, task_id: str, source_id: str, checkpoint_id: str) -> Started:
+        cp = self._held(source_id).held_checkpoint(checkpoint_id)
+        held = self._hold(episode_id, task_id)
+        try:
+            got = await held.thread.asubmit(held.start_from, cp, self.settings, self._hide)
+        except Exception:
+            if self._drop(episode_id) is not None:
+                held.begin_close()
+            raise
+        return self._started((*got, {"state": "fork", "checkpoint": f"{source_id}-{checkpoint_id}"}))
+
     def begin_close(self, episode_id: str) -> Future[None]:
         held = self._drop(episode_id)
         if held is None:
