@@ -107,7 +107,7 @@ X = "/usr/local/bin/xattr"
 MANIFEST = (
     "(cd / && for f in $(find app etc root -xdev 2>/dev/null | sort); do stat -c '%n %a %u %g %h %F' \"$f\"; "
     "if [ -L \"$f\" ]; then readlink \"$f\"; elif [ -f \"$f\" ]; then sha256sum \"$f\" | cut -c1-16; "
-    "[ -x " + X + " ] && " + X + " get \"$f\" user.mark; fi; done; ls bin/vi 2>&1)"
+    "[ -x " + X + " ] && " + X + " get \"$f\" user.mark; fi; done; [ -e bin/vi ] && echo vi || echo no-vi)"
 )
 SETUP = (
     "mkdir -p /app/sub /app/dir && cd /app/sub && echo hello > /app/out.txt && echo keep > /app/keep.txt && "
@@ -122,6 +122,12 @@ CHANGES = (
     "ln -s /etc/passwd sub/link && touch new.txt && mkdir -p /etc/more && touch /bin/vi && "
     "([ -x " + X + " ] && " + X + " set data.txt user.mark second || true) && rm hard)"
 )
+def no_links(view):
+    # A squash makes hard links of the files (their link count shows one more): all else is the same.
+    return "\n".join(" ".join(f[:4] + f[5:]) if len(f := line.split(" ")) > 5 and f[4].isdigit() else line
+                     for line in view.splitlines())
+
+
 out = {}
 es = EpisodeSettings(images=images, checkpoint_depth=2)
 with Episode(es) as ep:
@@ -160,16 +166,27 @@ with Episode(es) as ep:
         for f in forks:
             f.close()
     cp2 = ep.checkpoint()
-    try:
-        ep.checkpoint()
-        out["third"] = "made"
-    except CheckpointError as exc:
-        out["third"] = str(exc)
-    out["after_refusal"] = ep.exec("cat /app/out.txt; pwd").stdout
-    folders = sorted({str(p.parent) for p in cp2.layers})
+    ep.exec("(cd /app && echo three > three.txt && rm data.txt && rm -r dir && mkdir dir && touch dir/new && rm /bin/ls)")
+    before_squash = ep.exec(MANIFEST).stdout + ep.exec("[ -e /bin/ls ] && echo ls || echo no-ls; find /app/dir | sort").stdout
+    cp3 = ep.checkpoint()  # depth 3 > checkpoint_depth 2: its layers squashed into one
+    out["depths"] = [cp.depth, cp2.depth, cp3.depth]
+    out["after_squash_view"] = ep.exec(MANIFEST).stdout + ep.exec("[ -e /bin/ls ] && echo ls || echo no-ls; find /app/dir | sort").stdout
+    out["before_squash_view"] = before_squash
+    out["squash_same"] = no_links(out["after_squash_view"]) == no_links(before_squash)
+    out["after_squash"] = ep.exec("cat /app/out.txt; pwd").stdout
+    ep.rollback(cp2)
+    out["cp2_again"] = ep.exec("[ -e /app/three.txt ] || echo no-three; cat /app/data.txt").stdout
+    ep.rollback(cp3)
+    out["cp3_again"] = no_links(
+        ep.exec(MANIFEST).stdout + ep.exec("[ -e /bin/ls ] && echo ls || echo no-ls; find /app/dir | sort").stdout
+    ) == no_links(before_squash)
+    folders = sorted({str(p.parent) for c in (cp2, cp3) for p in c.layers})
+    running = {str(p.parent) for p in cp3.layers}  # the episode stands on the squashed layer alone
     cp.release()
     cp2.release()
-    out["held_by_running"] = all(os.path.isdir(f) for f in folders)
+    cp3.release()
+    out["held_by_running"] = all(os.path.isdir(f) for f in running)
+    out["unused_gone"] = not any(os.path.exists(f) for f in folders if f not in running)
     out["rolled_back_eval"] = ep.evaluate().reward
 out["gone_after_close"] = not any(os.path.exists(f) for f in folders)
 # Disk: a 1 MB bound and 3 MB written
@@ -223,10 +240,11 @@ def _check(out: dict, *, owners: bool) -> None:
     assert out["setup"] == 0 and out["changes"] == 0, out
     # The checkpoint's own view is the files as they were; the shell's directory and exports.
     assert out["after_checkpoint"] == out["before"], json.dumps(out, indent=1)
-    assert "/bin/vi" not in out["before"].splitlines()[-1] or "No such file" in out["before"].splitlines()[-1]
+    assert out["before"].splitlines()[-1] == "no-vi" and out["changed"].splitlines()[-1] == "vi", out
     assert out["shell"] == "/app/sub\na b\n", out
     assert any("sleep 777" in p for p in out["not_restored"]), out
-    assert any(p in ("sleep 0.05", "date") for p in out["not_restored"]), out  # the writer loop's
+    # The writer loop: its subshell (a copy of the shell), or what it runs at that moment.
+    assert any(p in ("sleep 0.05", "date") or p.endswith("/dev/fd/3") for p in out["not_restored"]), out
     assert "sleep 777" not in out["ps"], out  # not silently restored: named, and gone
     if owners:
         assert "app/keep.txt 640 1234 2345" in out["before"], out
@@ -243,10 +261,12 @@ def _check(out: dict, *, owners: bool) -> None:
     # The sealed layer is out of the agent's reach, and a fork's write never reaches it.
     assert out["reach"].count("No such file") == 3, out
     assert out["sealed_data"] == "data\n", out
-    # Depth, disk, the layers' life, host mode.
-    assert "checkpoint_depth = 2" in out["third"], out
-    assert out["after_refusal"] == "hello\n/app/sub\n", out
-    assert out["held_by_running"] is True and out["gone_after_close"] is True, out
+    # Depth: the third checkpoint's layers squashed into one, the view the same; disk, life, host mode.
+    assert out["depths"] == [1, 2, 1], out
+    assert out["squash_same"] is True and out["cp3_again"] is True, (out["before_squash_view"], out["after_squash_view"])
+    assert out["after_squash"] == "hello\n/app/sub\n", out
+    assert out["cp2_again"] == "no-three\ndata\n", out
+    assert out["held_by_running"] is True and out["unused_gone"] is True and out["gone_after_close"] is True, out
     assert out["rolled_back_eval"] == 1.0, out
     assert "checkpoint_disk_mb = 1" in out["disk"], out
     assert out["after_disk_refusal"] == "3145728\n1\n", out  # the episode went on as it was

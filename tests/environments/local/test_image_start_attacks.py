@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import stat
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,18 +134,58 @@ rm -rf /usr/bin/* /sbin/*; echo done""", timeout=30)
     assert _snapshot(layer) == before
 
 
-def test_moving_the_runner_away_is_the_agents_zero_not_an_error(tmp_path, store):
-    """/opt holds the runner's mount point and can be renamed; a fake runner in its place
-    (its bash a script for the image's static busybox) must make the verifier fail
-    closed, and the pristine re-run must call that the agent's 0."""
+RENAME_C = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+int main(int argc, char **argv) {
+    if (rename(argv[1], argv[2]) == 0) { puts("renamed"); return 0; }
+    printf("%s\n", strerror(errno)); return 1;
+}
+"""
+
+
+def _static(tmp: Path, name: str, source: str) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed for the static helper (.ci/run installs it)")
+    (tmp / f"{name}.c").write_text(source)
+    done = subprocess.run(["gcc", "-static", "-O1", "-o", str(tmp / name), str(tmp / f"{name}.c")],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"no static C library for the helper: {done.stderr[-300:]}")
+    return tmp / name
+
+
+@pytest.mark.parametrize("image_has_opt", [False, True])
+def test_the_runner_cannot_be_moved_away(tmp_path, store, image_has_opt):
+    """The runner's mount point and its parent are folders of the runner skeleton, a lower
+    layer: the agent can rename neither (EXDEV, whether the image has /opt or not: red team,
+    an image without /opt had it made in the writable layer, which the agent renamed and
+    replaced by a link it flipped to a fake runner while the verifier looked it up), nor
+    remove the mount point, nor write below it; a fake runner cannot take its place and
+    the verdict is the runner's."""
+    ren = _static(tmp_path, "ren", RENAME_C)
     fake = "#!/bin/busybox sh\necho 1 > /logs/verifier/reward.txt\n"
+    image = "test/bb:1"
+    if image_has_opt:
+        image = "test/bb-opt:1"
+        _rootfs_image(store, tmp_path, image, lambda root: (root / "opt" / "vendor").mkdir(parents=True))
     with _episode(store) as ep:
-        ep.reset(_task(tmp_path))
-        r = ep.exec("mv /opt /opt2 && mkdir -p /opt/sequester-verifier/bin /opt/sequester-verifier/run && echo moved")
-        assert "moved" in r.stdout
-        ep.write_file("/opt/sequester-verifier/bin/bash", fake, mode=0o755)
-        result = _verdict(ep)
-        assert result.reward == 0.0 and "pristine environment does not fail that way" in result.zero_reason
+        ep.reset(_task(tmp_path, image=image))
+        ep.write_file("/usr/local/bin/ren", ren.read_bytes(), mode=0o755)
+        assert ep.exec("ls /opt").stdout.split() == (["sequester-verifier", "vendor"] if image_has_opt
+                                                      else ["sequester-verifier"])
+        r = ep.exec("ren /opt /opt2; ren /opt/sequester-verifier /x; rmdir /opt/sequester-verifier; "
+                    "mkdir /opt/sequester-verifier/evil; ln -sfn /tmp /opt/sequester-verifier 2>&1; "
+                    "ls -d /opt/sequester-verifier/bin/bash")
+        assert "renamed" not in r.stdout, r
+        assert r.stdout.count("Invalid cross-device link") + r.stdout.count("Device or resource busy") >= 2, r
+        assert r.stdout.rstrip().endswith("/opt/sequester-verifier/bin/bash"), r
+        try:
+            ep.write_file("/opt/sequester-verifier/bin/bash", fake, mode=0o755)
+        except Exception:  # noqa: BLE001 - read-only: refused
+            pass
+        assert _verdict(ep).reward == 0.0
 
 
 def test_agents_shells_never_run_in_the_verifier(tmp_path, store):

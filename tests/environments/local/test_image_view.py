@@ -77,7 +77,8 @@ def test_the_view_is_one_filesystem_with_the_sandboxs_own_mounts_on_it(tmp_path)
     ops = plan_image_view(layers, dirs, toolchain=Path("/runner"), new_tops={"app", "tmp", "proc"})
     by_dest = {(op.kind, str(op.dest)): op for op in ops}
     root = by_dest[(MountKind.OVERLAY, "/")]
-    assert root.lowers == (Path("/l1"), Path("/l2")) and (root.upper, root.work) == (dirs.upper_root, dirs.work_root)
+    assert root.lowers == (Path("/l1"), Path("/l2"), dirs.runner_skeleton)
+    assert (root.upper, root.work) == (dirs.upper_root, dirs.work_root)
     assert ops[0] is root  # everything else is mounted on it
     assert not any(op.kind is MountKind.OVERLAY and str(op.dest) != "/" for op in ops)
     assert (MountKind.PROC, "/proc") in by_dest and (MountKind.HIDE_DIR, "/tests") in by_dest
@@ -96,13 +97,23 @@ def test_the_view_is_one_filesystem_with_the_sandboxs_own_mounts_on_it(tmp_path)
 
 def test_the_writable_layer_starts_with_the_sandboxs_folders():
     """Mount points fresh and opaque (nothing of the image's /proc, /dev, /tests shows
-    through); the runner's top where the image has something else there or nothing (bwrap
-    would make it 0700, closed to the image's other users); /tmp 1777 where the image has none."""
-    made = upper_folders({"usr": "dir", "opt": "dir", "tmp": "dir", "tests": "dir"}, "opt")
+    through); /tmp 1777 where the image has none. Never the runner's folder: it is the
+    runner skeleton's, a lower layer (below)."""
+    made = upper_folders({"usr": "dir", "opt": "dir", "tmp": "dir", "tests": "dir"})
     assert made == {name: (0o755, True) for name in ("proc", "dev", "sys", "tests", "logs")}
-    made = upper_folders({"usr": "dir", "opt": "other"}, "opt")
-    assert made["opt"] == (0o755, False) and made["tmp"] == (0o1777, False)
-    assert upper_folders({}, "opt")["opt"] == (0o755, False)
+    made = upper_folders({"usr": "dir", "opt": "other"})
+    assert "opt" not in made and made["tmp"] == (0o1777, False)
+    assert "opt" not in upper_folders({})
+
+
+def test_the_runner_skeleton_is_the_topmost_lower_layer(tmp_path):
+    """The runner's mount point is a folder of a lower layer above the image's and the
+    sealed ones: no agent wrote it, no link below it is followed, it cannot be renamed."""
+    dirs = EpisodeDirs(tmp_path / "ep")
+    layers = [Path("/store/l1"), Path("/store/l2"), Path("/state/ckpt/layer")]
+    ops = plan_image_view(layers, dirs, toolchain=Path("/tc"))
+    root = next(op for op in ops if op.kind is MountKind.OVERLAY and op.dest == Path("/"))
+    assert root.lowers == (*layers, dirs.runner_skeleton) and root.upper == dirs.upper_root
 
 
 def test_too_many_layers_for_one_overlay_is_measured():

@@ -28,27 +28,29 @@ own (``/etc/machine-id``, when the view has a non-empty one).
 them until it stops; removed with the last. A process that dies leaves them to the
 next start's clean-up of dead processes' folders (:func:`.state.remove_stale`), like its
 episodes' folders. Bounds: an episode stands on at most ``[episodes] checkpoint_depth``
-sealed layers (a deeper checkpoint is refused, naming the setting: roll back or fork
-from an earlier one), and the sealed layers of this process take at most
-``[episodes] checkpoint_disk_mb`` (measured before the layer is sealed: a checkpoint
-that would pass it is refused and the episode goes on as it was).
+sealed layers (a deeper checkpoint's layers are squashed into one, :func:`squash`: hard
+links to the files, folders and whiteouts made again, as overlayfs resolves the stack),
+and the sealed layers of this process take at most ``[episodes] checkpoint_disk_mb``
+(measured before the layer is sealed: a checkpoint that would pass it is refused and the
+episode goes on as it was).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sequester.environments.local.state import EpisodeDirs
 from sequester.errors import EpisodeError
 from sequester.images.choose import Choice
+from sequester.sandbox.idmap import IdMap
 from sequester.sandbox.idspace import remove_mapped_tree
 from sequester.tasks import Task
 
@@ -58,11 +60,16 @@ __all__ = [
     "SHELL_STATE_COMMAND",
     "parse_shell_state",
     "seal",
+    "new_folder",
+    "squash",
+    "squash_into",
     "tree_bytes",
     "held_bytes",
     "copy_logs",
     "hold",
     "hold_for",
+    "discard_folder",
+    "plain_path",
     "let_go",
 ]
 
@@ -192,8 +199,9 @@ class Checkpoint:
     task: Task
     choice: Choice
     layers: tuple[Path, ...]
-    workdir: str
+    workdir: str  # the episode's own (the task's): the tests', the artifacts', never the shell's
     env: dict[str, str]
+    shell_cwd: str | None = None  # where the agent's shell was (checked again where it starts)
     not_restored: tuple[str, ...] = ()
     layer_bytes: int = 0  # the disk its own (top) layer takes
     remaining: float | None = None  # the agent's time left when it was made (None: no limit)
@@ -221,17 +229,25 @@ class Checkpoint:
         self.release()
 
 
-def tree_bytes(root: Path, *, limit: int = 2_000_000) -> int:
+def tree_bytes(root: Path, *, limit: int = 2_000_000, seconds: float = 20.0) -> int:
     """Disk blocks under ``root`` in bytes: every entry ``lstat``-ed once, no link
-    followed, no recursion (a stack of folders), at most ``limit`` entries (then what was
-    counted). Hard links within the tree count once."""
+    followed, no recursion (a stack of folders). Hard links within the tree count once.
+    More than ``limit`` entries, or a scan past ``seconds``: :class:`CheckpointError` (a
+    layer it cannot measure is one it will not seal: red team, a layer counted only up to
+    the limit passed the disk cap with the rest uncounted)."""
     total, seen, stack, entries = 0, set(), [root], 0
-    while stack and entries < limit:
+    deadline = time.monotonic() + seconds
+    while stack:
         folder = stack.pop()
         try:
             with os.scandir(folder) as it:
                 for entry in it:
                     entries += 1
+                    if entries > limit or (entries % 4096 == 0 and time.monotonic() > deadline):
+                        raise CheckpointError(
+                            f"the writable layer holds more than {limit} entries, or more than {seconds:g} s "
+                            "of them to measure: it is not sealed"
+                        )
                     try:
                         st = entry.stat(follow_symlinks=False)
                     except OSError:
@@ -243,20 +259,26 @@ def tree_bytes(root: Path, *, limit: int = 2_000_000) -> int:
                     total += st.st_blocks * 512
                     if stat.S_ISDIR(st.st_mode):
                         stack.append(Path(entry.path))
+        except CheckpointError:
+            raise
         except OSError:
             continue
     return total
 
 
-def seal(dirs: EpisodeDirs, state_dir: Path, size: int) -> Path:
-    """Move the episode's writable layer (its sandbox ended) into a folder of its own,
-    with a copy of the agent's log folders; returns the layer. Held once (for the
-    checkpoint that is being made)."""
-    folder = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-ckpt-", dir=state_dir))
+def new_folder(state_dir: Path) -> Path:
+    """A checkpoint's folder (``<pid>-ckpt-*``: a dead process's goes with the next
+    start's clean-up), not held yet."""
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-ckpt-", dir=state_dir))
+
+
+def seal(dirs: EpisodeDirs, folder: Path, size: int) -> Path:
+    """Move the episode's writable layer (its sandbox ended) into ``folder``
+    (:func:`new_folder`, the agent's logs copied there already); returns the layer. Held
+    once (for the checkpoint that is being made)."""
     layer = folder / "layer"
     try:
         os.rename(dirs.upper_root, layer)
-        copy_logs(dirs.root / "logs", folder / "logs")
     except BaseException:
         remove_mapped_tree(folder)
         raise
@@ -264,18 +286,211 @@ def seal(dirs: EpisodeDirs, state_dir: Path, size: int) -> Path:
     return layer
 
 
-def copy_logs(source: Path, dest: Path) -> None:
-    """The agent's log folders (``/logs/agent``, ``/logs/artifacts``): a copy, links kept
-    as links, modes kept. A file that cannot be read is left out."""
-    if not source.is_dir():
-        return
-    shutil.copytree(
-        source, dest, symlinks=True, ignore_dangling_symlinks=True, dirs_exist_ok=True, copy_function=_copy_or_skip
-    )
+# What a checkpoint copies of the agent's log folders, at most (red team: a sparse file of
+# 10 TB, or a chain of 700 folders, in /logs/agent).
+LOG_ENTRIES, LOG_DEPTH = 20_000, 64
 
 
-def _copy_or_skip(src: str, dst: str) -> None:
+def copy_logs(source: Path, dest: Path, budget: int) -> int:
+    """The agent's log folders (``/logs/agent``, ``/logs/artifacts``) copied into ``dest``:
+    folders, regular files (their bytes as they read: a sparse file counts whole) and
+    links (as links); nothing else (a FIFO, a socket, a device is left out). No link is
+    followed, no recursion; at most ``LOG_ENTRIES`` entries ``LOG_DEPTH`` deep and
+    ``budget`` bytes, else :class:`CheckpointError`. Returns the bytes copied."""
+    copied, entries = 0, 0
+    dest.mkdir(mode=0o755, exist_ok=True)
+    if not source.is_dir() or source.is_symlink():
+        return 0
+    stack: list[tuple[Path, Path, int]] = [(source, dest, 0)]
+    while stack:
+        src_dir, dst_dir, depth = stack.pop()
+        with os.scandir(src_dir) as it:
+            found = list(it)
+        for entry in found:
+            entries += 1
+            if entries > LOG_ENTRIES or depth >= LOG_DEPTH:
+                raise CheckpointError(
+                    f"the agent's log folders hold more than {LOG_ENTRIES} entries or go deeper than {LOG_DEPTH}"
+                )
+            st = entry.stat(follow_symlinks=False)
+            target = dst_dir / entry.name
+            if stat.S_ISDIR(st.st_mode):
+                target.mkdir(mode=stat.S_IMODE(st.st_mode) | 0o700, exist_ok=True)
+                stack.append((Path(entry.path), target, depth + 1))
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(entry.path), target)
+            elif stat.S_ISREG(st.st_mode):
+                copied += st.st_size
+                if copied > budget:
+                    raise CheckpointError(
+                        f"the agent's log folders hold more than the {budget >> 20} MB left of checkpoint_disk_mb"
+                    )
+                _copy_file(entry.path, target, st)
+    return copied
+
+
+def _copy_file(source: str, target: Path, st: os.stat_result) -> None:
     try:
-        shutil.copy2(src, dst, follow_symlinks=False)
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # (one the caller may not read: an ordinary caller's, of another of the episode's users)
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # (swapped since the listing)
+            return
+        with open(fd, "rb", closefd=False) as src, open(target, "wb") as dst:
+            left = st.st_size
+            while left > 0 and (chunk := src.read(min(left, 1 << 20))):
+                dst.write(chunk)
+                left -= len(chunk)
+        os.chmod(target, stat.S_IMODE(st.st_mode) & 0o777)
+    finally:
+        os.close(fd)
+
+
+# overlayfs (mounted by bwrap in a user namespace: userxattr) marks a folder whose lower
+# content is hidden with this xattr; a whiteout is a character device 0:0.
+_OPAQUE = "user.overlay.opaque"
+_SQUASH_ENTRIES = 5_000_000  # entries one squash may walk (the layers are bounded by checkpoint_disk_mb too)
+
+
+def squash(layers: Sequence[Path], state_dir: Path, ids: IdMap | None) -> Path:
+    """One sealed layer that stands for ``layers`` (lowest first) over the same image, as
+    overlayfs would resolve them (:func:`squash_into`), in a folder of its own like
+    :func:`seal`'s (held once). Files are hard links to the layers' (nothing is copied but
+    folders and whiteouts); an ordinary caller does it as root of a namespace mapping the
+    episode's ids (the layers hold files of its subordinate ids)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-ckpt-", dir=state_dir))
+    layer = folder / "layer"
+    try:
+        if os.getuid() != 0 and ids is not None:
+            from sequester.sandbox.idspace import run_in_id_space
+
+            run_in_id_space(ids, __name__, "squash_into", [str(p) for p in layers], str(layer))
+        else:
+            squash_into([str(p) for p in layers], str(layer))
+        size = tree_bytes(layer)
+    except BaseException:
+        remove_mapped_tree(folder)
+        raise
+    _REFS.add([folder], {folder: size})
+    return layer
+
+
+def squash_into(layers: list[str], dest: str) -> int:
+    """Apply each layer (lowest first) onto ``dest``, as overlayfs resolves an upper over a
+    lower: a whiteout removes what is below and stays (the image below may have the path);
+    an opaque folder replaces what is below; a folder over a folder merges, and one over
+    a file or a whiteout becomes opaque (nothing of the image below shows through, as
+    before); anything else replaces what is below, as a hard link to the layer's file.
+    Folders keep their mode, owner, xattrs and times. Nothing is followed; no recursion
+    (a stack); at most ``_SQUASH_ENTRIES`` entries. Returns the entries applied."""
+    os.mkdir(dest, 0o755)
+    applied = 0
+    for layer in layers:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            src_dir = os.path.join(layer, rel) if rel else layer
+            with os.scandir(src_dir) as it:
+                entries = list(it)
+            for entry in entries:
+                applied += 1
+                if applied > _SQUASH_ENTRIES:
+                    raise CheckpointError(f"the layers to squash hold more than {_SQUASH_ENTRIES} entries")
+                name = os.path.join(rel, entry.name) if rel else entry.name
+                src, dst = entry.path, os.path.join(dest, name)
+                st = entry.stat(follow_symlinks=False)
+                there = _lstat(dst)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout
+                    _remove(dst, there)
+                    os.mknod(dst, stat.S_IFCHR | 0o000, 0)
+                elif stat.S_ISDIR(st.st_mode):
+                    opaque = _xattr(src, _OPAQUE) == b"y"
+                    merge = there is not None and stat.S_ISDIR(there.st_mode) and not opaque
+                    if not merge:
+                        _remove(dst, there)
+                        os.mkdir(dst, 0o700)
+                    _copy_dir_meta(src, dst, st)
+                    if not merge and (opaque or there is not None):
+                        os.setxattr(dst, _OPAQUE, b"y", follow_symlinks=False)
+                    elif merge and _xattr(dst, _OPAQUE) == b"y":
+                        pass  # (stays opaque: what it hid is hidden still)
+                    stack.append(name)
+                else:
+                    _remove(dst, there)
+                    os.link(src, dst, follow_symlinks=False)
+        # (folder times are set again after their content changed)
+    _fix_times(layers, dest)
+    return applied
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _xattr(path: str, name: str) -> bytes | None:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False)
     except OSError:
-        pass
+        return None
+
+
+def _remove(path: str, st: os.stat_result | None) -> None:
+    if st is None:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        from sequester.sandbox.remove import remove_tree
+
+        remove_tree(Path(path))
+    else:
+        os.unlink(path)
+
+
+def _copy_dir_meta(src: str, dst: str, st: os.stat_result) -> None:
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    for name in os.listxattr(src, follow_symlinks=False):
+        if name.startswith(("user.overlay.", "trusted.overlay.")):
+            continue  # overlayfs's own: decided above
+        try:
+            os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+        except OSError:
+            pass  # (a namespace this caller cannot write, e.g. security.*)
+
+
+def _fix_times(layers: list[str], dest: str) -> None:
+    """Each folder of ``dest`` gets the times of the topmost layer's folder at its path (a
+    stack, no link followed)."""
+    for layer in layers:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            root = os.path.join(layer, rel) if rel else layer
+            target = os.path.join(dest, rel) if rel else dest
+            try:
+                st = os.lstat(root)
+                if stat.S_ISDIR(os.lstat(target).st_mode):
+                    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+                with os.scandir(root) as it:
+                    stack.extend(
+                        os.path.join(rel, e.name) if rel else e.name for e in it if e.is_dir(follow_symlinks=False)
+                    )
+            except OSError:
+                continue
+
+
+def discard_folder(folder: Path) -> None:
+    """A checkpoint folder that was never sealed (its checkpoint refused)."""
+    remove_mapped_tree(folder)
+
+
+def plain_path(path: str | None) -> bool:
+    """``path`` is absolute, normal (no ``.``, ``..`` or empty part), of at most 4096 bytes
+    and parts of at most 255: a shell's working directory fit to start in. Pure."""
+    if not path or not path.startswith("/") or "\0" in path or len(path.encode(errors="replace")) > 4096:
+        return False
+    parts = path.split("/")[1:]
+    return path == "/" or all(p not in ("", ".", "..") and len(p.encode(errors="replace")) <= 255 for p in parts)

@@ -286,9 +286,9 @@ class Episode:
         run, chosen = self._run, self._run.workdir
         if resume is not None:
             run.env = dict(resume.env)
-            try:
-                checkpoints.copy_logs(resume.logs, run.dirs.root / "logs")
-            except OSError as exc:
+            try:  # (bounded when the checkpoint was made: its own copy)
+                checkpoints.copy_logs(resume.logs, run.dirs.root / "logs", self.settings.checkpoint_disk_mb << 20)
+            except (OSError, CheckpointError) as exc:
                 run.notes.append(f"the agent's log folders of checkpoint {resume.id} could not be copied: {exc}")
         self._state = _State.RUNNING
         try:
@@ -301,7 +301,7 @@ class Episode:
                 if run.lease is not None and chosen != "/" and image_path_kind(run.layers, chosen) == "none":
                     self._make_dir(chosen)
                 if shell:
-                    self._start_shell(harden=True)
+                    self._start_shell(harden=True, cwd=self._resume_cwd(run, resume))
             finally:
                 linked()
         except BaseException:  # (an episode whose /proc and /dev were not made safe is not used)
@@ -430,7 +430,23 @@ class Episode:
             "source": record.source,
         }
 
-    def _start_shell(self, *, harden: bool = False) -> None:
+    def _resume_cwd(self, run: RunningEpisode, resume: Checkpoint | None) -> str | None:
+        """Where the shell of an episode started on ``resume`` starts: where the shell was at
+        the checkpoint, when that is a plain path to a folder of the view (looked up in its
+        layers, nothing followed), else the episode's working directory (with a note). The
+        episode's own working directory, the tests' and the artifacts', stays the task's
+        (red team: a shell's cwd, or a forged $PWD, moved the verifier's to a decoy)."""
+        if resume is None or resume.shell_cwd is None or resume.shell_cwd == run.workdir:
+            return None
+        if checkpoints.plain_path(resume.shell_cwd) and image_path_kind(run.layers, resume.shell_cwd) == "dir":
+            return resume.shell_cwd
+        run.notes.append(
+            f"the shell's working directory at checkpoint {resume.id} ({printable(resume.shell_cwd)[:200]!r}) is not a "
+            f"folder of the view: the shell starts in {run.workdir}"
+        )
+        return None
+
+    def _start_shell(self, *, harden: bool = False, cwd: str | None = None) -> None:
         run = self._running()
         if run.shell is not None:
             run.shell.close()
@@ -446,7 +462,7 @@ class Episode:
                 run.bwrap.pid,
                 list(run.shell_argv),
                 env=run.env,
-                cwd=run.workdir,
+                cwd=cwd or run.workdir,
                 stdin=slave,
                 stdout=out_w,
                 stderr=slave,
@@ -775,54 +791,70 @@ class Episode:
         a fresh writable layer, its shell in the working directory and with the exported
         variables it had. Every other process is not restored: named in
         ``Checkpoint.not_restored`` and the episode's notes. The agent's remaining time
-        goes on. :class:`CheckpointError` (the episode as it was) past ``[episodes]
-        checkpoint_depth`` or ``checkpoint_disk_mb``; :class:`UnsupportedByBackend` for a
-        host-mode episode."""
+        goes on. Past ``[episodes] checkpoint_depth`` sealed layers, they are squashed into
+        one. :class:`CheckpointError` (the episode as it was) past ``checkpoint_disk_mb``;
+        :class:`UnsupportedByBackend` for a host-mode episode."""
         run = self._running()
         if run.lease is None or run.image is None:
             raise UnsupportedByBackend(
                 "checkpoint() needs an episode on an image (a host-mode view keeps the agent's fresh folders as "
                 "plain folders, not as a layer that can be sealed)"
             )
-        if len(run.above) >= self.settings.checkpoint_depth:
-            raise CheckpointError(
-                f"the episode already stands on {len(run.above)} sealed layers ([episodes] checkpoint_depth = "
-                f"{self.settings.checkpoint_depth}): roll back to or fork from an earlier checkpoint"
-            )
         cwd, env = self._shell_state(run)
+        folder = checkpoints.new_folder(self.settings.state_dir)
         run.freezer.freeze()
         try:
             size = checkpoints.tree_bytes(run.dirs.upper_root)
-            cap = self.settings.checkpoint_disk_mb << 20
-            if checkpoints.held_bytes() + size > cap:
+            room = (self.settings.checkpoint_disk_mb << 20) - checkpoints.held_bytes() - size
+            if room < 0:
                 raise CheckpointError(
                     f"the checkpoint's layer takes {size >> 20} MB and this process's checkpoints "
                     f"{checkpoints.held_bytes() >> 20} MB already ([episodes] checkpoint_disk_mb = "
                     f"{self.settings.checkpoint_disk_mb}): release checkpoints no longer needed"
                 )
+            # The agent's logs, while it is frozen (any failure leaves the episode as it was).
+            size += checkpoints.copy_logs(run.dirs.root / "logs", folder / "logs", room)
             others = self._other_processes(run)
         except BaseException:
+            checkpoints.discard_folder(folder)
             run.freezer.thaw()
             raise
         remaining = run.deadline - time.monotonic() if run.deadline is not None else None
         run.bwrap.kill()  # (nothing writes the layer from here on)
         try:
-            layer = checkpoints.seal(run.dirs, self.settings.state_dir, size)
+            layer = checkpoints.seal(run.dirs, folder, size)
         except BaseException:
             self._stop()
             raise
-        checkpoints.hold(run.above)  # the checkpoint's own hold on the layers below
+        layers, squash_note = (*run.above, layer), ""
+        if len(layers) > self.settings.checkpoint_depth:  # one layer for them all (hard links)
+            try:
+                layers = (checkpoints.squash(layers, self.settings.state_dir, run.id_map),)
+            except Exception as exc:  # noqa: BLE001 - the stack stays as it is, one deeper
+                squash_note = f"; its {len(layers)} layers could not be squashed into one ({exc})"
+                checkpoints.hold(run.above)
+            else:
+                checkpoints.let_go([layer])  # (its files live on in the squashed layer's links)
+        else:
+            checkpoints.hold(run.above)  # the checkpoint's own hold on the layers below
         cp = Checkpoint(
             task=run.task,
             choice=Choice(run.image, "image"),
-            layers=(*run.above, layer),
-            workdir=cwd or run.workdir,
+            layers=layers,
+            workdir=run.workdir,
+            shell_cwd=cwd,
             env=env or dict(run.env),
             not_restored=tuple(others),
             layer_bytes=size,
             remaining=remaining,
         )
-        self._resume(cp, "checkpoint")
+        try:
+            self._resume(cp, "checkpoint")
+        except BaseException as exc:  # (the episode is stopped: its checkpoint is not left held)
+            cp.release()
+            raise CheckpointError(f"the episode did not start again on its checkpoint, and is stopped: {exc}") from exc
+        if squash_note:
+            self._running().notes.append(f"checkpoint {cp.id}{squash_note}")
         return cp
 
     def rollback(self, checkpoint: Checkpoint) -> Episode:
@@ -871,7 +903,7 @@ class Episode:
         if how == "fork":
             self._new_machine_id()
         run.notes.append(
-            f"{how} {cp.id}: the shell started again in {cp.workdir} with the exported variables it had"
+            f"{how} {cp.id}: the shell started again with the exported variables it had"
             + (f"; not restored: {', '.join(cp.not_restored[:8])}" if cp.not_restored else "")
             + ("" if len(cp.not_restored) <= 8 else f" and {len(cp.not_restored) - 8} more")
         )

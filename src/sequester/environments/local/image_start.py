@@ -8,6 +8,7 @@ is), so nothing of the Dockerfile is applied again; the task's folder is not in 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,12 +60,29 @@ def image_shell(runner_bin: str) -> tuple[str, ...]:
     return (f"{runner_bin}/bash", "--noprofile", "--norc", "-c", script)
 
 
-def _make_upper(dirs: EpisodeDirs, layers: Sequence[Path], runner_top: str) -> None:
-    """The writable layer and the folders it holds before the start (:func:`upper_folders`)."""
+def _make_upper(dirs: EpisodeDirs, layers: Sequence[Path]) -> None:
+    """The writable layer and the folders it holds before the start (:func:`upper_folders`),
+    and the runner skeleton: the runner's mount point below a copy of the image's folder
+    there (its mode and times; ``0755`` where the image has none)."""
     kinds = {t.name: "dir" if t.kind == "dir" else "other" for t in merge_tops(layers)}
     for folder in (dirs.upper_root, dirs.work_root):
         folder.mkdir(parents=True, exist_ok=True)
-    for name, (mode, opaque) in upper_folders(kinds, runner_top).items():
+    top = RUNNER_MOUNT.parts[1]
+    mount_point = dirs.runner_skeleton / str(RUNNER_MOUNT).lstrip("/")
+    mount_point.mkdir(mode=0o755, parents=True)
+    for folder in (dirs.runner_skeleton, *mount_point.parents):
+        if folder.is_relative_to(dirs.runner_skeleton):
+            os.chmod(folder, 0o755)
+    for layer in reversed(layers):  # the topmost layer that has something there decides
+        try:
+            st = os.lstat(layer / top)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(dirs.runner_skeleton / top, stat.S_IMODE(st.st_mode))
+            os.utime(dirs.runner_skeleton / top, ns=(st.st_atime_ns, st.st_mtime_ns))
+        break
+    for name, (mode, opaque) in upper_folders(kinds).items():
         path = dirs.upper_root / name
         path.mkdir(exist_ok=True)
         os.chmod(path, mode)
@@ -120,7 +138,7 @@ def start_on_image(
                 f"mount can name ({overlay_option_bytes(op)} bytes of options, at most "
                 f"{OVERLAY_OPTIONS_LIMIT}); flatten the image (e.g. 'skopeo copy' after a squash)"
             )
-    _make_upper(dirs, layers, runner_top)
+    _make_upper(dirs, layers)
     dirs.make_agent_logs(p.name for p in AGENT_LOG_POINTS)
     placed = False
     etc_here = image_path_kind(layers, "/etc") in ("dir", "none")

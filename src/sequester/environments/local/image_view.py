@@ -56,15 +56,25 @@ def plan_image_view(
     sys_cpu: Path | None = None,
     volumes: Iterable[str] = (),
 ) -> tuple[MountOp, ...]:
-    """``layers``: the image's layer folders, lowest first; ``new_tops``: top-level folders
-    the task needs (its working directory's) that the image may lack; ``volumes``: the
-    image config's ``Volumes``."""
+    """``layers``: the image's layer folders (and a checkpoint's sealed ones), lowest
+    first; ``new_tops``: top-level folders the task needs (its working directory's) that
+    the image may lack; ``volumes``: the image config's ``Volumes``.
+
+    Above them all, the episode's runner skeleton (``dirs.runner_skeleton``: the runner's
+    mount point and its parent, folders no agent ever wrote): the path bwrap mounts the
+    runner on, and the verifier finds it by, is a folder of a lower layer, never the
+    agent's. A folder of a lower layer cannot be renamed in the view (overlayfs without
+    ``redirect_dir``: ``EXDEV``) and a mount point cannot be removed, so no agent process
+    can move the runner's mount aside and put a link of its own there, however the image
+    is made (red team: an image without ``/opt`` had it made in the writable layer, which
+    the agent renamed), and no link a sealed layer holds there is followed."""
     ops: list[tuple[int, int, MountOp]] = []
 
     def add(op: MountOp, rank: int) -> None:
         ops.append((len(op.dest.parts), rank, op))
 
-    add(MountOp(MountKind.OVERLAY, Path("/"), lowers=tuple(layers), upper=dirs.upper_root, work=dirs.work_root), 0)
+    lowers = (*layers, dirs.runner_skeleton)
+    add(MountOp(MountKind.OVERLAY, Path("/"), lowers=lowers, upper=dirs.upper_root, work=dirs.work_root), 0)
     declared = {v.rstrip("/") or "/" for v in volumes}
     for op, rank in sandbox_mounts(sys_cpu, dirs):
         if op.dest in (Path("/tmp"), Path("/run")) and str(op.dest) not in declared:
@@ -76,18 +86,14 @@ def plan_image_view(
     return tuple(op for _, _, op in sorted(ops, key=lambda t: (t[0], t[1], str(t[2].dest))))
 
 
-def upper_folders(kinds: Mapping[str, str], runner_top: str) -> dict[str, tuple[int, bool]]:
+def upper_folders(kinds: Mapping[str, str]) -> dict[str, tuple[int, bool]]:
     """The top-level folders to make in the writable layer before the start, by name:
     ``(mode, opaque)``. ``kinds``: what the image has at each top-level name (``"dir"``,
-    ``"other"``, ``"none"``, see :func:`~sequester.images.stack.image_path_kind`);
-    ``runner_top``: the top-level folder the runner is mounted below.
+    ``"other"``, ``"none"``, see :func:`~sequester.images.stack.image_path_kind`).
 
-    Every sandbox mount point, fresh and opaque; the runner's folder where the image has
-    something else there (a link bwrap would follow) or nothing (bwrap would make it 0700,
-    closed to the image's other users); ``/tmp`` where the image has none."""
+    Every sandbox mount point, fresh and opaque; ``/tmp`` where the image has none. (The
+    runner's folder is the runner skeleton's, a lower layer: :func:`plan_image_view`.)"""
     out = {name: (0o755, True) for name in SANDBOX_POINTS}
-    if kinds.get(runner_top, "none") != "dir":
-        out[runner_top] = (0o755, False)
     if kinds.get("tmp", "none") == "none":
         out["tmp"] = (0o1777, False)
     return out

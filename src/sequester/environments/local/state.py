@@ -51,6 +51,12 @@ class EpisodeDirs:
     def upper(self, top: str) -> Path:
         return self.root / "upper" / top
 
+    @property
+    def runner_skeleton(self) -> Path:
+        """A lower layer of an episode on an image holding only the runner's mount point
+        and its parent (see :func:`.image_view.plan_image_view`)."""
+        return self.root / "runner-skeleton"
+
     def work(self, top: str) -> Path:
         return self.root / "work" / top
 
