@@ -108,10 +108,10 @@ class EpisodeSettings:
     checkpoint_disk_mb: int = 20480
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_depth", "checkpoint_disk_mb"):
+        for name, least in (("checkpoint_depth", 2), ("checkpoint_disk_mb", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise PolicyError(f"episodes.{name}: {value!r} is not a positive whole number")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise PolicyError(f"episodes.{name}: {value!r} is not a whole number of at least {least}")
         for name in (
             "exec_timeout",
             "output_bytes",

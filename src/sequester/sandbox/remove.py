@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sequester.sandbox.fdwalk import Cursor, OtherFilesystem, open_root, show_path
 
-__all__ = ["RemovalError", "remove_tree", "BATCH"]
+__all__ = ["RemovalError", "remove_tree", "remove_tree_at", "BATCH"]
 
 BATCH = 4096  # names read from one folder before working on them
 _MAX_PASSES = 100_000  # passes over one folder (BATCH names each): a writer racing us cannot keep us forever
@@ -214,3 +214,20 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
         pass
     except OSError as exc:
         raise RemovalError(root, [f"{str(root)!r}: {exc.strerror}"], 1) from None
+
+
+def remove_tree_at(dir_fd: int, name: str) -> None:
+    """:func:`remove_tree` of the folder ``name`` in the folder ``dir_fd``: no path is built
+    (a tree below a path longer than ``PATH_MAX`` goes too). The entry must be a folder."""
+    from sequester.sandbox.fdwalk import DIR_FLAGS
+
+    fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    remover = _Remover(Path(name), fd)
+    try:
+        remover.run()
+    finally:
+        remover.cursor.close()
+        os.close(fd)
+    if remover.count:
+        raise RemovalError(Path(name), remover.left, remover.count)
+    os.rmdir(name, dir_fd=dir_fd)

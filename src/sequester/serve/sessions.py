@@ -175,6 +175,7 @@ class EpisodeSession(Session):
         super().__init__(session_id, task_name)
         self._task_id, self._pool, self._read_cap = task_id, pool, read_cap
         self._fork_of = fork_of  # a checkpoint's id: the episode starts as a fork of it
+        self._made: set[str] = set()  # the checkpoints this session made: only it may release them
         self._acquiring: asyncio.Future[EpisodeHandle] | None = None
         self._handle: EpisodeHandle | None = None
 
@@ -242,6 +243,7 @@ class EpisodeSession(Session):
             return await self._evaluate(handle)
         if isinstance(action, protocol.CheckpointAction):
             cp = await pool.acheckpoint(handle)
+            self._made.add(cp.id)
             return (
                 protocol.CheckpointObservation(
                     checkpoint=cp.id, depth=cp.depth, bytes=cp.bytes, not_restored=list(cp.not_restored)
@@ -253,6 +255,12 @@ class EpisodeSession(Session):
             await pool.arollback(handle, action.checkpoint)
             return protocol.RollbackObservation(checkpoint=action.checkpoint), None, False
         if isinstance(action, protocol.ReleaseAction):
+            if action.checkpoint not in self._made:  # (red team: a session released another's)
+                raise protocol.FrameError(
+                    protocol.ErrorCode.EXECUTION_ERROR,
+                    "release failed: that checkpoint is not one this session made (it goes with its own session)",
+                )
+            self._made.discard(action.checkpoint)
             await pool.arelease(action.checkpoint)
             return protocol.ReleaseObservation(checkpoint=action.checkpoint, released=True), None, False
         raise protocol.FrameError(

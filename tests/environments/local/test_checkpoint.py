@@ -53,10 +53,11 @@ def test_tree_bytes_counts_hard_links_once_and_follows_no_link(tmp_path):
     (tmp_path / "sub" / "loop").symlink_to(tmp_path)
     one = tree_bytes(tmp_path)
     assert 100_000 <= one < 200_000
-    assert tree_bytes(tmp_path, limit=1) <= one
+    with pytest.raises(CheckpointError, match="more than 1 entries"):  # never a partial sum
+        tree_bytes(tmp_path, limit=1)
 
 
-@pytest.mark.parametrize("name, value", [("checkpoint_depth", 0), ("checkpoint_disk_mb", -1),
+@pytest.mark.parametrize("name, value", [("checkpoint_depth", 1), ("checkpoint_disk_mb", -1),
                                          ("checkpoint_depth", True), ("checkpoint_disk_mb", 1.5)])
 def test_bad_checkpoint_settings_name_the_key(name, value):
     with pytest.raises(PolicyError, match=f"episodes.{name}"):
@@ -168,7 +169,7 @@ with Episode(es) as ep:
     cp2 = ep.checkpoint()
     ep.exec("(cd /app && echo three > three.txt && rm data.txt && rm -r dir && mkdir dir && touch dir/new && rm /bin/ls)")
     before_squash = ep.exec(MANIFEST).stdout + ep.exec("[ -e /bin/ls ] && echo ls || echo no-ls; find /app/dir | sort").stdout
-    cp3 = ep.checkpoint()  # depth 3 > checkpoint_depth 2: its layers squashed into one
+    cp3 = ep.checkpoint()  # depth 3 > checkpoint_depth 2: the two below squashed into one first
     out["depths"] = [cp.depth, cp2.depth, cp3.depth]
     out["after_squash_view"] = ep.exec(MANIFEST).stdout + ep.exec("[ -e /bin/ls ] && echo ls || echo no-ls; find /app/dir | sort").stdout
     out["before_squash_view"] = before_squash
@@ -262,7 +263,7 @@ def _check(out: dict, *, owners: bool) -> None:
     assert out["reach"].count("No such file") == 3, out
     assert out["sealed_data"] == "data\n", out
     # Depth: the third checkpoint's layers squashed into one, the view the same; disk, life, host mode.
-    assert out["depths"] == [1, 2, 1], out
+    assert out["depths"] == [1, 2, 2], out  # the third: the two below squashed into one, and its own
     assert out["squash_same"] is True and out["cp3_again"] is True, (out["before_squash_view"], out["after_squash_view"])
     assert out["after_squash"] == "hello\n/app/sub\n", out
     assert out["cp2_again"] == "no-three\ndata\n", out

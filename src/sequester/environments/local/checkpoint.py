@@ -229,40 +229,53 @@ class Checkpoint:
         self.release()
 
 
+# How deep a layer may go for the host to measure or squash it (one descriptor per level).
+MAX_DEPTH = 1024
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
 def tree_bytes(root: Path, *, limit: int = 2_000_000, seconds: float = 20.0) -> int:
-    """Disk blocks under ``root`` in bytes: every entry ``lstat``-ed once, no link
-    followed, no recursion (a stack of folders). Hard links within the tree count once.
-    More than ``limit`` entries, or a scan past ``seconds``: :class:`CheckpointError` (a
-    layer it cannot measure is one it will not seal: red team, a layer counted only up to
-    the limit passed the disk cap with the rest uncounted)."""
-    total, seen, stack, entries = 0, set(), [root], 0
+    """Disk blocks under ``root`` in bytes, walked by folder descriptors (no path is built,
+    so no name length or depth of the agent's can make a lookup fail; nothing is followed;
+    no recursion). Hard links within the tree count once. More than ``limit`` entries,
+    folders more than ``MAX_DEPTH`` deep, a scan past ``seconds``, or anything it cannot
+    read: :class:`CheckpointError` (a layer it cannot measure whole is not sealed: red team,
+    a file below a path longer than ``PATH_MAX`` went uncounted, and so past the disk cap)."""
+    total, seen, entries = 0, set(), 0
     deadline = time.monotonic() + seconds
-    while stack:
-        folder = stack.pop()
-        try:
-            with os.scandir(folder) as it:
-                for entry in it:
-                    entries += 1
-                    if entries > limit or (entries % 4096 == 0 and time.monotonic() > deadline):
-                        raise CheckpointError(
-                            f"the writable layer holds more than {limit} entries, or more than {seconds:g} s "
-                            "of them to measure: it is not sealed"
-                        )
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if st.st_nlink > 1:
-                        if (st.st_dev, st.st_ino) in seen:
-                            continue
-                        seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(Path(entry.path))
-        except CheckpointError:
-            raise
-        except OSError:
-            continue
+    stack: list[tuple[int, list[str]]] = []
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+        stack.append((fd, os.listdir(fd)))
+        while stack:
+            fd, names = stack[-1]
+            if not names:
+                os.close(fd)
+                stack.pop()
+                continue
+            name = names.pop()
+            entries += 1
+            if entries > limit or (entries % 4096 == 0 and time.monotonic() > deadline):
+                raise CheckpointError(
+                    f"the writable layer holds more than {limit} entries, or more than {seconds:g} s of them to "
+                    "measure: it is not sealed"
+                )
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+            if stat.S_ISDIR(st.st_mode):
+                if len(stack) >= MAX_DEPTH:
+                    raise CheckpointError(f"the writable layer goes more than {MAX_DEPTH} folders deep: not sealed")
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                stack.append((child, os.listdir(child)))
+    except OSError as exc:
+        raise CheckpointError(f"the writable layer could not be measured ({exc.strerror}): it is not sealed") from None
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
     return total
 
 
@@ -297,6 +310,13 @@ def copy_logs(source: Path, dest: Path, budget: int) -> int:
     links (as links); nothing else (a FIFO, a socket, a device is left out). No link is
     followed, no recursion; at most ``LOG_ENTRIES`` entries ``LOG_DEPTH`` deep and
     ``budget`` bytes, else :class:`CheckpointError`. Returns the bytes copied."""
+    try:
+        return _copy_logs(source, dest, budget)
+    except OSError as exc:  # (a name too long, a folder it cannot read: not copied, not sealed)
+        raise CheckpointError(f"the agent's log folders could not be copied: {exc}") from None
+
+
+def _copy_logs(source: Path, dest: Path, budget: int) -> int:
     copied, entries = 0, 0
     dest.mkdir(mode=0o755, exist_ok=True)
     if not source.is_dir() or source.is_symlink():
@@ -348,18 +368,25 @@ def _copy_file(source: str, target: Path, st: os.stat_result) -> None:
 
 
 # overlayfs (mounted by bwrap in a user namespace: userxattr) marks a folder whose lower
-# content is hidden with this xattr; a whiteout is a character device 0:0.
+# content is hidden with this xattr; a whiteout is a character device 0:0. Its own names
+# are user.overlay.*; an agent's own user.overlay.X is stored escaped, user.overlay.overlay.X.
 _OPAQUE = "user.overlay.opaque"
 _SQUASH_ENTRIES = 5_000_000  # entries one squash may walk (the layers are bounded by checkpoint_disk_mb too)
 
 
+def _overlays_own(name: str) -> bool:
+    return name.startswith(("user.overlay.", "trusted.overlay.")) and not name.startswith(
+        ("user.overlay.overlay.", "trusted.overlay.overlay.")
+    )
+
+
 def squash(layers: Sequence[Path], state_dir: Path, ids: IdMap | None) -> Path:
     """One sealed layer that stands for ``layers`` (lowest first) over the same image, as
-    overlayfs would resolve them (:func:`squash_into`), in a folder of its own like
-    :func:`seal`'s (held once). Files are hard links to the layers' (nothing is copied but
-    folders and whiteouts); an ordinary caller does it as root of a namespace mapping the
-    episode's ids (the layers hold files of its subordinate ids)."""
-    folder = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-ckpt-", dir=state_dir))
+    overlayfs would resolve them (:func:`squash_into`), in a folder of its own (held once).
+    Files are hard links to the layers' (nothing is copied but folders and whiteouts); an
+    ordinary caller does it as root of a namespace mapping the episode's ids (the layers
+    hold files of its subordinate ids). :class:`CheckpointError` when it cannot be made."""
+    folder = new_folder(state_dir)
     layer = folder / "layer"
     try:
         if os.getuid() != 0 and ids is not None:
@@ -369,8 +396,10 @@ def squash(layers: Sequence[Path], state_dir: Path, ids: IdMap | None) -> Path:
         else:
             squash_into([str(p) for p in layers], str(layer))
         size = tree_bytes(layer)
-    except BaseException:
+    except BaseException as exc:
         remove_mapped_tree(folder)
+        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(f"the sealed layers could not be squashed into one: {exc}") from None
         raise
     _REFS.add([folder], {folder: size})
     return layer
@@ -379,107 +408,132 @@ def squash(layers: Sequence[Path], state_dir: Path, ids: IdMap | None) -> Path:
 def squash_into(layers: list[str], dest: str) -> int:
     """Apply each layer (lowest first) onto ``dest``, as overlayfs resolves an upper over a
     lower: a whiteout removes what is below and stays (the image below may have the path);
-    an opaque folder replaces what is below; a folder over a folder merges, and one over
-    a file or a whiteout becomes opaque (nothing of the image below shows through, as
-    before); anything else replaces what is below, as a hard link to the layer's file.
-    Folders keep their mode, owner, xattrs and times. Nothing is followed; no recursion
-    (a stack); at most ``_SQUASH_ENTRIES`` entries. Returns the entries applied."""
+    an opaque folder replaces what is below; a folder over a folder merges, and one over a
+    file or a whiteout becomes opaque (nothing of the image below shows through, as
+    before); anything else replaces what is below, as a hard link to the layer's file. A
+    folder takes the mode, owner, times and xattrs of the topmost layer's (exactly: a name
+    that layer lacks is removed). By folder descriptors, pairwise (no path is built: no
+    name length or depth of the agent's makes a lookup fail), nothing followed, no
+    recursion; at most ``_SQUASH_ENTRIES`` entries and ``MAX_DEPTH`` folders deep, else
+    :class:`CheckpointError`. Returns the entries applied."""
     os.mkdir(dest, 0o755)
     applied = 0
-    for layer in layers:
-        stack = [""]
-        while stack:
-            rel = stack.pop()
-            src_dir = os.path.join(layer, rel) if rel else layer
-            with os.scandir(src_dir) as it:
-                entries = list(it)
-            for entry in entries:
-                applied += 1
-                if applied > _SQUASH_ENTRIES:
-                    raise CheckpointError(f"the layers to squash hold more than {_SQUASH_ENTRIES} entries")
-                name = os.path.join(rel, entry.name) if rel else entry.name
-                src, dst = entry.path, os.path.join(dest, name)
-                st = entry.stat(follow_symlinks=False)
-                there = _lstat(dst)
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout
-                    _remove(dst, there)
-                    os.mknod(dst, stat.S_IFCHR | 0o000, 0)
-                elif stat.S_ISDIR(st.st_mode):
-                    opaque = _xattr(src, _OPAQUE) == b"y"
-                    merge = there is not None and stat.S_ISDIR(there.st_mode) and not opaque
-                    if not merge:
-                        _remove(dst, there)
-                        os.mkdir(dst, 0o700)
-                    _copy_dir_meta(src, dst, st)
-                    if not merge and (opaque or there is not None):
-                        os.setxattr(dst, _OPAQUE, b"y", follow_symlinks=False)
-                    elif merge and _xattr(dst, _OPAQUE) == b"y":
-                        pass  # (stays opaque: what it hid is hidden still)
-                    stack.append(name)
-                else:
-                    _remove(dst, there)
-                    os.link(src, dst, follow_symlinks=False)
-        # (folder times are set again after their content changed)
-    _fix_times(layers, dest)
+    dest_fd = os.open(dest, _DIR_FLAGS)
+    try:
+        for layer in layers:
+            src_root = os.open(layer, _DIR_FLAGS)
+            stack: list[tuple[int, int, list[str]]] = []
+            try:
+                _copy_dir_meta(src_root, dest_fd, os.fstat(src_root))
+                stack.append((src_root, os.dup(dest_fd), os.listdir(src_root)))
+            except BaseException:
+                os.close(src_root)
+                raise
+            try:
+                while stack:
+                    src_fd, dst_fd, names = stack[-1]
+                    if not names:  # done with this folder: its times now (its entries changed them)
+                        st = os.fstat(src_fd)
+                        os.utime(dst_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+                        os.close(src_fd)
+                        os.close(dst_fd)
+                        stack.pop()
+                        continue
+                    name = names.pop()
+                    applied += 1
+                    if applied > _SQUASH_ENTRIES:
+                        raise CheckpointError(f"the layers to squash hold more than {_SQUASH_ENTRIES} entries")
+                    child = _apply(src_fd, dst_fd, name)
+                    if child is not None:
+                        if len(stack) >= MAX_DEPTH:
+                            os.close(child[0])
+                            os.close(child[1])
+                            raise CheckpointError(f"the layers to squash go more than {MAX_DEPTH} folders deep")
+                        stack.append((*child, os.listdir(child[0])))
+            finally:
+                for src_fd, dst_fd, _ in stack:
+                    os.close(src_fd)
+                    os.close(dst_fd)
+    finally:
+        os.close(dest_fd)
     return applied
 
 
-def _lstat(path: str) -> os.stat_result | None:
+def _apply(src_fd: int, dst_fd: int, name: str) -> tuple[int, int] | None:
+    """One entry of a layer onto the squashed tree; for a folder, both folders' descriptors
+    (to walk next)."""
+    st = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
     try:
-        return os.lstat(path)
+        there: os.stat_result | None = os.stat(name, dir_fd=dst_fd, follow_symlinks=False)
     except FileNotFoundError:
+        there = None
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout
+        _remove_at(dst_fd, name, there)
+        os.mknod(name, stat.S_IFCHR | 0o000, 0, dir_fd=dst_fd)
         return None
-
-
-def _xattr(path: str, name: str) -> bytes | None:
+    if not stat.S_ISDIR(st.st_mode):
+        _remove_at(dst_fd, name, there)
+        os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+        return None
+    src_child = os.open(name, _DIR_FLAGS, dir_fd=src_fd)
     try:
-        return os.getxattr(path, name, follow_symlinks=False)
+        opaque = _fxattr(src_child, _OPAQUE) == b"y"
+        merge = there is not None and stat.S_ISDIR(there.st_mode) and not opaque
+        if not merge:
+            _remove_at(dst_fd, name, there)
+            os.mkdir(name, 0o700, dir_fd=dst_fd)
+        dst_child = os.open(name, _DIR_FLAGS, dir_fd=dst_fd)
+    except BaseException:
+        os.close(src_child)
+        raise
+    try:
+        was_opaque = _fxattr(dst_child, _OPAQUE) == b"y"
+        _copy_dir_meta(src_child, dst_child, st)
+        # Opaque when it hides what is below it in the image: marked so in the layer, or
+        # put over something that was not a folder, or merged into one that was opaque.
+        if opaque or (not merge and there is not None) or (merge and was_opaque):
+            os.setxattr(dst_child, _OPAQUE, b"y")
+    except BaseException:
+        os.close(src_child)
+        os.close(dst_child)
+        raise
+    return src_child, dst_child
+
+
+def _fxattr(fd: int, name: str) -> bytes | None:
+    try:
+        return os.getxattr(fd, name)
     except OSError:
         return None
 
 
-def _remove(path: str, st: os.stat_result | None) -> None:
+def _remove_at(dir_fd: int, name: str, st: os.stat_result | None) -> None:
     if st is None:
         return
     if stat.S_ISDIR(st.st_mode):
-        from sequester.sandbox.remove import remove_tree
+        from sequester.sandbox.remove import remove_tree_at
 
-        remove_tree(Path(path))
+        remove_tree_at(dir_fd, name)
     else:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
 
 
-def _copy_dir_meta(src: str, dst: str, st: os.stat_result) -> None:
-    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
-    os.chmod(dst, stat.S_IMODE(st.st_mode))
-    for name in os.listxattr(src, follow_symlinks=False):
-        if name.startswith(("user.overlay.", "trusted.overlay.")):
-            continue  # overlayfs's own: decided above
+def _copy_dir_meta(src_fd: int, dst_fd: int, st: os.stat_result) -> None:
+    """Mode, owner, times and the xattrs (exactly the source's, but overlayfs's own names)."""
+    os.fchown(dst_fd, st.st_uid, st.st_gid)
+    os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
+    wanted = {n for n in os.listxattr(src_fd) if not _overlays_own(n)}
+    for name in os.listxattr(dst_fd):
+        if name not in wanted and not _overlays_own(name):
+            try:
+                os.removexattr(dst_fd, name)
+            except OSError:
+                pass
+    for name in wanted:
         try:
-            os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+            os.setxattr(dst_fd, name, os.getxattr(src_fd, name))
         except OSError:
             pass  # (a namespace this caller cannot write, e.g. security.*)
-
-
-def _fix_times(layers: list[str], dest: str) -> None:
-    """Each folder of ``dest`` gets the times of the topmost layer's folder at its path (a
-    stack, no link followed)."""
-    for layer in layers:
-        stack = [""]
-        while stack:
-            rel = stack.pop()
-            root = os.path.join(layer, rel) if rel else layer
-            target = os.path.join(dest, rel) if rel else dest
-            try:
-                st = os.lstat(root)
-                if stat.S_ISDIR(os.lstat(target).st_mode):
-                    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
-                with os.scandir(root) as it:
-                    stack.extend(
-                        os.path.join(rel, e.name) if rel else e.name for e in it if e.is_dir(follow_symlinks=False)
-                    )
-            except OSError:
-                continue
 
 
 def discard_folder(folder: Path) -> None:

@@ -791,8 +791,9 @@ class Episode:
         a fresh writable layer, its shell in the working directory and with the exported
         variables it had. Every other process is not restored: named in
         ``Checkpoint.not_restored`` and the episode's notes. The agent's remaining time
-        goes on. Past ``[episodes] checkpoint_depth`` sealed layers, they are squashed into
-        one. :class:`CheckpointError` (the episode as it was) past ``checkpoint_disk_mb``;
+        goes on. Past ``[episodes] checkpoint_depth`` sealed layers, those below are squashed
+        into one first. :class:`CheckpointError` (the episode as it was) past
+        ``checkpoint_disk_mb``, or for a layer or logs it cannot measure or copy whole;
         :class:`UnsupportedByBackend` for a host-mode episode."""
         run = self._running()
         if run.lease is None or run.image is None:
@@ -800,8 +801,21 @@ class Episode:
                 "checkpoint() needs an episode on an image (a host-mode view keeps the agent's fresh folders as "
                 "plain folders, not as a layer that can be sealed)"
             )
-        cwd, env = self._shell_state(run)
-        folder = checkpoints.new_folder(self.settings.state_dir)
+        # Past checkpoint_depth, the layers below are squashed into one first, while the
+        # episode runs on (they never change): a squash that cannot be made refuses the
+        # checkpoint with the episode as it was (red team: a squash that failed and went
+        # on one layer deeper each time ended with an overlay too long to mount).
+        below: tuple[Path, ...] = run.above
+        if len(run.above) + 1 > self.settings.checkpoint_depth:
+            below = (checkpoints.squash(run.above, self.settings.state_dir, run.id_map),)
+        else:
+            checkpoints.hold(run.above)  # the checkpoint's own hold on the layers below
+        try:
+            cwd, env = self._shell_state(run)
+            folder = checkpoints.new_folder(self.settings.state_dir)
+        except BaseException:
+            checkpoints.let_go(below)
+            raise
         run.freezer.freeze()
         try:
             size = checkpoints.tree_bytes(run.dirs.upper_root)
@@ -817,6 +831,7 @@ class Episode:
             others = self._other_processes(run)
         except BaseException:
             checkpoints.discard_folder(folder)
+            checkpoints.let_go(below)
             run.freezer.thaw()
             raise
         remaining = run.deadline - time.monotonic() if run.deadline is not None else None
@@ -824,19 +839,10 @@ class Episode:
         try:
             layer = checkpoints.seal(run.dirs, folder, size)
         except BaseException:
+            checkpoints.let_go(below)
             self._stop()
             raise
-        layers, squash_note = (*run.above, layer), ""
-        if len(layers) > self.settings.checkpoint_depth:  # one layer for them all (hard links)
-            try:
-                layers = (checkpoints.squash(layers, self.settings.state_dir, run.id_map),)
-            except Exception as exc:  # noqa: BLE001 - the stack stays as it is, one deeper
-                squash_note = f"; its {len(layers)} layers could not be squashed into one ({exc})"
-                checkpoints.hold(run.above)
-            else:
-                checkpoints.let_go([layer])  # (its files live on in the squashed layer's links)
-        else:
-            checkpoints.hold(run.above)  # the checkpoint's own hold on the layers below
+        layers = (*below, layer)
         cp = Checkpoint(
             task=run.task,
             choice=Choice(run.image, "image"),
@@ -853,8 +859,6 @@ class Episode:
         except BaseException as exc:  # (the episode is stopped: its checkpoint is not left held)
             cp.release()
             raise CheckpointError(f"the episode did not start again on its checkpoint, and is stopped: {exc}") from exc
-        if squash_note:
-            self._running().notes.append(f"checkpoint {cp.id}{squash_note}")
         return cp
 
     def rollback(self, checkpoint: Checkpoint) -> Episode:
@@ -863,6 +867,13 @@ class Episode:
         ``checkpoint`` stays held (roll back to it again, or fork from it)."""
         if self._state is _State.CLOSED:
             raise EpisodeError("the episode is closed")
+        current = self._run.task if self._run is not None else None
+        if current is not None and current.path.resolve() != checkpoint.task.path.resolve():
+            # (red team: a session of a hard task rolled back onto an easy task's checkpoint
+            # and was scored by the easy task's tests under the hard task's name)
+            raise CheckpointError(
+                f"checkpoint {checkpoint.id} is of task {checkpoint.task.name}, not of this episode's ({current.name})"
+            )
         self._resume(checkpoint, "rollback")
         return self
 
@@ -941,10 +952,10 @@ class Episode:
         format: 32 lowercase hex digits and a newline)."""
         try:
             current = self.read_file("/etc/machine-id")
-        except (EpisodeError, SandboxError, OSError):
-            return
-        if current.strip():
-            self.write_file("/etc/machine-id", secrets.token_hex(16) + "\n", 0o444)
+            if len(current) == 33 and current[:32].isalnum() and current.endswith(b"\n"):  # (what systemd writes)
+                self.write_file("/etc/machine-id", secrets.token_hex(16) + "\n", 0o444)
+        except (EpisodeError, SandboxError, OSError) as exc:  # (a link the agent put there: its own loss)
+            self._running().notes.append(f"the fork's /etc/machine-id was left as it is: {printable(str(exc))[:200]}")
 
     # -- teardown ------------------------------------------------------------------------
 
