@@ -120,7 +120,10 @@ def test_ctrl_c_cancels_the_remote_trials_and_leaves_nothing_running(cluster, tm
     try:
         wait_for(lambda: len(marked("sleep 4321.7")) >= 4, 120, "both trials' commands on the nodes")
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=90)
+        # The scheduler's own bound: cancel_grace (30 s) for the trials to give way, 30 s for
+        # the forced cancels, where each trial ran (10 s each), then Ray's shutdown. On a
+        # loaded machine (CI beside a task sweep) 90 s was not always enough.
+        out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -75,6 +75,8 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     "TaskError": _NO_RETRY,  # a malformed task: running it again gives the same error
     "PolicyError": _NO_RETRY,  # a bad setting
     "EpisodeError": _NO_RETRY,  # the agent used its episode out of order (e.g. ran the verifier)
+    # a checkpoint refused (its bounds, a layer it cannot measure): the same again if retried
+    "CheckpointError": _NO_RETRY,
     # the backend (or the cluster) lacks what the trial asks for: the operator's set-up
     "UnsupportedByBackend": _NO_RETRY,
     "TaskNotCalibrated": _NO_RETRY,  # the task scores wrongly here: running it again changes nothing
