@@ -113,10 +113,15 @@ def test_a_trial_whose_worker_is_killed_is_retried_and_recorded(cluster, tmp_pat
 
 def test_ctrl_c_cancels_the_remote_trials_and_leaves_nothing_running(cluster, tmp_path: Path) -> None:
     env = {**os.environ, **cluster.env, "PYTHONPATH": str(HELPERS)}
+    # Ctrl-C as a terminal delivers it: to a CLI whose SIGINT is not ignored. (A test run
+    # started in the background by a non-interactive shell, as `./.ci/run &` is, ignores
+    # SIGINT, every child inherits that, and Python then installs no handler: the CLI never
+    # sees the signal. That, not the CLI, was this test's hang in such runs.)
     proc = subprocess.Popen([sys.executable, "-m", "sequester.cli", "run", str(EXAMPLES / "python-csv-stats"),
                              str(EXAMPLES / "c-word-count"), "--agent", "ray_agents:Sleeper", "--backend", "ray",
                              "--ray-address", cluster.address, "-o", str(tmp_path), "--job-name", "cancelled"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(lambda: len(marked("sleep 4321.7")) >= 4, 120, "both trials' commands on the nodes")
         proc.send_signal(signal.SIGINT)
