@@ -13,12 +13,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_cluster  # noqa: E402 - after the skip: it is only of use with Ray
-from images import busybox_rootfs  # noqa: E402
-from registry import skip_unless_tools  # noqa: E402
+from images import busybox_task_folder  # noqa: E402
 
 from sequester.cluster import ClusterError, EpisodePool  # noqa: E402
 from sequester.environments.settings import EpisodeSettings  # noqa: E402
-from sequester.images import ImageSettings, ImageStore  # noqa: E402
+from sequester.images import ImageSettings  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TASK = "ck"
@@ -32,21 +31,7 @@ def cluster() -> Iterator[ray_cluster.RayCluster]:
 
 @pytest.fixture(scope="module")
 def image_tasks(tmp_path_factory) -> tuple[Path, ImageSettings]:
-    skip_unless_tools("skopeo")
-    root = tmp_path_factory.mktemp("ray-ck")
-    images = ImageSettings(store_dir=root / "store", source="prebuilt")
-    ImageStore(images).import_source(str(busybox_rootfs()), "test/busybox:ray-ck")
-    task = root / "tasks" / TASK
-    for sub in ("tests", "environment", "solution"):
-        (task / sub).mkdir(parents=True)
-    (task / "instruction.md").write_text("Write one to /app/x.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
-                                    'docker_image = "test/busybox:ray-ck"\nworkdir = "/app"\n')
-    (task / "environment" / "Dockerfile").write_text("FROM scratch\n")
-    (task / "tests" / "test.sh").write_text('grep -q one /app/x && echo 1 > /logs/verifier/reward.txt '
-                                            '|| echo 0 > /logs/verifier/reward.txt\n')
-    (task / "solution" / "solve.sh").write_text("echo one > /app/x\n")
-    return root / "tasks", images
+    return busybox_task_folder(tmp_path_factory.mktemp("ray-ck"), "ray-ck")
 
 
 def test_checkpoint_fork_rollback_on_ray(cluster, image_tasks):

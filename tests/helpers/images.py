@@ -378,3 +378,28 @@ from image_variants import (docker_archive, layer_members, multi_platform_index,
                             other_platform_only, zstd_copy)
 
 REEXPORTED = (docker_archive, layer_members, multi_platform_index, oci_archive, other_platform_only, zstd_copy)
+
+
+ONE_TASK_TEST = "grep -q one /app/x && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+
+
+def busybox_task_folder(root: Path, tag: str, tests: Mapping[str, str] | None = None):
+    """A store (``root/store``) holding the busybox image as ``test/busybox:TAG`` and a tasks
+    folder (``root/tasks``) of tasks on it, ``{name: test.sh}`` (default: ``ck``, write
+    ``one`` to ``/app/x``, whose solution does). Returns ``(tasks folder, ImageSettings)``."""
+    from sequester.images import ImageSettings, ImageStore
+
+    skip_unless_tools("skopeo")
+    images = ImageSettings(store_dir=root / "store", source="prebuilt")
+    ImageStore(images).import_source(str(busybox_rootfs()), f"test/busybox:{tag}")
+    for name, test_sh in (tests or {"ck": ONE_TASK_TEST}).items():
+        task = root / "tasks" / name
+        for sub in ("tests", "environment", "solution"):
+            (task / sub).mkdir(parents=True)
+        (task / "instruction.md").write_text(f"Task {name}: write one to /app/x.\n")
+        (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
+                                        f'docker_image = "test/busybox:{tag}"\nworkdir = "/app"\n')
+        (task / "environment" / "Dockerfile").write_text("FROM scratch\n")
+        (task / "tests" / "test.sh").write_text(test_sh)
+        (task / "solution" / "solve.sh").write_text("echo one > /app/x\n")
+    return root / "tasks", images

@@ -94,6 +94,17 @@ async def ask(ws: Any, frame: dict[str, Any] | str, *, timeout: float = 180, see
             return answer
 
 
+def step(action: dict[str, Any]) -> dict[str, Any]:
+    """A ``step`` frame of ``action``."""
+    return {"type": "step", "data": action}
+
+
+def obs(answer: dict[str, Any]) -> dict[str, Any]:
+    """The observation of an answer that must be one."""
+    assert answer["type"] == "observation", answer
+    return answer["data"]["observation"]
+
+
 def wait_gone(pid: int, timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -9,49 +9,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from images import busybox_rootfs
-from registry import skip_unless_tools
-from serve_harness import Server, ask, connect
-
-from sequester.images import ImageSettings, ImageStore
+from images import busybox_task_folder
+from serve_harness import Server, ask, connect, obs, step
 
 pytestmark = pytest.mark.slow
 
 
-def _task(root, name: str, test: str) -> None:
-    task = root / "tasks" / name
-    for sub in ("tests", "environment", "solution"):
-        (task / sub).mkdir(parents=True)
-    (task / "instruction.md").write_text(f"Task {name}.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
-                                    'docker_image = "test/busybox:serve-ck2"\nworkdir = "/app"\n')
-    (task / "environment" / "Dockerfile").write_text("FROM scratch\n")
-    (task / "tests" / "test.sh").write_text(test)
-    (task / "solution" / "solve.sh").write_text("true\n")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    skip_unless_tools("skopeo")
-    root = tmp_path_factory.mktemp("serve-ck2")
-    images = ImageSettings(store_dir=root / "store", source="prebuilt")
-    ImageStore(images).import_source(str(busybox_rootfs()), "test/busybox:serve-ck2")
     # hard: the answer is a word the agent must find; easy: any file at /app/done.
-    _task(root, "hard", 'grep -qx 42 /app/answer && echo 1 > /logs/verifier/reward.txt '
-                        '|| echo 0 > /logs/verifier/reward.txt\n')
-    _task(root, "easy", 'test -e /app/done && echo 1 > /logs/verifier/reward.txt '
-                        '|| echo 0 > /logs/verifier/reward.txt\n')
-    with Server(tasks_dir=root / "tasks", images=images, max_sessions=4) as s:
+    tasks, images = busybox_task_folder(tmp_path_factory.mktemp("serve-ck2"), "serve-ck2", {
+        "hard": "grep -qx 42 /app/answer && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+        "easy": "test -e /app/done && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+    })
+    with Server(tasks_dir=tasks, images=images, max_sessions=4) as s:
         yield s
-
-
-def step(action: dict) -> dict:
-    return {"type": "step", "data": action}
-
-
-def obs(answer: dict) -> dict:
-    assert answer["type"] == "observation", answer
-    return answer["data"]["observation"]
 
 
 def test_a_session_cannot_take_another_tasks_checkpoint_for_its_verdict(server):

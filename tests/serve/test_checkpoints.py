@@ -11,11 +11,9 @@ import json
 import os
 
 import pytest
-from images import busybox_rootfs
-from registry import skip_unless_tools
-from serve_harness import Server, ask, connect, wait_until
+from images import busybox_task_folder
+from serve_harness import Server, ask, connect, obs, step, wait_until
 
-from sequester.images import ImageSettings, ImageStore
 
 pytestmark = pytest.mark.slow
 TASK = "ck"
@@ -23,31 +21,9 @@ TASK = "ck"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    skip_unless_tools("skopeo")
-    root = tmp_path_factory.mktemp("serve-ck")
-    images = ImageSettings(store_dir=root / "store", source="prebuilt")
-    ImageStore(images).import_source(str(busybox_rootfs()), "test/busybox:serve-ck")
-    task = root / "tasks" / TASK
-    for sub in ("tests", "environment", "solution"):
-        (task / sub).mkdir(parents=True)
-    (task / "instruction.md").write_text("Write one to /app/x.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
-                                    'docker_image = "test/busybox:serve-ck"\nworkdir = "/app"\n')
-    (task / "environment" / "Dockerfile").write_text("FROM scratch\n")
-    (task / "tests" / "test.sh").write_text('grep -q one /app/x && echo 1 > /logs/verifier/reward.txt '
-                                            '|| echo 0 > /logs/verifier/reward.txt\n')
-    (task / "solution" / "solve.sh").write_text("echo one > /app/x\n")
-    with Server(tasks_dir=root / "tasks", images=images, max_sessions=3) as s:
+    tasks, images = busybox_task_folder(tmp_path_factory.mktemp("serve-ck"), "serve-ck")
+    with Server(tasks_dir=tasks, images=images, max_sessions=3) as s:
         yield s
-
-
-def step(action: dict) -> dict:
-    return {"type": "step", "data": action}
-
-
-def obs(answer: dict) -> dict:
-    assert answer["type"] == "observation", answer
-    return answer["data"]["observation"]
 
 
 def test_checkpoint_fork_rollback_and_release_over_the_wire(server):

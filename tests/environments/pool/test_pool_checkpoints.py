@@ -10,15 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
-from images import busybox_rootfs
-from registry import skip_unless_tools
+from images import busybox_task_folder
 
 from sequester.environments.local.checkpoint import CheckpointError
 from sequester.environments.pool import EpisodePool, PoolFull
 from sequester.environments.pool.core import CheckpointInfo
 from sequester.environments.settings import EpisodeSettings
 from sequester.errors import EpisodeError, PolicyError
-from sequester.images import ImageSettings, ImageStore
+from sequester.images import ImageSettings
 
 pytestmark = pytest.mark.slow
 TASK = "ck"
@@ -26,21 +25,7 @@ TASK = "ck"
 
 @pytest.fixture(scope="module")
 def image_tasks(tmp_path_factory) -> tuple[Path, ImageSettings]:
-    skip_unless_tools("skopeo")
-    root = tmp_path_factory.mktemp("pool-ck")
-    images = ImageSettings(store_dir=root / "store", source="prebuilt")
-    ImageStore(images).import_source(str(busybox_rootfs()), "test/busybox:pool-ck")
-    task = root / "tasks" / TASK
-    for sub in ("tests", "environment", "solution"):
-        (task / sub).mkdir(parents=True)
-    (task / "instruction.md").write_text("Write one to /app/x.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
-                                    'docker_image = "test/busybox:pool-ck"\nworkdir = "/app"\n')
-    (task / "environment" / "Dockerfile").write_text("FROM scratch\n")
-    (task / "tests" / "test.sh").write_text('grep -q one /app/x && echo 1 > /logs/verifier/reward.txt '
-                                            '|| echo 0 > /logs/verifier/reward.txt\n')
-    (task / "solution" / "solve.sh").write_text("echo one > /app/x\n")
-    return root / "tasks", images
+    return busybox_task_folder(tmp_path_factory.mktemp("pool-ck"), "pool-ck")
 
 
 def _checkpoint_folders(state: Path) -> list[Path]:
