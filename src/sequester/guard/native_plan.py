@@ -22,6 +22,14 @@ bwrap would have; and after it, the kernel takes a user namespace of its own (``
 a root caller's as nobody, so nobody is what it maps), so its processes count against its
 own limit and it holds no capability over the template's namespaces.
 
+A warm kernel (``config["warm"]``, :mod:`sequester.kernel.fork`) is a template's kernel
+that forks kernels: its plan has no write lock (Landlock would refuse its forks every
+mount) and covers its ``/proc`` instead (``COVER_PROC``: no ``/proc/<tid>/mem`` to write its
+own code through), keeps user namespaces possible (its forks make theirs), allows its
+threads and its forks' processes (``RLIMIT_NPROC``, shared by all of its forks) and loads
+the ``warm`` filter. :func:`plan_fork` is the plan each fork runs in its new namespaces,
+before any Python: a template kernel's, from a read-only view, ending in ``RETURN``.
+
 Landlock (guard-only mode) is not part of it: guard-only kernels run no bwrap and keep
 the Python stage. Pure functions: unit-tested without a sandbox.
 """
@@ -32,13 +40,17 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Op", "Step", "plan_stage0", "encode_plan", "NativePlanError"]
+__all__ = ["Op", "Step", "plan_stage0", "plan_fork", "encode_plan", "NativePlanError", "WARM_FORKS"]
 
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MNT_DETACH = 0x2
 RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NPROC, RLIMIT_AS = 1, 4, 6, 9
 _NULL = 0xFFFF_FFFF
 MAX_PLAN = 4 << 20  # stage0.c's MAX_FRAME
+MOUNT_ATTR_RDONLY = 0x1
+# A warm kernel's RLIMIT_NPROC counts its forks' threads too (they are in user namespaces
+# below its own): room for this many forks of the policy's thread limit at once.
+WARM_FORKS = 256
 
 
 class Op(enum.IntEnum):
@@ -66,6 +78,9 @@ class Op(enum.IntEnum):
     LANDLOCK = 21
     USERNS = 22  # a user namespace of its own, its ids shown as these (template kernels)
     SETATTR = 23  # mount_setattr(path, recursive, set, clear): by the mount tree, not by path
+    RETURN = 24  # the end of a fork's plan: back to the warm kernel's code, now confined
+    FORK_IDS = 25  # a fork's ids in the user namespace it was born in: the warm kernel's
+    COVER_PROC = 26  # a warm kernel's /proc covered (a bare one kept out of its reach for its forks)
 
 
 Step = tuple[Op, tuple["str | bytes | int | None", ...]]
@@ -113,9 +128,14 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool 
         raise NativePlanError("no command for the cell runner")
     limits = config["limits"]
     template = bool(config.get("template"))
+    warm = bool(config.get("warm"))
+    if warm and not template:
+        raise NativePlanError("a warm kernel is a view template's kernel")
     steps: list[Step] = []
     if config.get("workspace"):
         steps += _workspace_steps(config["workspace"], template)
+    if warm:
+        steps.append((Op.COVER_PROC, ()))
     to_uid = config.get("drop_to_uid")
     if template:
         # Every mount is made: the kernel's own user namespace now, as the uid it ends as
@@ -129,13 +149,15 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool 
         steps.append((Op.USERNS, (uid, gid)))
     # The stage is one thread; the cell runner adds the bridge's (see boot.confine).
     threads = limits["max_threads"] + bool(config.get("bridge")) + 1
+    if warm:
+        threads *= WARM_FORKS + 1
     steps += [
         (Op.RLIMIT, (RLIMIT_AS, limits["memory_bytes"])),
         (Op.RLIMIT, (RLIMIT_NPROC, threads)),
         (Op.RLIMIT, (RLIMIT_FSIZE, limits["file_bytes"])),
         (Op.RLIMIT, (RLIMIT_CORE, 0)),
     ]
-    if config.get("root_flow") or template:
+    if (config.get("root_flow") or template) and not warm:
         steps.append((Op.WRITE, ("/proc/sys/user/max_user_namespaces", "0")))
     if to_uid is not None and not template:
         steps += [(Op.CHOWN, (path, to_uid, to_uid)) for path in config.get("chown", ())]
@@ -148,11 +170,54 @@ def plan_stage0(config: dict[str, Any], command: Sequence[str], *, timing: bool 
         raise NativePlanError("the seccomp program is not whole 8-byte instructions")
     steps.append((Op.NO_NEW_PRIVS, ()))
     lock = config.get("write_lock")
-    if lock:
+    if lock and not warm:
         steps.append((Op.LANDLOCK, (lock["handled"], *lock["paths"])))
     steps.append((Op.SECCOMP, (seccomp,)))
     steps += [(Op.ARG, (arg,)) for arg in command]
     steps.append((Op.EXEC, (command[0],) if timing else (command[0], 0)))
+    return steps
+
+
+def plan_fork(config: dict[str, Any]) -> list[Step]:
+    """What a fork of the warm kernel of ``config`` runs, in the namespaces it was born in
+    (user, mount, PID, network, IPC, UTS: :mod:`sequester.kernel.fork`), before any of its
+    Python: every mount of the copied view read-only (a writable one the warm kernel
+    reached would be shared by every fork), then a template kernel's steps (its /proc,
+    with its ids mapped as soon as that is mounted; workspace; loopback), its limits, no
+    nested user namespaces, no capabilities, the write lock and the kernel's filter
+    (stacked on the warm kernel's), and back (``RETURN``)."""
+    if not config.get("warm") or not config.get("workspace"):
+        raise NativePlanError("a fork's plan is a warm kernel's")
+    uid, gid = config["template_ids"]
+    steps: list[Step] = [(Op.SETATTR, ("/", 1, MOUNT_ATTR_RDONLY, 0))]
+    mapped = False
+    for step in _workspace_steps(config["workspace"], template=True):
+        steps.append(step)
+        if not mapped and step[0] is Op.MOUNT and step[1][1] == "/proc":
+            steps.append((Op.FORK_IDS, (uid, gid)))  # a new tmpfs needs ids mapped to make folders
+            mapped = True
+    if not mapped:
+        raise NativePlanError("a fork's workspace mounts no /proc of its own")
+    limits = config["limits"]
+    threads = limits["max_threads"] + bool(config.get("bridge")) + 1
+    steps += [
+        (Op.RLIMIT, (RLIMIT_AS, limits["memory_bytes"])),
+        (Op.RLIMIT, (RLIMIT_NPROC, threads)),
+        (Op.RLIMIT, (RLIMIT_FSIZE, limits["file_bytes"])),
+        (Op.RLIMIT, (RLIMIT_CORE, 0)),
+        (Op.WRITE, ("/proc/sys/user/max_user_namespaces", "0")),
+        (Op.DROP_BOUNDING, ()),
+        (Op.CLEAR_CAPS, ()),
+        (Op.CHECK_NO_CAPS, ()),
+        (Op.NO_NEW_PRIVS, ()),
+    ]
+    lock = config.get("write_lock")
+    if lock:
+        steps.append((Op.LANDLOCK, (lock["handled"], *lock["paths"])))
+    seccomp = config["fork_seccomp"]
+    if not isinstance(seccomp, bytes) or not seccomp or len(seccomp) % 8:
+        raise NativePlanError("the seccomp program is not whole 8-byte instructions")
+    steps += [(Op.SECCOMP, (seccomp,)), (Op.RETURN, ())]
     return steps
 
 

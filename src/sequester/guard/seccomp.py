@@ -58,6 +58,8 @@ from sequester.guard.handoff import HANDOFF_ADDRESS
 __all__ = [
     "AGENT_FCNTL_REFUSED",
     "DENIED_SYSCALLS",
+    "FORK_CLONE_FLAGS",
+    "FORK_NAMESPACES",
     "KERNEL_FCNTL_REFUSED",
     "WATCH_SYSCALLS",
     "WRITE_OPEN_FLAGS",
@@ -66,9 +68,18 @@ __all__ = [
     "compile_write_watch",
     "load_filter",
     "syscall_number",
+    "warm_clone_rules",
 ]
 
 CLONE_THREAD = 0x00010000
+# A warm kernel's two allowances (profile "warm", see kernel/stage0_fork.c): glibc's fork()
+# (clone with exactly these flags: CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD), and
+# unshare of exactly a fork's namespaces (user, mount, PID, network, IPC, UTS).
+FORK_CLONE_FLAGS = 0x01200011
+FORK_NAMESPACES = 0x10000000 | 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000
+# ... and the mounts a fork's plan makes in its own namespaces (the warm kernel holds no
+# capability over its own mount namespace: they fail there).
+WARM_ALLOWED = ("unshare", "mount", "umount2", "mount_setattr")
 
 PROCESS_SYSCALLS = ("execve", "execveat", "fork", "vfork")
 
@@ -190,7 +201,9 @@ def compile_filter(profile: str = "kernel") -> bytes:
     """The BPF program (raw ``struct sock_filter`` array) for this machine's architecture.
 
     ``kernel``: everything below. ``guard``: a guard-only kernel's, the kernel's plus no
-    ``listen`` (no namespace holds it). ``agent`` (an episode's shell and verifier):
+    ``listen`` (no namespace holds it). ``warm``: a warm kernel's (it forks kernels, see
+    :func:`warm_clone_rules`), the kernel's but for ``fork()``'s ``clone``, ``unshare`` of
+    exactly a fork's namespaces and the mounts (:data:`WARM_ALLOWED`). ``agent`` (an episode's shell and verifier):
     :data:`DENIED_SYSCALLS`, leases, ``F_NOTIFY`` and inotify; processes, ptrace and unix
     sockets stay allowed. Compiled once per process and profile (it depends on nothing else).
     """
@@ -204,8 +217,11 @@ def _compile(profile: str) -> bytes:
 
     import pyseccomp as sc
 
-    if profile not in ("kernel", "guard", "agent", "build"):
+    if profile not in ("kernel", "guard", "agent", "build", "warm"):
         raise ValueError(f"unknown seccomp profile {profile!r}")
+    warm = profile == "warm"
+    if warm:
+        profile = "kernel"  # the kernel's, with the warm kernel's allowances below
     flt = sc.SyscallFilter(sc.ALLOW)
     if profile == "build":
         # A build's RUN is one uid in its user namespace (its files are the caller's on
@@ -218,6 +234,9 @@ def _compile(profile: str) -> bytes:
     eperm = sc.ERRNO(errno.EPERM)
     kernel_names = tuple(n for n in PROCESS_SYSCALLS if n != "execve") + KERNEL_ONLY_DENIED
     names = DENIED_SYSCALLS + (kernel_names if profile in ("kernel", "guard") else ())
+    if warm:
+        names = tuple(n for n in names if n not in WARM_ALLOWED)
+        flt.add_rule(eperm, "unshare", sc.Arg(0, sc.NE, FORK_NAMESPACES))
     for name in names:
         try:
             flt.add_rule(eperm, name)
@@ -254,8 +273,9 @@ def _compile(profile: str) -> bytes:
     if profile in ("kernel", "guard"):
         # execve: only the first stage's handoff, whose path lives at HANDOFF_ADDRESS.
         flt.add_rule(eperm, "execve", sc.Arg(0, sc.NE, HANDOFF_ADDRESS))
-        # clone: allowed only when making a thread.
-        flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+        # clone: allowed only when making a thread (a warm kernel: or exactly fork()'s).
+        for mask, value in warm_clone_rules() if warm else ((CLONE_THREAD, 0),):
+            flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, mask, value))
         flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
         # socket(domain, ...): refuse every family but the allowed ones (ranges between them).
         low, high = sorted(ALLOWED_SOCKET_FAMILIES)
@@ -270,6 +290,21 @@ def _compile(profile: str) -> bytes:
         for protocol in range(1, IPPROTO_TCP):
             flt.add_rule(eperm, "socket", sc.Arg(2, sc.EQ, protocol))
     return _export(flt)
+
+
+def warm_clone_rules(fork_flags: int = FORK_CLONE_FLAGS) -> list[tuple[int, int]]:
+    """``(mask, value)`` pairs, each refusing the ``clone`` calls whose flags ``f`` have
+    ``f & mask == value``: together exactly the calls that make no thread and whose flags
+    are not ``fork_flags``. (One comparison per rule, as libseccomp's rules are: a call that
+    is no thread and differs from ``fork_flags`` differs from it in some bit ``b``, and the
+    rule of that bit refuses it; a thread, or ``fork_flags`` itself, matches none.)"""
+    if fork_flags & CLONE_THREAD:
+        raise ValueError("fork's flags cannot make a thread")
+    return [
+        (CLONE_THREAD | 1 << bit, ~fork_flags & 1 << bit)
+        for bit in range(64)
+        if 1 << bit != CLONE_THREAD
+    ]
 
 
 def _export(flt: Any) -> bytes:

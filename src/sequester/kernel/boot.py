@@ -166,7 +166,7 @@ def _no_new_privs() -> None:
 
 def stage_two(cfg: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """What the cell runner needs of the configuration (it never sees the rest)."""
-    keep = ("mode", "bridge", "audit_network")
+    keep = ("mode", "bridge", "audit_network", "warm")
     return {**{k: cfg[k] for k in keep if k in cfg}, "output_bytes": cfg["limits"]["output_bytes"], "report": report}
 
 

@@ -30,10 +30,15 @@ def bootstrap_config(
     ctypes_fd: int | None = None,
     keep_below_tmp: tuple[Path, ...] = (),
     template_ids: tuple[int, int] | None = None,
+    warm: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The first message a kernel reads: what its bootstrap must do. Everything in it
     that depends only on the policy and the host (the seccomp program, the workspace's
-    mounts) is computed here, once, so the kernel's first stage only applies it."""
+    mounts) is computed here, once, so the kernel's first stage only applies it.
+
+    ``warm`` (a view template's kernel only): a warm kernel, which forks kernels
+    (:mod:`sequester.kernel.fork`): ``{"module": its path in the view, "channel_fd": N}``.
+    It gets the ``warm`` filter, and its forks the kernel's (``fork_seccomp``)."""
     limits = policy.limits
     config: dict[str, Any] = {
         "mode": mode.value,
@@ -48,6 +53,12 @@ def bootstrap_config(
         return config
     profile = "guard" if mode is Isolation.GUARD else "kernel"
     config["seccomp"] = {"bpf": seccomp.compile_filter(profile), "nr": seccomp.syscall_number("seccomp")}
+    if warm:
+        if mode is not Isolation.SANDBOX or not template_ids:
+            raise ValueError("a warm kernel is a view template's kernel")
+        config["fork_seccomp"] = config["seccomp"]["bpf"]
+        config["seccomp"] = {"bpf": seccomp.compile_filter("warm"), "nr": config["seccomp"]["nr"]}
+        config["warm"] = dict(warm)
     if mode is Isolation.SANDBOX:
         # The kernel's own noexec tmpfs for /tmp and /dev/shm together (see guard.namespaces).
         # A view template's kernel (native stage only) makes the /proc and /dev/pts bwrap would.

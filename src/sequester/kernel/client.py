@@ -15,6 +15,7 @@ import enum
 import logging
 import os
 import selectors
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,9 +60,21 @@ class _CellFailure(Exception):
 
 
 class Kernel:
-    """A persistent Python process, confined by ``policy``, that runs code cells."""
+    """A persistent Python process, confined by ``policy``, that runs code cells.
 
-    def __init__(self, policy: Policy | None = None):
+    ``init``: a *warm kernel*. It runs this cell once when it starts (imports, loaded
+    data) and then runs no other: :meth:`fork` hands out kernels that are copy-on-write
+    copies of it, each with what init left and its own namespaces, workspace and network
+    (see ``docs/kernels.md``)."""
+
+    def __init__(self, policy: Policy | None = None, *, init: str | None = None):
+        if init is not None and not isinstance(init, str):
+            raise TypeError(f"init must be a str of Python code, not {type(init).__name__}")
+        self._init = init
+        self._warm_parent: Kernel | None = None  # a fork's warm kernel
+        self._in_init = False
+        self._fork_lock = threading.Lock()
+        self.init_result: CellResult | None = None
         self.policy = policy if policy is not None else Policy()
         self._state = _State.UNOPENED
         self._process: KernelProcess | None = None
@@ -174,8 +187,62 @@ class Kernel:
                 self._process.forget()
             self._process = None
 
+    # -- warm kernels -----------------------------------------------------------------
+
+    @property
+    def warm(self) -> bool:
+        """This is a warm kernel (``init=``): it forks kernels and runs no cells."""
+        return self._init is not None
+
+    def fork(self) -> Kernel:
+        """A kernel that is a copy-on-write fork of this warm kernel as its init cell left
+        it: started, ready for its first cell, with namespaces, workspace and network of
+        its own and every isolation property of a kernel; nothing another fork does
+        reaches it. Its lifetime counts from now. A fork's ``restart`` is a fresh fork."""
+        self._ensure_open()
+        if not self.warm:
+            raise KernelError("only a warm kernel forks: make it with Kernel(policy, init=CODE)")
+        child = Kernel(self.policy)
+        child._warm_parent = self
+        child._deadline = time.monotonic() + self.policy.limits.kernel_timeout
+        child._spawn()
+        child._state = _State.OPEN
+        return child
+
+    def _fork_process(self) -> KernelProcess:
+        """A fork's process, ready for its handshake (the warm kernel's answer read)."""
+        from sequester.kernel.fork import fork_kernel
+
+        self._ensure_open()
+        with self._fork_lock:
+            process = self._process
+            if process is None or process.fork_channel is None or process.popen.poll() is not None:
+                raise KernelClosedError("the warm kernel is not running")
+            timing = {"launch": time.monotonic_ns()}
+            write_message(process.to_kernel, {"op": "fork"})
+            try:
+                forked = fork_kernel(process, self.policy, process.fork_channel, timing)
+            finally:
+                try:
+                    message, _, err = self._wait_message(process, time.monotonic() + _START_TIMEOUT, None, startup=True)
+                except _CellFailure as failure:
+                    self.close()
+                    raise SandboxError(f"the warm kernel died while forking: {failure.error}") from None
+            if message.get("op") != "forked":
+                forked_ok = False
+                reason = message.get("error", message.get("op"))
+            else:
+                forked_ok = True
+            if not forked_ok:
+                forked.terminate()
+                raise SandboxError(f"the warm kernel could not fork: {reason}")
+            return forked
+
     def _spawn(self) -> None:
-        process = launch_kernel(self.policy)
+        if self._warm_parent is not None:
+            process = self._warm_parent._fork_process()
+        else:
+            process = launch_kernel(self.policy, warm=self.warm)
         self._owner = os.getpid()
         self._process = process
         try:
@@ -191,7 +258,8 @@ class Kernel:
             report = message.get("report")
             if not isinstance(report, dict):
                 raise SandboxError("the kernel's ready message has no report")
-            _verify(process.mode, report, expect_uid=process.config.get("drop_to_uid"))
+            if not report.get("warm"):  # its /proc is covered: its native plan checked itself
+                _verify(process.mode, report, expect_uid=process.config.get("drop_to_uid"))
         except _CellFailure as failure:
             self._kill()
             said = failure.stderr.strip()
@@ -208,13 +276,25 @@ class Kernel:
         report["view"] = (
             ("template" if process.from_template else "bwrap") if process.mode is Isolation.SANDBOX else "none"
         )
+        if self._warm_parent is not None:
+            report["view"] = "fork"
         if process.view_note:
             report["view_note"] = process.view_note
-        if process.native_stage and process.config.get("write_lock"):
+        if process.native_stage and process.config.get("write_lock") and not self.warm:
             report.setdefault("landlock_abi", process.config["write_lock"]["abi"])
         self._report = report
         if process.mode is Isolation.OFF:
             log.warning("runtime.isolation = false: the kernel runs with NO isolation (debugging only)")
+        if self._init is not None:
+            self._in_init = True
+            try:
+                self.init_result = self._run_cell(self._init, None, "<init>", None)
+            finally:
+                self._in_init = False
+            if self.init_result.error is not None:
+                error = self.init_result.error
+                self._kill()
+                raise KernelError(f"the warm kernel's init cell failed: {error.type}: {error.message}")
 
     # -- cells ----------------------------------------------------------------------
 
@@ -233,6 +313,13 @@ class Kernel:
         as it is written (``stream`` is ``"stdout"`` or ``"stderr"``).
         """
         self._ensure_open()
+        if self.warm:
+            raise KernelError("a warm kernel runs only its init cell: fork() it and run cells in the fork")
+        return self._run_cell(code, timeout, filename, on_output)
+
+    def _run_cell(
+        self, code: str, timeout: float | None, filename: str | None, on_output: OutputCallback | None
+    ) -> CellResult:
         started = time.monotonic()
         life_left = self._deadline - started
         if life_left <= 0:
@@ -281,6 +368,9 @@ class Kernel:
         """Kill the kernel; restart it unless its lifetime is over."""
         out, err = failure.stdout, failure.stderr
         error = failure.error
+        if self._in_init:  # a warm kernel that dies in its init is not started again and again
+            self._kill()
+            raise KernelError(f"the warm kernel's init cell failed: {error.type}: {error.message}")
         if lifetime_hit and failure.timed_out:
             self.close()
             error = CellError(

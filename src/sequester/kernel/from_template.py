@@ -45,9 +45,9 @@ ConfigFor = Callable[[tuple[int, int], "dict[str, Any] | None", "tuple[Path, ...
 
 
 def _template(
-    policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork
+    policy: Policy, facts: HostFacts, stage0: Path, network: KernelNetwork, fork_module: Path | None = None
 ) -> tuple[ViewTemplate, KernelView]:
-    view = kernel_view(policy, facts, (), network, stage0=stage0, allow_userns=True)
+    view = kernel_view(policy, facts, (), network, stage0=stage0, allow_userns=True, fork_module=fork_module)
     # The template is the view: whatever would change bwrap's argv or files changes the key.
     key = repr((view.spec, sorted(view.data_files.items()), str(stage0)))
     return template_for(key, lambda: ViewTemplate.start(view)), view
@@ -61,6 +61,7 @@ def _spawn(
     plan_for: Callable[[KernelView], tuple[bytes, dict[str, Any]]],
     fds: list[tuple[int, int]],
     out_target: int,
+    fork_module: Path | None = None,
     **spawn_options: bool,
 ) -> tuple[TemplateKernel, KernelView, dict[str, Any]]:
     """The keeper's child running the plan of ``plan_for(view)`` (the plan, and the
@@ -68,7 +69,7 @@ def _spawn(
     view found stale (a file it covers was replaced on the host) or retired meanwhile is
     dropped and the start goes once more, from a new view that covers it again."""
     for attempt in (1, 2):
-        template, view = _template(policy, facts, stage0, network)
+        template, view = _template(policy, facts, stage0, network, fork_module)
         plan, config = plan_for(view)
         try:
             return template.spawn(plan, fds, out_target, **spawn_options), view, config
@@ -102,15 +103,20 @@ def kernel_from_template(
     out_w: int,
     err_w: int,
     timing: dict[str, int],
+    warm: tuple[Path, int] | None = None,
 ) -> tuple[TemplateSandbox, dict[str, Any]]:
     """A kernel of ``policy`` as a child of its view's keeper, running the plan of
     ``config_for(ids, bridge, below_tmp)``; the kernel's pipes are placed at the numbers
-    its cell runner's command names (stdout and stderr at 1 and 2)."""
+    its cell runner's command names (stdout and stderr at 1 and 2). ``warm``: a warm
+    kernel's (the fork module on the host, the kernel's end of its fork channel), in a
+    view with the module bound (:data:`~.spawn.FORK_MODULE_IN_VIEW`)."""
     network = kernel_network(policy)
     try:
         fds = [(to_kernel_r, to_kernel_r), (from_kernel_w, from_kernel_w), (out_w, 1), (err_w, 2)]
         if network.control_fd is not None:
             fds.append((network.control_fd, network.control_fd))
+        if warm is not None:
+            fds.append((warm[1], warm[1]))
 
         def plan_for(view: KernelView) -> tuple[bytes, dict[str, Any]]:
             timing["t:view"] = time.monotonic_ns()
@@ -122,7 +128,9 @@ def kernel_from_template(
             timing["t:planned"] = time.monotonic_ns()
             return plan, config
 
-        kernel, view, config = _spawn(policy, facts, stage0, network, plan_for, fds, from_kernel_w)
+        kernel, view, config = _spawn(
+            policy, facts, stage0, network, plan_for, fds, from_kernel_w, warm[0] if warm is not None else None
+        )
     except BaseException:
         network.close()
         raise

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -33,8 +34,8 @@ from sequester.kernel.bootstrap import bootstrap_config
 from sequester.kernel.bytecode import ensure_kernel_bytecode
 from sequester.kernel.environ import kernel_environment
 from sequester.kernel.from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
-from sequester.kernel.spawn import STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
-from sequester.kernel.stage0 import stage0_program
+from sequester.kernel.spawn import FORK_MODULE_IN_VIEW, STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
+from sequester.kernel.stage0 import fork_module, stage0_program
 from sequester.kernel.template import (
     TemplateKernel,
     TemplateSandbox,
@@ -88,6 +89,8 @@ class KernelProcess:
     first_frame: bytes | None = None
     # Why a kernel that would have come from a view template has a bwrap of its own.
     view_note: str | None = None
+    # A warm kernel's fork channel, the host's end (:mod:`.fork`).
+    fork_channel: socket.socket | None = None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -141,6 +144,8 @@ class KernelProcess:
             self.popen.wait()
         for fd in (self.to_kernel, self.from_kernel, self.stdout, self.stderr):
             close_fd(fd)
+        if self.fork_channel is not None:
+            self.fork_channel.close()
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
 
@@ -178,11 +183,16 @@ def kernel_command(
     return tuple(server_command(str(facts.python_executable), in_fd, out_fd))
 
 
-def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelProcess:
+def launch_kernel(policy: Policy, *, facts: HostFacts | None = None, warm: bool = False) -> KernelProcess:
     """Start a kernel for ``policy``. The kernel still has to be sent its configuration
-    (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that."""
+    (``KernelProcess.config``) and answer ``ready``; :class:`sequester.Kernel` does that.
+    ``warm``: a warm kernel, which forks kernels (:mod:`.fork`): it needs the sandbox, the
+    native first stage, view templates and the fork module, or raises
+    :class:`SandboxError` saying which is missing."""
     timing = {"launch": time.monotonic_ns()}
     mode = resolve_isolation(policy.isolation)
+    if warm:
+        return _launch_warm(policy, mode, facts, timing)
     facts = facts or gather_host_facts(scan_ffi=mode is not Isolation.OFF, extra_roots=tuple(policy.readonly))
     ensure_kernel_bytecode(facts.package_root)
     timing["facts"] = time.monotonic_ns()
@@ -318,6 +328,72 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None) -> KernelPr
         timing,
         first_frame,
         view_note=view_note,
+    )
+
+
+def _launch_warm(
+    policy: Policy, mode: Isolation, facts: HostFacts | None, timing: dict[str, int]
+) -> KernelProcess:
+    """A warm kernel: a view template's kernel (a template of its own: its view binds the
+    fork module) with a fork channel, the ``warm`` filter and plan."""
+    if mode is not Isolation.SANDBOX:
+        raise SandboxError(f"a warm kernel needs the sandbox (isolation {mode.value} was asked)")
+    stage0 = stage0_program()
+    if stage0 is None or not templates_enabled():
+        raise SandboxError("a warm kernel needs the native first stage and view templates")
+    module = fork_module()
+    facts = facts or gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly))
+    ensure_kernel_bytecode(facts.package_root)
+    timing["facts"] = time.monotonic_ns()
+    pipes = [os.pipe() for _ in range(4)]
+    host_channel, kernel_channel = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    (to_kernel_r, to_kernel_w), (from_kernel_r, from_kernel_w), (out_r, out_w), (err_r, err_w) = pipes
+    channel_fd = kernel_channel.fileno()
+    try:
+
+        def kernel_config(
+            ids: tuple[int, int], bridge: dict[str, Any] | None, below_tmp: tuple[Path, ...]
+        ) -> dict[str, Any]:
+            warm = {"module": str(FORK_MODULE_IN_VIEW), "channel_fd": channel_fd, "in_fd": to_kernel_r,
+                    "out_fd": from_kernel_w}
+            return bootstrap_config(
+                policy,
+                mode,
+                root_flow=facts.is_root,
+                bridge=bridge,
+                keep_below_tmp=below_tmp,
+                template_ids=ids,
+                warm=warm,
+            )
+
+        try:
+            sandbox, config = kernel_from_template(
+                policy,
+                facts,
+                stage0,
+                kernel_config,
+                to_kernel_r,
+                from_kernel_w,
+                out_w,
+                err_w,
+                timing,
+                warm=(module, channel_fd),
+            )
+        except TemplateUnavailable as exc:
+            raise SandboxError(f"a warm kernel needs a view template, and there is none here: {exc}") from None
+    except BaseException:
+        for fd in (to_kernel_w, from_kernel_r, out_r, err_r):
+            close_fd(fd)
+        host_channel.close()
+        raise
+    finally:
+        kernel_channel.close()
+        for fd in (to_kernel_r, from_kernel_w, out_w, err_w):
+            close_fd(fd)
+    timing["launched"] = time.monotonic_ns()
+    return KernelProcess(
+        mode, sandbox.kernel, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, None, timing, b"",
+        fork_channel=host_channel,
     )
 
 

@@ -56,6 +56,9 @@ def start(cfg: dict[str, Any]) -> dict[str, Any]:
     report: dict[str, Any] = {"mode": mode, **cfg.get("report", {})}
     if mode == "off":
         return _finish_report(report)
+    if cfg.get("warm"):
+        _load_forker(cfg["warm"])
+        report["warm"] = True
     if cfg.get("bridge"):
         from sequester.net.bridge import start_bridge
 
@@ -83,12 +86,35 @@ def start(cfg: dict[str, Any]) -> dict[str, Any]:
     return _finish_report(report)
 
 
+_FORKER: Any = None  # a warm kernel's _sequester_fork module and its channel
+
+
+def _load_forker(warm: dict[str, Any]) -> None:
+    """A warm kernel's native fork (``kernel/stage0_fork.c``), given its channel before any
+    cell runs; forks' exits are reaped by the kernel (no status: the host has a pidfd)."""
+    global _FORKER
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sequester_fork", warm["module"])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the fork module {warm['module']}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.prepare(warm["channel_fd"])
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)
+    _FORKER = (module, warm["channel_fd"])
+
+
 def _finish_report(report: dict[str, Any]) -> dict[str, Any]:
     status: dict[str, str] = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            status[key] = value.strip()
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                status[key] = value.strip()
+    except FileNotFoundError:  # a warm kernel: its /proc is covered (it reports no sets)
+        if not report.get("warm"):
+            raise
     report.update(
         uid=os.getuid(),
         gid=os.getgid(),
@@ -262,13 +288,15 @@ def _describe(exc: BaseException) -> dict[str, Any]:
 # -- main loop --------------------------------------------------------------------------
 
 
-def serve(in_fd: int, out_fd: int, output_limit: int) -> None:
+def serve(in_fd: int, out_fd: int, output_limit: int, cfg: dict[str, Any] | None = None) -> None:
     cells = Cells(output_limit)
     while True:
         request = read_message(in_fd)
         if request is None or request.get("op") == "shutdown":
             return
-        if request.get("op") == "run":
+        if request.get("op") == "fork" and _FORKER is not None:
+            _fork(out_fd, cfg or {})
+        elif request.get("op") == "run":
             result = cells.run(
                 str(request.get("code", "")),
                 request.get("timeout"),
@@ -276,6 +304,33 @@ def serve(in_fd: int, out_fd: int, output_limit: int) -> None:
                 bool(request.get("stream")),
             )
             write_message(out_fd, {"op": "result", "id": request.get("id"), **result})
+
+
+def _fork(out_fd: int, cfg: dict[str, Any]) -> None:
+    """The host asked for a fork (its descriptors and plan are on the fork channel). The
+    warm kernel answers ``forked``; the fork, confined by the time this returns there,
+    starts its own bridge and answers ``ready`` on its own pipe (the same numbers)."""
+    global _FORKER
+    module, channel = _FORKER
+    try:
+        got = module.fork(channel)
+    except OSError as exc:
+        write_message(out_fd, {"op": "fork_failed", "error": f"{type(exc).__name__}: {exc}"})
+        return
+    if got is None:
+        write_message(out_fd, {"op": "forked"})
+        return
+    numbers, begun, confined = got
+    _FORKER = None  # a fork forks nothing (its filter refuses it anyway)
+    report: dict[str, Any] = {"mode": cfg["mode"], "forked": True, **cfg.get("report", {})}
+    bridge = cfg.get("bridge")
+    if bridge:
+        from sequester.net.bridge import start_bridge
+
+        start_bridge(numbers[4], [tuple(x) for x in bridge["listeners"]])
+    report = _finish_report(report)
+    report["timing"] = [["stage0", begun], ["exec0", confined], ["started", time.monotonic_ns()]]
+    write_message(out_fd, {"op": "ready", "report": report})
 
 
 def _native_marks(extra: list[str]) -> list[tuple[str, int]]:
@@ -315,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         write_message(out_fd, {"op": "failed", "error": f"{type(exc).__name__}: {exc}\n{where}"})
         os._exit(70)
     write_message(out_fd, {"op": "ready", "report": report})
-    serve(in_fd, out_fd, int(cfg.get("output_bytes") or cfg["limits"]["output_bytes"]))
+    serve(in_fd, out_fd, int(cfg.get("output_bytes") or cfg["limits"]["output_bytes"]), cfg)
 
 
 if __name__ == "__main__":

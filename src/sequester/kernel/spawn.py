@@ -32,11 +32,15 @@ __all__ = [
     "kernel_view",
     "KernelView",
     "STAGE0_IN_VIEW",
+    "FORK_MODULE_IN_VIEW",
 ]
 
 _HOSTS = Path("/etc/hosts").resolve()
 # Where a kernel's view shows the native first stage while it runs (then covered).
 STAGE0_IN_VIEW = Path("/tmp/.sequester-stage0")
+# A warm kernel's fork module (kernel/stage0_fork.c), read-only; not below /tmp: it is
+# imported after the kernel's own /tmp covered what bwrap bound there.
+FORK_MODULE_IN_VIEW = Path("/.sequester/fork.so")
 # Only a kernel's first stage makes namespaces (and then drops these).
 _NAMESPACE_CAPS = frozenset({"CAP_SYS_ADMIN", "CAP_NET_ADMIN"})
 _LOCALHOST_ONLY = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
@@ -124,6 +128,7 @@ def kernel_view(
     kernel: bool = True,
     stage0: Path | None = None,
     allow_userns: bool = False,
+    fork_module: Path | None = None,
 ) -> KernelView:
     """bwrap's spec for ``command`` in the view of ``policy`` (pure but for the
     environment it copies). ``stage0``: the native first stage's program, bound
@@ -138,6 +143,12 @@ def kernel_view(
         # Last, so below the view's /tmp tmpfs; not in below_tmp, so the kernel's own
         # /tmp covers it once the native stage has run.
         mounts += (MountOp(MountKind.READONLY, STAGE0_IN_VIEW, source=stage0),)
+    if fork_module is not None:  # a warm kernel's view (a template of its own)
+        # (its folder made first: bwrap would make it 0700, out of a nobody kernel's reach)
+        mounts += (
+            MountOp(MountKind.DIR, FORK_MODULE_IN_VIEW.parent, mode=0o755),
+            MountOp(MountKind.READONLY, FORK_MODULE_IN_VIEW, source=fork_module),
+        )
     spec = SandboxSpec(
         mounts=mounts,
         command=command,

@@ -73,11 +73,19 @@ enum {
     OP_UNSHARE = 1, OP_MOUNT = 2, OP_UMOUNT = 3, OP_MKDIR = 4, OP_MKDIR_MISSING = 5, OP_CHDIR = 7,
     OP_LOOPBACK_UP = 8, OP_WRITE = 9, OP_RLIMIT = 10, OP_CHOWN = 11, OP_DROP_BOUNDING = 12, OP_SETIDS = 13,
     OP_CLEAR_CAPS = 14, OP_CHECK_NO_CAPS = 15, OP_NO_NEW_PRIVS = 16, OP_SECCOMP = 17, OP_ARG = 18, OP_EXEC = 19,
-    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21, OP_USERNS = 22, OP_SETATTR = 23,
+    OP_MOUNTPOINT = 20, OP_LANDLOCK = 21, OP_USERNS = 22, OP_SETATTR = 23, OP_RETURN = 24, OP_FORK_IDS = 25,
+    OP_COVER_PROC = 26,
 };
 
 int out_fd = -1;
 uint64_t started_ns;
+int proc_root_fd = -1;
+
+/* A path below /proc: through the /proc kept open when the plan covered it (COVER_PROC). */
+int open_path(const char *path, int flags) {
+    if (proc_root_fd >= 0 && strncmp(path, "/proc/", 6) == 0) return openat(proc_root_fd, path + 6, flags);
+    return open(path, flags);
+}
 
 uint64_t now_ns(void) {
     struct timespec ts;
@@ -117,6 +125,7 @@ void fail(const char *what, const char *detail, int err) {
     _exit(70);
 }
 
+#ifndef STAGE0_LIBRARY
 static void read_exactly(int fd, unsigned char *buf, size_t len) {
     while (len > 0) {
         ssize_t n = read(fd, buf, len);
@@ -127,6 +136,7 @@ static void read_exactly(int fd, unsigned char *buf, size_t len) {
         len -= (size_t)n;
     }
 }
+#endif
 
 struct cursor { const unsigned char *p, *end; };
 
@@ -188,7 +198,8 @@ static void make_dir(const char *path, mode_t mode) {
 }
 
 static void loopback_up(void) {
-    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    /* A stream socket: a fork runs this under its warm kernel's filter, which allows no other. */
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s < 0) fail("socket for loopback", NULL, errno);
     struct ifreq ifr;
     memset(&ifr, 0, sizeof ifr);
@@ -199,7 +210,7 @@ static void loopback_up(void) {
 }
 
 static void write_file(const char *path, const char *data, size_t len) {
-    int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+    int fd = open_path(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) fail("open", path, errno);
     if (write(fd, data, len) != (ssize_t)len) fail("write", path, errno);
     close(fd);
@@ -222,22 +233,46 @@ static void lower_rlimit(int resource, unsigned long long value) {
  * dumpable for the writes (a root caller's kernel lost that with its uid), then as it was.
  * Every mount is made before: the mount and network namespaces stay the template's user
  * namespace's, over which the process then holds no capability. */
-static void own_user_namespace(unsigned long long inside_uid, unsigned long long inside_gid) {
-    uid_t uid = geteuid();
-    gid_t gid = getegid();
+static void map_ids(unsigned long long inside_uid, unsigned long long inside_gid, unsigned long long uid,
+                    unsigned long long gid, int new_namespace) {
     int dumpable = prctl(PR_GET_DUMPABLE, 0, 0, 0, 0);
     check(prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
-    check(unshare(CLONE_NEWUSER), "unshare(user)", NULL);
+    if (new_namespace) check(unshare(CLONE_NEWUSER), "unshare(user)", NULL);
     char map[64];
-    int n = snprintf(map, sizeof map, "%llu %u 1\n", inside_uid, (unsigned)uid);
+    int n = snprintf(map, sizeof map, "%llu %llu 1\n", inside_uid, uid);
     write_file("/proc/self/uid_map", map, (size_t)n);
     write_file("/proc/self/setgroups", "deny", 4);
-    n = snprintf(map, sizeof map, "%llu %u 1\n", inside_gid, (unsigned)gid);
+    n = snprintf(map, sizeof map, "%llu %llu 1\n", inside_gid, gid);
     write_file("/proc/self/gid_map", map, (size_t)n);
     if (dumpable != 1) check(prctl(PR_SET_DUMPABLE, dumpable < 0 ? 0 : dumpable, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
 }
 
-void run_plan(const unsigned char *frame, uint32_t size) {
+static void own_user_namespace(unsigned long long inside_uid, unsigned long long inside_gid) {
+    map_ids(inside_uid, inside_gid, geteuid(), getegid(), 1);
+}
+
+/* COVER_PROC: a warm kernel's (sequester/kernel/fork.py). Landlock would forbid its forks
+ * every mount, so the warm kernel has none, and instead no /proc at all: an empty
+ * read-only tmpfs covers it (no /proc/<tid>/mem to write its own code through; the
+ * plan's later steps reach /proc through a descriptor kept to it). A fork mounts a /proc
+ * of its own PID namespace, which the kernel allows a user namespace only beside a /proc
+ * mount with nothing mounted on it: one is kept at /run/p/proc, below a folder of mode
+ * 0 on a read-only tmpfs, out of the warm kernel's reach. */
+static void cover_proc(void) {
+    const unsigned long flags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    check(mount("tmpfs", "/run", "tmpfs", flags, "size=16k,mode=755"), "mount", "/run");
+    make_dir("/run/p", 0755);
+    make_dir("/run/p/proc", 0555);
+    check(mount("proc", "/run/p/proc", "proc", flags, NULL), "mount", "/run/p/proc");
+    check(chmod("/run/p", 0), "chmod", "/run/p");
+    check(mount(NULL, "/run", NULL, MS_REMOUNT | MS_RDONLY | flags, NULL), "remount read-only", "/run");
+    proc_root_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (proc_root_fd < 0) fail("open", "/proc", errno);
+    check(mount("tmpfs", "/proc", "tmpfs", flags | MS_RDONLY, "size=4k,mode=555"), "mount", "/proc");
+}
+
+/* 1: the plan reached RETURN; 0: it ended without one (an EXEC never returns). */
+static int execute_plan(const unsigned char *frame, uint32_t size) {
     struct cursor c = {frame, frame + size};
 
     char *exec_argv[MAX_EXEC + 2];
@@ -312,6 +347,14 @@ void run_plan(const unsigned char *frame, uint32_t size) {
         case OP_USERNS:
             own_user_namespace(int_arg(&op, 0), int_arg(&op, 1));
             break;
+        case OP_FORK_IDS: /* inside_uid inside_gid: the namespace a fork was born in shows it as its parent */
+            map_ids(int_arg(&op, 0), int_arg(&op, 1), int_arg(&op, 0), int_arg(&op, 1), 0);
+            break;
+        case OP_COVER_PROC:
+            cover_proc();
+            break;
+        case OP_RETURN:
+            return 1;
         case OP_SETATTR: { /* path recursive set clear: mount_setattr by the mount tree */
             struct mount_attr attr = {.attr_set = int_arg(&op, 2), .attr_clr = int_arg(&op, 3)};
             if (syscall(SYS_mount_setattr, AT_FDCWD, text_arg(&op, 0), int_arg(&op, 1) ? AT_RECURSIVE : 0, &attr,
@@ -360,9 +403,19 @@ void run_plan(const unsigned char *frame, uint32_t size) {
         }
         }
     }
+    return 0;
+}
+
+void run_plan(const unsigned char *frame, uint32_t size) {
+    if (execute_plan(frame, size)) fail("the plan returned where it must exec", NULL, 0);
     fail("the plan ended without an exec", NULL, 0);
 }
 
+void run_plan_returning(const unsigned char *frame, uint32_t size) {
+    if (!execute_plan(frame, size)) fail("the plan ended without a RETURN", NULL, 0);
+}
+
+#ifndef STAGE0_LIBRARY
 int main(int argc, char **argv) {
     started_ns = now_ns();
     if (argc == 3 && strcmp(argv[1], "--template") == 0) return template_main(atoi(argv[2]));
@@ -382,3 +435,4 @@ int main(int argc, char **argv) {
     read_exactly(in_fd, frame, size);
     run_plan(frame, size);
 }
+#endif

@@ -32,7 +32,18 @@ from pathlib import Path
 
 from sequester.caches import cache_root
 
-__all__ = ["SOURCE", "SOURCES", "stage0_program", "build_stage0", "native_stage_enabled", "cache_folder", "runs_here"]
+__all__ = [
+    "SOURCE",
+    "SOURCES",
+    "FORK_SOURCES",
+    "stage0_program",
+    "build_stage0",
+    "build_fork_module",
+    "fork_module",
+    "native_stage_enabled",
+    "cache_folder",
+    "runs_here",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,8 @@ SOURCE = Path(__file__).with_name("stage0.c")
 # template's keeper, and their shared header (hashed with the rest).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("stage0.c", "stage0_privileges.c", "stage0_template.c"))
 HEADER = Path(__file__).with_name("stage0.h")
+# A warm kernel's fork module: the plan executor as a Python extension (stage0_fork.c).
+FORK_SOURCES = tuple(Path(__file__).with_name(n) for n in ("stage0_fork.c", "stage0.c", "stage0_privileges.c"))
 _FLAGS = ("-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fno-strict-aliasing")
 _BUILD_TIMEOUT = 120.0
 _lock = threading.Lock()
@@ -111,6 +124,80 @@ def build_stage0(folder: Path, compiler: str) -> Path:
         os.replace(out, target)
     _drop_old_builds(folder, keep=target.parent)
     return target
+
+
+def build_fork_module(folder: Path, compiler: str, include: Path) -> Path:
+    """Compile the fork module (``stage0_fork.c`` with the plan executor) against the
+    Python headers in ``include``, into ``folder/<hash>/fork.so`` (atomically); the
+    existing build when there is one."""
+    sources = [p.read_bytes() for p in (*FORK_SOURCES, HEADER)]
+    flags = (*_FLAGS, "-shared", "-fPIC", "-DSTAGE0_LIBRARY", f"-I{include}")
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), *(f.encode() for f in flags), b"fork"])).hexdigest()[
+        :24
+    ]
+    target = folder / key / "fork.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+        out = Path(scratch) / "fork.so"
+        result = subprocess.run(
+            [compiler, *flags, "-o", str(out), *(str(p) for p in FORK_SOURCES)],
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed on stage0_fork.c: {result.stderr.strip()[-2000:]}")
+        os.chmod(out, 0o755)
+        os.replace(out, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _cached_fork_module() -> Path | str:
+    import sysconfig
+
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler here"
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        return f"no Python headers at {include} (Debian: apt-get install python3-dev)"
+    folder = cache_folder()
+    try:
+        if not _private_folder(folder):
+            return f"{folder} is not private to this user"
+        return build_fork_module(folder, compiler, include)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the fork module did not build: {exc}"
+
+
+def fork_module() -> Path:
+    """The fork module for this Python (built on first use), checked as the native stage
+    is at every use; :class:`~sequester.errors.SandboxError` saying why where it cannot be
+    had (warm kernels need it: a C compiler and this Python's headers)."""
+    from sequester.errors import SandboxError
+
+    with _lock:
+        built = _cached_fork_module()
+    if isinstance(built, str):
+        raise SandboxError(f"warm kernels need the native fork module: {built}")
+    try:
+        st, folder = os.lstat(built), os.lstat(built.parent)
+    except OSError:
+        _cached_fork_module.cache_clear()
+        raise SandboxError("warm kernels need the native fork module: its build went missing") from None
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or st.st_uid != os.getuid()
+        or st.st_mode & 0o022
+        or folder.st_uid != os.getuid()
+        or folder.st_mode & 0o022
+    ):
+        raise SandboxError(f"warm kernels need the native fork module: {built} changed owner or mode")
+    return built
 
 
 def _drop_old_builds(folder: Path, keep: Path, age: float = 86400.0) -> None:

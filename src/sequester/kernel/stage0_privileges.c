@@ -33,7 +33,7 @@ struct landlock_path_beneath { uint64_t allowed_access; int32_t parent_fd; } __a
 
 void drop_bounding_set(void) {
     char buf[32] = {0};
-    int fd = open("/proc/sys/kernel/cap_last_cap", O_RDONLY | O_CLOEXEC);
+    int fd = open_path("/proc/sys/kernel/cap_last_cap", O_RDONLY | O_CLOEXEC);
     if (fd < 0 || read(fd, buf, sizeof buf - 1) <= 0) fail("reading cap_last_cap", NULL, errno);
     close(fd);
     int last = atoi(buf);
@@ -58,7 +58,7 @@ void clear_capabilities(void) {
 /* Every capability set of /proc/self/status must read zero. */
 void check_no_capabilities(void) {
     char buf[8192];
-    int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+    int fd = open_path("/proc/self/status", O_RDONLY | O_CLOEXEC);
     if (fd < 0) fail("open /proc/self/status", NULL, errno);
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);

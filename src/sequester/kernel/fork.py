@@ -1,0 +1,228 @@
+"""Forks of a warm kernel, as the host holds them (the kernel side is ``stage0_fork.c``).
+
+A warm kernel (``Kernel(policy, init=CODE)``) is a view template's kernel that ran its
+init cell once and then only forks: each fork is a copy-on-write copy of it, born in
+namespaces of its own (user, mount, PID, network, IPC, UTS) and confined by
+:func:`~sequester.guard.native_plan.plan_fork` before any of its Python runs. The host
+asks over the warm kernel's fork channel (a socket pair made at its start: the fork's
+pipes, its network's control descriptor, the plan), then on the warm kernel's pipe
+(``{"op": "fork"}``); the fork's pidfd comes back on the channel, and the fork answers
+``ready`` on its own pipe like any kernel.
+
+A fork is a child of the warm kernel's PID namespace's init (the warm kernel), which reaps
+it: the host watches it by pidfd and has no exit status (a fork that ended reads as
+killed). A fork ends with its warm kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sequester.errors import SandboxError
+from sequester.guard.native_plan import NativePlanError, encode_plan, plan_fork
+from sequester.kernel.spawn import KernelNetwork, kernel_network
+from sequester.sandbox.bwrap import close_fd
+from sequester.sandbox.procs import descendants
+from sequester.sandbox.readiness import readable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sequester.kernel.launch import KernelProcess
+    from sequester.policy import Policy
+
+__all__ = ["ForkedKernel", "ForkSandbox", "fork_kernel", "FORK_MAGIC"]
+
+FORK_MAGIC = 0x31465153  # "SQF1", stage0_fork.c's
+_FRESH = 0xFFFF_FFFF
+_REPLY = struct.Struct("<4I")
+_REPLY_TIMEOUT = 30.0
+
+
+@dataclass
+class ForkedKernel:
+    """A fork, with the part of :class:`subprocess.Popen` the kernel client uses: watched
+    by its pidfd; its warm kernel reaps it, so an ended fork reads as killed."""
+
+    pid: int
+    pidfd: int
+    returncode: int | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def poll(self) -> int | None:
+        return self._collect(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._collect(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(["fork"], timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    signal.pidfd_send_signal(self.pidfd, sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    terminate = kill
+
+    def _collect(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            watch = os.dup(self.pidfd)
+        try:
+            if not readable(watch, timeout):
+                return None
+        finally:
+            close_fd(watch)
+        with self._lock:
+            if self.returncode is None:
+                self.returncode = -signal.SIGKILL
+                close_fd(self.pidfd)
+            return self.returncode
+
+
+@dataclass
+class ForkSandbox:
+    """A fork's sandbox: what ``KernelProcess.sandbox`` is for a template's kernel."""
+
+    kernel: ForkedKernel
+    network: KernelNetwork
+    below_tmp: tuple[Any, ...] = ()
+
+    @property
+    def broker(self):
+        return self.network.broker
+
+    @property
+    def bridge(self) -> dict[str, Any] | None:
+        return self.network.bridge
+
+    def kill(self) -> None:
+        self.kernel.kill()
+        try:
+            self.kernel.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL of a process
+            pass
+        self.network.close()
+
+    def signal_kernel(self) -> None:
+        self.kernel.kill()
+
+    def host_pids(self) -> list[int]:
+        return [self.kernel.pid, *descendants(self.kernel.pid)]
+
+
+def _host_pid(pidfd: int) -> int:
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise SandboxError("the fork's pidfd names no process")
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """``pid``'s parent or grandparent is ``ancestor`` (a fork's parent is the warm
+    kernel's intermediate until it exits, then the warm kernel)."""
+    try:
+        parent = _parent(pid)
+        return parent == ancestor or (parent > 1 and _parent(parent) == ancestor)
+    except OSError:
+        return False
+
+
+def _read_exactly(sock: socket.socket, size: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < size:
+        if not readable(sock, max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("the warm kernel did not answer the fork request")
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the warm kernel closed its fork channel")
+        data += chunk
+    return data
+
+
+def fork_kernel(warm: KernelProcess, policy: Policy, channel: socket.socket, timing: dict[str, int]) -> KernelProcess:
+    """A fork of ``warm`` (a warm kernel whose init ran): its pipes and network made here,
+    sent with its plan on ``channel``; returned as a started :class:`KernelProcess` that
+    still has to answer ``ready``. The caller serialises forks of one warm kernel and then
+    reads the warm kernel's own answer (``forked``) from its pipe."""
+    from sequester.kernel.launch import KernelProcess
+
+    try:
+        plan = encode_plan(plan_fork(warm.config))[4:]
+    except NativePlanError as exc:
+        raise SandboxError(f"cannot plan a fork: {exc}") from None
+    in_fd, out_fd = warm.config["warm"]["in_fd"], warm.config["warm"]["out_fd"]
+    pipes = [os.pipe() for _ in range(4)]  # to the fork, from it, its stdout, its stderr
+    child_ends = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
+    host_ends = [pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0]]
+    network = kernel_network(policy)
+    pidfd = -1
+    try:
+        targets = [in_fd, out_fd, 1, 2]
+        if network.control_fd is not None:
+            child_ends.append(network.control_fd)
+            targets.append(_FRESH)  # a number the warm kernel never had (its Python may name those)
+        head = struct.pack("<3I", FORK_MAGIC, len(child_ends), len(plan))
+        socket.send_fds(channel, [head], child_ends)
+        channel.sendall(struct.pack(f"<{len(targets)}I", *targets) + plan)
+        deadline = time.monotonic() + _REPLY_TIMEOUT
+        if not readable(channel, _REPLY_TIMEOUT):
+            raise TimeoutError("the warm kernel did not answer the fork request")
+        head_bytes, fds, _, _ = socket.recv_fds(channel, _REPLY.size, 1)
+        pidfd = fds[0] if fds else -1
+        for extra in fds[1:]:
+            close_fd(extra)
+        if not head_bytes:
+            raise ConnectionError("the warm kernel closed its fork channel")
+        head_bytes += _read_exactly(channel, _REPLY.size - len(head_bytes), deadline)
+        magic, error, _, text_len = _REPLY.unpack(head_bytes)
+        text = _read_exactly(channel, min(text_len, 4096), deadline).decode("utf-8", "replace")
+        if magic != FORK_MAGIC:
+            raise SandboxError("the warm kernel broke the fork protocol")
+        if error:
+            raise SandboxError(f"the warm kernel could not fork: {text or os.strerror(error)}")
+        if pidfd < 0:
+            raise SandboxError("the warm kernel sent no pidfd for its fork")
+        host_pid = _host_pid(pidfd)
+        if not _descends_from(host_pid, warm.popen.pid):
+            raise SandboxError("the warm kernel named a process that is not its fork")
+    except BaseException as exc:
+        for fd in (*host_ends, pidfd):
+            close_fd(fd)
+        network.close()
+        if isinstance(exc, (OSError, TimeoutError)):
+            raise SandboxError(f"could not fork the warm kernel: {exc}") from None
+        raise
+    finally:
+        for fd in child_ends:  # the warm kernel has its copies (or never will)
+            close_fd(fd)
+    config = {k: v for k, v in warm.config.items() if k != "warm"}
+    config["forked"] = True
+    timing["launched"] = time.monotonic_ns()
+    kernel = ForkedKernel(host_pid, pidfd)
+    return KernelProcess(
+        warm.mode, kernel, *host_ends, config, ForkSandbox(kernel, network), None, timing, b""
+    )
