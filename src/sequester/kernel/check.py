@@ -3,6 +3,8 @@
 Every probe runs in a real kernel under the given policy and compares what the kernel
 sees with what the host sees (a hidden folder proves nothing if it was empty anyway).
 The network probe starts two loopback services on the host and allows exactly one.
+``fork=True`` (``sequester check --fork``) runs every probe in a fork of a warm kernel
+(:meth:`Kernel.fork`) instead, and compares it with a second fork of the same warm kernel.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,14 +137,39 @@ print(json.dumps({"routes": out, "marker": os.path.exists(marker)}))
 """
 
 
-def run_check(policy: Policy) -> CheckReport:
+# A warm kernel's init for ``--fork``: what a fork must see of it, and a listener and a
+# file of its own that no fork may reach.
+_WARM_INIT = r"""
+import json, os, socket
+init_mark = "left by init"
+init_listener = socket.socket()
+init_listener.bind(("127.0.0.1", 0))
+init_listener.listen()
+with open("/tmp/init-file", "w") as _f:
+    _f.write("init")
+"""
+
+
+@contextmanager
+def _probe_kernels(policy: Policy, fork: bool) -> Iterator[tuple[Kernel, Callable[[], Kernel]]]:
+    """The kernel the probes run in and how to make a second one to compare it with: a
+    fresh kernel each, or (``fork``) two forks of one warm kernel."""
+    if not fork:
+        with Kernel(policy) as kernel:
+            yield kernel, lambda: Kernel(policy).start()
+        return
+    with Kernel(policy, init=_WARM_INIT) as warm, warm.fork() as kernel:
+        yield kernel, warm.fork
+
+
+def run_check(policy: Policy, *, fork: bool = False) -> CheckReport:
     findings: list[Finding] = []
     support = namespace_support()
     findings.append(Finding("user namespaces available", support.available, support.detail))
     facts = gather_host_facts(scan_ffi=True, extra_roots=tuple(policy.readonly))
     with tagged_service(b"allowed") as allowed_port, tagged_service(b"other") as other_port:
         probe_policy = policy.with_overrides(allow=[f"127.0.0.1:{allowed_port}"])
-        with Kernel(probe_policy) as kernel:
+        with _probe_kernels(probe_policy, fork) as (kernel, another):
             mode = kernel.mode
             first_stage = str(kernel.report.get("first_stage", ""))
             view = str(kernel.report.get("view", ""))
@@ -157,7 +184,8 @@ def run_check(policy: Policy) -> CheckReport:
                 _capabilities(kernel),
                 _no_file_state(kernel),
                 _own_memory(kernel),
-                _kernels_apart(kernel, probe_policy),
+                _kernels_apart(kernel, another, fork),
+                *([_init_state(kernel)] if fork else []),
                 _ctypes(kernel),
                 # last: it switches the audit hook off
                 Finding("ctypes unloadable (hook off)", *ctypes_unloadable(kernel, facts.ffi_libraries)),
@@ -320,24 +348,25 @@ print(json.dumps({'files': files, 'reached': reached, 'pids': sorted(int(p) for 
 """
 
 
-def _kernels_apart(kernel: Kernel, policy: Policy) -> Finding:
+def _kernels_apart(kernel: Kernel, another: Callable[[], Kernel], fork: bool) -> Finding:
     """A second kernel of the same policy (of the same view template, where kernels share
-    one) sees nothing of the first: not its workspace files, not its loopback listener
-    (its network namespace), not its process."""
+    one; or a second fork of the same warm kernel) sees nothing of the first: not its
+    workspace files, not its loopback listener (its network namespace), not its process."""
+    name = "forks apart" if fork else "kernels apart"
     marked = kernel.run(_MARK)
     if marked.error is not None or marked.value is None or not marked.value.isdigit():
-        return Finding("kernels apart", False, f"the first kernel could not mark itself: {marked.error}")
-    with Kernel(policy) as other:
+        return Finding(name, False, f"the first kernel could not mark itself: {marked.error}")
+    with another() as other:
         assert other.process is not None and kernel.process is not None  # both started; no cell failed
-        if other.process.view_template is not kernel.process.view_template:
-            return Finding("kernels apart", False, "the second kernel came from another view: nothing was compared")
+        if not fork and other.process.view_template is not kernel.process.view_template:
+            return Finding(name, False, "the second kernel came from another view: nothing was compared")
         seen = _probe(other, _LOOK.replace("@PORT@", marked.value))
         view = other.report.get("view", "")
     if "error" in seen:
         return Finding("kernels apart", False, seen["error"])
     ok = not seen["files"] and not seen["reached"] and seen["pids"] == [1]
     return Finding(
-        "kernels apart",
+        name,
         ok,
         f"a second kernel of the same {view} view saw the first's marks in "
         f"{seen['files'] or 'none'} of /tmp, /dev/shm, "
@@ -373,6 +402,42 @@ done.set()
 thread.join()
 print(json.dumps(out))
 """
+
+
+_INIT_STATE = r"""
+import json, os
+try:
+    port = init_listener.getsockname()[1]
+except OSError as exc:
+    port = None
+reached = False
+if port:
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        reached = True
+    except OSError:
+        pass
+print(json.dumps({"mark": init_mark, "file": os.path.exists("/tmp/init-file"), "reached": reached,
+                  "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}))
+"""
+
+
+def _init_state(kernel: Kernel) -> Finding:
+    """A fork has what its warm kernel's init left in memory (by design), and nothing
+    of the warm kernel's own: not its workspace file, not its listener (the descriptor is
+    /dev/null in the fork, its network namespace another), not its process."""
+    seen = _probe(kernel, _INIT_STATE)
+    if "error" in seen:
+        return Finding("a fork has init's state, not its kernel", False, seen["error"])
+    ok = seen["mark"] == "left by init" and not seen["file"] and not seen["reached"] and seen["pids"] == [1]
+    return Finding(
+        "a fork has init's state, not its kernel",
+        ok,
+        f"init's variable {'is' if seen['mark'] == 'left by init' else 'is NOT'} in the fork; the warm kernel's "
+        f"workspace file is {'SEEN' if seen['file'] else 'not seen'}, its listener "
+        f"{'REACHED' if seen['reached'] else 'not reachable'}; the fork's /proc lists {seen['pids'][:8]}",
+    )
 
 
 def _own_memory(kernel: Kernel) -> Finding:

@@ -12,6 +12,12 @@ left in a kernel (variables, files in its workspace, a thread) reaches the next 
 A kernel's lifetime (``limits.kernel_timeout``) counts from when it is handed out, not
 from when the pool started it.
 
+``init=CODE``: the pool keeps one *warm kernel* that ran ``CODE`` once (imports, loaded
+data) and hands out its forks (:meth:`Kernel.fork`): each a copy-on-write copy of it with
+what init left, namespaces, workspace and network of its own, in milliseconds whatever
+init imported. The warm kernel lives as long as the pool and its forks (a fork ends
+with it); one that dies is started again, and init runs again.
+
 The pool starts its kernels on one thread of its own that lives until the pool is closed
 *and* every kernel it started is closed: a kernel's sandbox dies with the thread that
 started it (``bwrap --die-with-parent`` follows the parent thread), so a kernel handed out
@@ -39,11 +45,15 @@ _RETRY_PAUSE = 1.0  # after a kernel failed to start, before the next try (a bro
 class KernelPool:
     """``size`` kernels under ``policy`` kept started; see the module doc."""
 
-    def __init__(self, policy: Policy | None = None, size: int = 4):
+    def __init__(self, policy: Policy | None = None, size: int = 4, *, init: str | None = None):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"KernelPool size {size!r} is not a positive integer")
+        if init is not None and not isinstance(init, str):
+            raise PolicyError(f"KernelPool init must be Python code (a str), not {type(init).__name__}")
         self.policy = policy if policy is not None else Policy()
         self.size = size
+        self.init = init
+        self._warm: Kernel | None = None  # the filler's: started and closed on its thread
         self._ready: deque[Kernel] = deque()
         self._handed_out: list[Kernel] = []
         self._cond = threading.Condition()
@@ -123,6 +133,8 @@ class KernelPool:
                 self._handed_out = [k for k in self._handed_out if not k.closed]
                 if self._closed:
                     if not self._handed_out:
+                        if self._warm is not None:
+                            self._warm.close()  # its forks are all closed
                         return  # nothing of ours runs on this thread's sandboxes any more
                     self._cond.wait(0.5)
                     continue
@@ -130,7 +142,7 @@ class KernelPool:
                     self._cond.wait(5.0)
                     continue
             try:
-                kernel = Kernel(self.policy).start()
+                kernel = self._start_one()
             except SequesterError as exc:  # a start failure: said to the next acquire, tried again
                 log.warning("kernel pool: a kernel failed to start: %s", exc)
                 with self._cond:
@@ -145,3 +157,15 @@ class KernelPool:
                     continue
                 self._ready.append(kernel)
                 self._cond.notify_all()
+
+    def _start_one(self) -> Kernel:
+        """A fresh kernel, or (``init``) a fork of the warm kernel, started on this thread
+        if it is not running (its init raised: a :class:`KernelError` said to ``acquire``)."""
+        if self.init is None:
+            return Kernel(self.policy).start()
+        if self._warm is None or not self._warm.alive():
+            if self._warm is not None:
+                self._warm.close()
+            self._warm = None
+            self._warm = Kernel(self.policy, init=self.init).start()
+        return self._warm.fork()
