@@ -143,12 +143,17 @@ def _parent(pid: int) -> int:
 
 def _descends_from(pid: int, ancestor: int) -> bool:
     """``pid``'s parent or grandparent is ``ancestor`` (a fork's parent is the warm
-    kernel's intermediate until it exits, then the warm kernel)."""
-    try:
-        parent = _parent(pid)
-        return parent == ancestor or (parent > 1 and _parent(parent) == ancestor)
-    except OSError:
-        return False
+    kernel's intermediate until that exits, then the warm kernel: read again when the
+    intermediate went between the two reads)."""
+    for _ in range(3):
+        try:
+            parent = _parent(pid)
+            if parent == ancestor or (parent > 1 and _parent(parent) == ancestor):
+                return True
+        except OSError:
+            pass
+        time.sleep(0.01)
+    return False
 
 
 def _read_exactly(sock: socket.socket, size: int, deadline: float) -> bytes:
@@ -207,7 +212,8 @@ def fork_kernel(warm: KernelProcess, policy: Policy, channel: socket.socket, tim
         if pidfd < 0:
             raise SandboxError("the warm kernel sent no pidfd for its fork")
         host_pid = _host_pid(pidfd)
-        if not _descends_from(host_pid, warm.popen.pid):
+        # -1: it already ended (its plan failed: the handshake reads why from its pipe).
+        if host_pid != -1 and not _descends_from(host_pid, warm.popen.pid):
             raise SandboxError("the warm kernel named a process that is not its fork")
     except BaseException as exc:
         for fd in (*host_ends, pidfd):
