@@ -39,13 +39,15 @@ def test_the_warm_clone_rules_refuse_exactly_what_is_neither_a_thread_nor_fork()
     assert not refused(FORK_CLONE_FLAGS)
     assert not refused(0x003D0F00)  # glibc's pthread_create flags
     assert refused(0x11)  # a bare SIGCHLD fork of other flags
-    assert refused(FORK_CLONE_FLAGS | 0x00020000)  # fork's flags and a new mount namespace
+    assert not refused(FORK_CLONE_FLAGS | FORK_NAMESPACES)  # the fork's own clone (from the single-threaded copy)
+    assert not refused(FORK_CLONE_FLAGS | 0x00020000)  # (any of those namespaces)
+    assert refused(FORK_CLONE_FLAGS | 0x00000100)  # fork's flags and CLONE_VM
     assert refused(FORK_CLONE_FLAGS | 1 << 40)  # any bit beyond, too
     assert refused(0x4111)  # vfork-like (CLONE_VM | CLONE_VFORK | SIGCHLD)
     rng = random.Random(25)
     for _ in range(20000):
         flags = rng.getrandbits(64)
-        assert refused(flags) == (not flags & CLONE_THREAD and flags != FORK_CLONE_FLAGS)
+        assert refused(flags) == (not flags & CLONE_THREAD and flags & ~FORK_NAMESPACES != FORK_CLONE_FLAGS)
 
 
 def test_a_warm_kernels_plan_covers_proc_has_no_write_lock_and_room_for_its_forks():
@@ -105,10 +107,10 @@ seccomp.load_filter(seccomp.compile_filter("warm"), seccomp.syscall_number("secc
 out = {
     "fork's clone": call("clone", seccomp.FORK_CLONE_FLAGS, 0, 0, 0, 0),
     "plain clone": call("clone", 0x11, 0, 0, 0, 0),
-    "clone with a namespace": call("clone", seccomp.FORK_CLONE_FLAGS | 0x20000, 0, 0, 0, 0),
+    "clone with CLONE_VM": call("clone", seccomp.FORK_CLONE_FLAGS | 0x100, 0, 0, 0, 0),
     "fork": call("fork"),
-    "unshare mount": call("unshare", 0x20000),
-    "unshare high bits": call("unshare", (1 << 32) | seccomp.FORK_NAMESPACES),
+    "unshare": call("unshare", seccomp.FORK_NAMESPACES),
+    "unshare user": call("unshare", 0x10000000),
     "execve": call("execve", 0, 0, 0),
     "ptrace": call("ptrace", 0, 0, 0, 0),
     "udp": call("socket", 2, 2, 0),
@@ -122,7 +124,6 @@ def test_the_warm_filter_lets_through_forks_clone_and_nothing_else_the_kernels_r
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["fork's clone"] == "ok"
-    for name in ("plain clone", "clone with a namespace", "fork", "unshare mount", "unshare high bits", "execve",
-                 "ptrace", "udp"):
+    for name in ("plain clone", "clone with CLONE_VM", "fork", "unshare", "unshare user", "execve", "ptrace", "udp"):
         assert out[name] == "EPERM", (name, out)
-    assert FORK_NAMESPACES & 0x10000000  # a fork's unshare makes its user namespace
+    assert FORK_NAMESPACES & 0x10000000  # a fork's clone makes its user namespace

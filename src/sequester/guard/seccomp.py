@@ -72,14 +72,15 @@ __all__ = [
 ]
 
 CLONE_THREAD = 0x00010000
-# A warm kernel's two allowances (profile "warm", see kernel/stage0_fork.c): glibc's fork()
-# (clone with exactly these flags: CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD), and
-# unshare of exactly a fork's namespaces (user, mount, PID, network, IPC, UTS).
+# A warm kernel's allowances (profile "warm", see kernel/stage0_fork.c): clone with
+# glibc's fork() flags (CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD), alone or with
+# any of a fork's namespace flags (user, mount, PID, network, IPC, UTS: the single-threaded
+# copy's clone of the fork), and nothing else that makes no thread.
 FORK_CLONE_FLAGS = 0x01200011
 FORK_NAMESPACES = 0x10000000 | 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000
 # ... and the mounts a fork's plan makes in its own namespaces (the warm kernel holds no
 # capability over its own mount namespace: they fail there).
-WARM_ALLOWED = ("unshare", "mount", "umount2", "mount_setattr")
+WARM_ALLOWED = ("mount", "umount2", "mount_setattr")
 
 PROCESS_SYSCALLS = ("execve", "execveat", "fork", "vfork")
 
@@ -202,8 +203,8 @@ def compile_filter(profile: str = "kernel") -> bytes:
 
     ``kernel``: everything below. ``guard``: a guard-only kernel's, the kernel's plus no
     ``listen`` (no namespace holds it). ``warm``: a warm kernel's (it forks kernels, see
-    :func:`warm_clone_rules`), the kernel's but for ``fork()``'s ``clone``, ``unshare`` of
-    exactly a fork's namespaces and the mounts (:data:`WARM_ALLOWED`). ``agent`` (an episode's shell and verifier):
+    :func:`warm_clone_rules`), the kernel's but for ``fork()``'s ``clone`` (with a fork's
+    namespace flags or without) and the mounts (:data:`WARM_ALLOWED`). ``agent`` (an episode's shell and verifier):
     :data:`DENIED_SYSCALLS`, leases, ``F_NOTIFY`` and inotify; processes, ptrace and unix
     sockets stay allowed. Compiled once per process and profile (it depends on nothing else).
     """
@@ -236,7 +237,6 @@ def _compile(profile: str) -> bytes:
     names = DENIED_SYSCALLS + (kernel_names if profile in ("kernel", "guard") else ())
     if warm:
         names = tuple(n for n in names if n not in WARM_ALLOWED)
-        flt.add_rule(eperm, "unshare", sc.Arg(0, sc.NE, FORK_NAMESPACES))
     for name in names:
         try:
             flt.add_rule(eperm, name)
@@ -292,18 +292,19 @@ def _compile(profile: str) -> bytes:
     return _export(flt)
 
 
-def warm_clone_rules(fork_flags: int = FORK_CLONE_FLAGS) -> list[tuple[int, int]]:
+def warm_clone_rules(fork_flags: int = FORK_CLONE_FLAGS, free: int = FORK_NAMESPACES) -> list[tuple[int, int]]:
     """``(mask, value)`` pairs, each refusing the ``clone`` calls whose flags ``f`` have
     ``f & mask == value``: together exactly the calls that make no thread and whose flags
-    are not ``fork_flags``. (One comparison per rule, as libseccomp's rules are: a call that
-    is no thread and differs from ``fork_flags`` differs from it in some bit ``b``, and the
-    rule of that bit refuses it; a thread, or ``fork_flags`` itself, matches none.)"""
-    if fork_flags & CLONE_THREAD:
-        raise ValueError("fork's flags cannot make a thread")
+    differ from ``fork_flags`` in a bit outside ``free``. (One comparison per rule, as
+    libseccomp's rules are: such a call differs from ``fork_flags`` in some bit ``b``, and
+    the rule of that bit refuses it; a thread, or ``fork_flags`` with any of ``free``,
+    matches none.)"""
+    if (fork_flags | free) & CLONE_THREAD or fork_flags & free:
+        raise ValueError("fork's flags cannot make a thread, nor overlap the free bits")
     return [
         (CLONE_THREAD | 1 << bit, ~fork_flags & 1 << bit)
         for bit in range(64)
-        if 1 << bit != CLONE_THREAD
+        if 1 << bit != CLONE_THREAD and not free & 1 << bit
     ]
 
 

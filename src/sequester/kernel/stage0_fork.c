@@ -7,7 +7,7 @@
  *
  *   warm kernel:  recvmsg the request (descriptors, plan) from the host's fork channel,
  *                 fork()  -> an intermediate, single-threaded
- *   intermediate: unshare(user, mount, PID, network, IPC, UTS), fork() -> the fork,
+ *   intermediate: clone(fork()'s flags | user, mount, PID, network, IPC, UTS) -> the fork,
  *                 the fork's pidfd to the host on the channel, _exit
  *   fork:         a session of its own, the plan (its /proc, ids, workspace, loopback,
  *                 limits, no capabilities, the write lock, the kernel's seccomp filter
@@ -18,11 +18,14 @@
  *                 read by the next), then Python's after-fork handlers, and back to the
  *                 cell runner as a kernel of its own.
  *
- * glibc's fork() twice, not one clone() with namespace flags: the warm kernel may have
+ * glibc's fork() first, not one clone() with namespace flags: the warm kernel may have
  * threads (its network bridge, a library's workers), and only fork() takes the C
- * library's locks (malloc's) first, so the copy never inherits one held. The warm
- * kernel's seccomp filter lets exactly fork()'s clone flags and this unshare's flags
- * through (guard/seccomp.py, profile "warm"); a fork's filter refuses both.
+ * library's locks (malloc's) first, so the copy never inherits one held; the copy is
+ * single-threaded, so its raw clone is safe. The warm kernel's seccomp filter lets
+ * through clone with exactly fork()'s flags, alone or with namespace flags, and no
+ * unshare (guard/seccomp.py, profile "warm": Python's os.fork cannot ask for a
+ * namespace, so init cannot take a user namespace and its capabilities); a fork's
+ * filter refuses both.
  *
  * It decides nothing: the plan comes from the host on the channel, read here, never by
  * Python; the channel must be the socket prepare() was given before any cell ran (the
@@ -64,6 +67,8 @@
 #define MAX_FDS 16
 #define OUT_INDEX 1 /* the fork's from-kernel pipe: where a failed plan is told */
 #define FORK_NAMESPACES (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+/* glibc's fork(): CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD (with no tid address here: unused) */
+#define FORK_CLONE_FLAGS 0x01200011UL
 #define MAX_MAPS (4u << 20)
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -250,25 +255,21 @@ static void privatise_shared_mappings(void) {
 
 /* Returns in the fork only. */
 static void intermediate(int channel, struct request *r) {
-    if (unshare(FORK_NAMESPACES) != 0) {
-        reply(channel, errno, 0, -1, "unshare of the fork's namespaces failed");
-        _exit(0);
-    }
-    pid_t pid = fork();
+    long pid = syscall(SYS_clone, FORK_CLONE_FLAGS | FORK_NAMESPACES, NULL, NULL, NULL, 0);
     if (pid == 0) return; /* the fork: back to sq_fork */
     if (pid < 0) {
-        reply(channel, errno, 0, -1, "fork of the fork failed");
+        reply(channel, errno, 0, -1, "clone of the fork (its namespaces) failed");
         _exit(0);
     }
-    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
     if (pidfd < 0) {
         int err = errno;
-        kill(pid, SIGKILL);
+        kill((pid_t)pid, SIGKILL);
         reply(channel, err, 0, -1, "pidfd_open of the fork failed");
         _exit(0);
     }
     (void)r;
-    reply(channel, 0, pid, pidfd, "");
+    reply(channel, 0, (pid_t)pid, pidfd, "");
     _exit(0);
 }
 
