@@ -100,9 +100,12 @@ with Kernel(Policy(), init=request["init"]) as warm:
             after = warm.fork()
             rc = after.run("init_value", timeout=10)
             after.close()
-            out[name] = {"a": ra.value, "b": rb.value, "c": rc.value, "a_alive": a.alive(), "warm_alive": warm.alive(),
-                         "views": [a.report["view"], b.report["view"]], "forked": [a.report.get("forked"), b.report.get("forked")],
-                         "errors": [None if r.error is None else f"{r.error.type}: {r.error.message}" for r in (ra, rb, rc)]}
+            out[name] = {
+                "a": ra.value, "b": rb.value, "c": rc.value, "a_alive": a.alive(), "warm_alive": warm.alive(),
+                "views": [a.report["view"], b.report["view"]],
+                "forked": [a.report.get("forked"), b.report.get("forked")],
+                "errors": [None if r.error is None else f"{r.error.type}: {r.error.message}" for r in (ra, rb, rc)],
+            }
         finally:
             a.close()
             b.close()

@@ -229,6 +229,17 @@ def fork_kernel(warm: KernelProcess, policy: Policy, channel: socket.socket, tim
     config["forked"] = True
     timing["launched"] = time.monotonic_ns()
     kernel = ForkedKernel(host_pid, pidfd)
+    to_fork, from_fork, fork_out, fork_err = host_ends
     return KernelProcess(
-        warm.mode, kernel, *host_ends, config, ForkSandbox(kernel, network), None, timing, b""
+        warm.mode,
+        kernel,
+        to_fork,
+        from_fork,
+        fork_out,
+        fork_err,
+        config,
+        ForkSandbox(kernel, network),
+        None,
+        timing,
+        b"",
     )

@@ -33,6 +33,7 @@ from sequester.kernel.boot import STAGE_ONE, encode_config, encode_stage_two, se
 from sequester.kernel.bootstrap import bootstrap_config
 from sequester.kernel.bytecode import ensure_kernel_bytecode
 from sequester.kernel.environ import kernel_environment
+from sequester.kernel.fork import ForkedKernel, ForkSandbox
 from sequester.kernel.from_template import kernel_from_template, run_confined  # noqa: F401 - run_confined is public here
 from sequester.kernel.spawn import FORK_MODULE_IN_VIEW, STAGE0_IN_VIEW, SandboxProcess, spawn_sandbox
 from sequester.kernel.stage0 import fork_module, stage0_program
@@ -70,17 +71,18 @@ class KernelProcess:
     """A started kernel: its process, the host's ends of its pipes, and what to clean up.
 
     ``popen`` is bwrap (sandbox mode), the kernel of a view template (sandbox mode, a
-    :class:`~.template.TemplateKernel`) or the kernel itself (guard and off modes).
+    :class:`~.template.TemplateKernel`), a warm kernel's fork (a :class:`~.fork.ForkedKernel`)
+    or the kernel itself (guard and off modes).
     """
 
     mode: Isolation
-    popen: subprocess.Popen[bytes] | TemplateKernel
+    popen: subprocess.Popen[bytes] | TemplateKernel | ForkedKernel
     to_kernel: int
     from_kernel: int
     stdout: int
     stderr: int
     config: dict[str, Any]
-    sandbox: SandboxProcess | TemplateSandbox | None = None
+    sandbox: SandboxProcess | TemplateSandbox | ForkSandbox | None = None
     workspace: Path | None = None
     # Start-up timestamps (time.monotonic_ns) of the host's phases, by name.
     timing: dict[str, int] = field(default_factory=dict)
@@ -331,9 +333,7 @@ def launch_kernel(policy: Policy, *, facts: HostFacts | None = None, warm: bool 
     )
 
 
-def _launch_warm(
-    policy: Policy, mode: Isolation, facts: HostFacts | None, timing: dict[str, int]
-) -> KernelProcess:
+def _launch_warm(policy: Policy, mode: Isolation, facts: HostFacts | None, timing: dict[str, int]) -> KernelProcess:
     """A warm kernel: a view template's kernel (a template of its own: its view binds the
     fork module) with a fork channel, the ``warm`` filter and plan."""
     if mode is not Isolation.SANDBOX:
@@ -354,8 +354,12 @@ def _launch_warm(
         def kernel_config(
             ids: tuple[int, int], bridge: dict[str, Any] | None, below_tmp: tuple[Path, ...]
         ) -> dict[str, Any]:
-            warm = {"module": str(FORK_MODULE_IN_VIEW), "channel_fd": channel_fd, "in_fd": to_kernel_r,
-                    "out_fd": from_kernel_w}
+            warm = {
+                "module": str(FORK_MODULE_IN_VIEW),
+                "channel_fd": channel_fd,
+                "in_fd": to_kernel_r,
+                "out_fd": from_kernel_w,
+            }
             return bootstrap_config(
                 policy,
                 mode,
@@ -392,7 +396,17 @@ def _launch_warm(
             close_fd(fd)
     timing["launched"] = time.monotonic_ns()
     return KernelProcess(
-        mode, sandbox.kernel, to_kernel_w, from_kernel_r, out_r, err_r, config, sandbox, None, timing, b"",
+        mode,
+        sandbox.kernel,
+        to_kernel_w,
+        from_kernel_r,
+        out_r,
+        err_r,
+        config,
+        sandbox,
+        None,
+        timing,
+        b"",
         fork_channel=host_channel,
     )
 
