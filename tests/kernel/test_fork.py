@@ -26,8 +26,24 @@ from sequester.kernel.pool import KernelPool
 from sequester.sandbox.probe import namespace_support
 
 ROOT = os.geteuid() == 0
-pytestmark = pytest.mark.skipif(not namespace_support().available or not native_available(),
-                                reason="warm kernels need user namespaces and the native stage")
+
+
+def _fork_module_missing() -> str | None:
+    from sequester.errors import SandboxError
+    from sequester.kernel.stage0 import fork_module
+
+    try:
+        fork_module()
+    except SandboxError as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = [
+    pytest.mark.skipif(not namespace_support().available or not native_available(),
+                       reason="warm kernels need user namespaces and the native stage"),
+    pytest.mark.skipif(bool(_fork_module_missing()), reason=f"{_fork_module_missing()}"),
+]
 
 INIT = r"""
 import mmap, os, socket

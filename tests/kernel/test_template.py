@@ -325,12 +325,12 @@ def test_sequester_checks_kernels_apart_and_sees_kernels_that_share(templates):
     from sequester.kernel import check
 
     with Kernel(Policy()) as k:
-        finding = check._kernels_apart(k, Policy())
+        finding = check._kernels_apart(k, lambda: Kernel(Policy()).start(), False)
         assert finding.passed and "template view" in finding.evidence, finding
     unconfined = Policy(isolation=False)
     try:
         with Kernel(unconfined) as k:
-            finding = check._kernels_apart(k, unconfined)
+            finding = check._kernels_apart(k, lambda: Kernel(unconfined).start(), False)
         assert not finding.passed and "/tmp" in finding.evidence, finding
     finally:
         for folder in ("/tmp", "/dev/shm"):

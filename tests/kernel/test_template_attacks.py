@@ -889,8 +889,7 @@ def test_kernels_apart_fails_for_a_second_kernel_that_shares_the_firsts_namespac
             def __exit__(self, *exc):
                 return None
 
-        monkeypatch.setattr(check, "Kernel", SameKernel)
-        found = check._kernels_apart(first, Policy())
+        found = check._kernels_apart(first, lambda: SameKernel(Policy()), False)
         shared = first.run(f"import socket\ns = socket.socket()\ntry:\n    s.connect(('127.0.0.1', {SHARED_PORT}))\n"
                            "    r = 'shared'\nexcept OSError:\n    r = 'apart'\nr").value
         assert shared == "'shared'"  # the "second kernel" does reach the first's socket
