@@ -327,3 +327,16 @@ def test_the_warm_kernels_own_memory_and_proc_are_out_of_its_init_reach():
     with Kernel(Policy(), init=probe) as warm, warm.fork() as fork:
         seen = json.loads(ast.literal_eval(fork.run("import json\njson.dumps(probed)").value))
     assert all(v != "opened" for v in seen.values()), seen
+
+
+@pytest.mark.slow
+def test_sequester_check_proves_every_property_on_a_fork():
+    proc = subprocess.run([sys.executable, "-m", "sequester.cli", "check", "--fork", "--json"], capture_output=True,
+                          text=True, timeout=600)
+    report = json.loads(proc.stdout)
+    failed = [f for f in report["findings"] if not f["passed"]]
+    assert proc.returncode == 0 and not failed, failed or proc.stderr[-2000:]
+    assert report["view"] == "fork"
+    names = {f["name"] for f in report["findings"]}
+    assert {"forks apart", "a fork has init's state, not its kernel", "processes blocked",
+            "capabilities zero", "own memory unwritable"} <= names

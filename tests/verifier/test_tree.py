@@ -4,6 +4,7 @@ the view (a control shows the host's programs do)."""
 from __future__ import annotations
 
 import os
+import time
 
 import subprocess
 from pathlib import Path
@@ -114,16 +115,20 @@ def test_the_names_uvs_interpreter_query_tries_are_never_the_agents(tree, tmp_pa
 
 
 def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
-    """Each tree is a few hundred MB: the ones nobody uses go, one a live process holds
-    (a shared lock on its ready file) stays, whatever its age."""
+    """Each tree is a few hundred MB: the ones nobody used for a day go, one used lately
+    stays (another Python's: Harbor's and the CLI's took turns rebuilding each other's),
+    one a live process holds (a shared lock on its ready file) stays, whatever its age."""
     import sys
 
     from sequester.verifier import tree as tree_mod
 
     folder = tmp_path / "verifier"
-    for name in ("tree-current", "tree-old", "tree-in-use"):
+    day_ago = time.time() - tree_mod.UNUSED_FOR - 60
+    for name in ("tree-current", "tree-old", "tree-in-use", "tree-lately"):
         (folder / name / "lib").mkdir(parents=True)
         (folder / name / "ready").write_text("x\n")
+        if name != "tree-lately":
+            os.utime(folder / name / "ready", (day_ago, day_ago))
     for legacy in ("bin", "cache", "wheels"):  # the earlier toolchain's layout
         (folder / legacy).mkdir()
     (folder / "ready-pytest_8.4.1").write_text("x\n")
@@ -134,11 +139,13 @@ def test_trees_no_process_holds_are_removed_and_held_ones_kept(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         tree_mod._prune(folder, keep=folder / "tree-current")
-        assert sorted(p.name for p in folder.iterdir()) == ["tree-current", "tree-in-use"]
+        assert sorted(p.name for p in folder.iterdir()) == ["tree-current", "tree-in-use", "tree-lately"]
     finally:
         holder.stdin.close()
         holder.wait(timeout=10)
     tree_mod._prune(folder, keep=folder / "tree-current")  # control: released, so it goes too
+    assert sorted(p.name for p in folder.iterdir()) == ["tree-current", "tree-lately"]
+    tree_mod._prune(folder, keep=folder / "tree-current", unused_for=0)  # and a day later, the other
     assert sorted(p.name for p in folder.iterdir()) == ["tree-current"]
 
 

@@ -18,9 +18,7 @@ def add_check_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="prove each isolation property on this machine")
     add_policy_flags(p, overrides=True)
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument(
-        "--fork", action="store_true", help="prove them on a fork of a warm kernel (Kernel.fork) instead"
-    )
+    p.add_argument("--fork", action="store_true", help="prove them on a fork of a warm kernel (Kernel.fork) instead")
     p.set_defaults(func=cmd_check)
 
 

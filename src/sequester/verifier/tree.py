@@ -36,6 +36,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from sequester.errors import SandboxError, SequesterError
@@ -172,9 +173,11 @@ def ensure_runner(folder: Path) -> Path:
     if missing. Several trees can live side by side (processes on other Pythons); a
     ready one is never modified, and a new one appears whole (built aside, then renamed
     into place), so concurrent processes never see a partial tree. This process holds a
-    shared lock on the tree it uses for as long as it runs; trees nobody holds are
-    removed (each is a few hundred MB). Raises :class:`SandboxError` saying what is
-    missing when it cannot be built."""
+    shared lock on the tree it uses for as long as it runs, and marks it used (the time
+    of its ``ready`` file); trees nobody holds and nobody used for a day are removed (each
+    is a few hundred MB; a day, not at once: Harbor's Python and the CLI's take turns, and
+    each rebuilt the other's tree, 15 to 27 s a job). Raises :class:`SandboxError` saying
+    what is missing when it cannot be built."""
     pythons = find_pythons(folder / DEBIAN_PYTHONS_DIR)
     tools = _host_tools()
     uv_bin, uvx_bin = _uv_binaries()
@@ -189,8 +192,15 @@ def ensure_runner(folder: Path) -> Path:
             break
     else:
         raise SandboxError(f"the verifier's runner {tree} kept being removed by another process")
+    try:
+        os.utime(_held[tree])  # used now (by descriptor: the tree's files are read-only)
+    except OSError:
+        pass  # (another user's tree: its age is theirs to keep)
     _prune(folder, keep=tree)
     return tree
+
+
+UNUSED_FOR = 86400.0  # seconds a tree nobody holds is kept after its last use
 
 
 _held: dict[Path, int] = {}
@@ -218,10 +228,12 @@ def _hold(tree: Path) -> bool:
     return True
 
 
-def _prune(folder: Path, keep: Path) -> None:
-    """Remove the other trees no process holds (an exclusive lock is free only then), and
-    what the earlier toolchain layout left at the top (``bin``, ``cache``, ``wheels``,
-    ``ready-*``: the uv-only toolchain, mounted by no current version)."""
+def _prune(folder: Path, keep: Path, unused_for: float | None = None) -> None:
+    """Remove the other trees no process holds (an exclusive lock is free only then) and
+    none used for ``unused_for`` seconds (default :data:`UNUSED_FOR`), and what the
+    earlier toolchain layout left at the top (``bin``, ``cache``, ``wheels``, ``ready-*``:
+    the uv-only toolchain, mounted by no current version)."""
+    unused_for = UNUSED_FOR if unused_for is None else unused_for
     for name in ("bin", "cache", "wheels", *(p.name for p in folder.glob("ready-*"))):
         legacy = folder / name
         if legacy.is_dir() and not legacy.is_symlink():
@@ -236,6 +248,9 @@ def _prune(folder: Path, keep: Path) -> None:
         except OSError:
             continue  # being built or removed by someone else
         try:
+            if time.time() - os.fstat(fd).st_mtime < unused_for:
+                os.close(fd)
+                continue  # used lately (another Python's: it comes back)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
