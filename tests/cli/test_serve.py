@@ -93,6 +93,9 @@ def test_the_manual_documents_every_serve_option_in_its_synopsis():
     (["--tasks-dir", str(EXAMPLES), "--episode-pool", "no-such=1"], "no task 'no-such'"),
     (["--tasks-dir", str(EXAMPLES), "--max-sessions", "2", "--episode-pool", f"{TASK}=3"], "more than max_sessions"),
     (["--episode-pool", f"{TASK}=1"], "serves no tasks"),
+    (["--kernel-pool", "1", "--kernel-init", "/no/such/init.py"], "--kernel-init '/no/such/init.py'"),
+    (["--kernel-init", str(ROOT / "benchmarks" / "_report.py")], "needs serve.kernel_pool"),
+    (["--kernel-init", str(ROOT / "README.md")], "not valid Python"),
 ])
 def test_bad_input_is_exit_2_with_a_message(argv, said, capsys):
     from sequester.cli import main

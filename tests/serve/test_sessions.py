@@ -52,6 +52,26 @@ def test_the_pool_size_is_checked() -> None:
     with pytest.raises(PolicyError, match="serve.kernel_pool"):
         ServeSettings(kernel_pool=-1)
     assert ServeSettings().kernel_pool == 0
+    with pytest.raises(PolicyError, match="needs serve.kernel_pool"):
+        ServeSettings(kernel_init="import json")
+    with pytest.raises(PolicyError, match="not valid Python"):
+        ServeSettings(kernel_pool=1, kernel_init="import (")
+
+
+def test_kernel_sessions_of_a_pool_with_init_are_forks_with_its_state_each_used_once() -> None:
+    with Server(kernel_pool=1, kernel_init="import json\nloaded = json.loads('[1, 2, 3]')") as server:
+        async def go():
+            seen = []
+            for _ in range(2):
+                async with connect(server) as ws:
+                    await ask(ws, {"type": "reset", "data": {"kind": "kernel"}})
+                    (session,) = server.sessions()
+                    seen.append(session._kernel.report["view"])
+                    got = await ask(ws, {"type": "step", "data": {"type": "cell", "code": "loaded.append(4); loaded"}})
+                    seen.append(got["data"]["observation"]["value"])
+            return seen
+
+        assert run(go()) == ["fork", "[1, 2, 3, 4]", "fork", "[1, 2, 3, 4]"]
 
 
 def test_episode_sessions_take_warm_episodes_and_never_share_one(tmp_path) -> None:

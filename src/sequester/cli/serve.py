@@ -68,6 +68,14 @@ def _loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
+def _read_init(path: str) -> str:
+    """``--kernel-init FILE``'s code: UTF-8 text (exit 2 naming the file otherwise)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(f"--kernel-init {path!r}: cannot be read as UTF-8 text ({exc})") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -81,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "max_sessions": args.max_sessions,
         "kernel_pool": args.kernel_pool,
+        "kernel_init": _read_init(args.kernel_init) if args.kernel_init else None,
         "episode_pool": {**config.serve.episode_pool, **dict(args.episode_pool)} if args.episode_pool else None,
         "idle_timeout": args.idle_timeout,
         "tasks_dir": Path(args.tasks_dir) if args.tasks_dir else None,
@@ -181,6 +190,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         type=positive(int),
         metavar="N",
         help="keep N kernels started for kernel sessions (each used once; default: [serve] kernel_pool, 0)",
+    )
+    p.add_argument(
+        "--kernel-init",
+        metavar="FILE",
+        help="the kernel pool's kernels are forks of a warm kernel that ran FILE (Python) once: imports, "
+        "loaded data (needs --kernel-pool; default: [serve] kernel_init)",
     )
     p.add_argument(
         "--episode-pool",

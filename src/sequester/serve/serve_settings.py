@@ -7,6 +7,7 @@
     tasks_dir = "tasks"            # the tasks episode sessions may name (relative: to this file)
     max_sessions = 16              # live sessions (episodes and kernels) at once
     kernel_pool = 0                # kernels kept started for kernel sessions (0: each starts its own)
+    kernel_init = "import numpy"   # the pool's kernels are forks of a warm kernel that ran this once
     episode_pool = {python-csv-stats = 2}   # episodes kept started per task, for episode sessions
     idle_timeout = 600             # seconds without a frame before a connection and its session close
     max_message_bytes = 16777216   # one WebSocket message or HTTP body, at most
@@ -60,6 +61,7 @@ class ServeSettings:
     tasks_dir: Path | None = None
     max_sessions: int = 16
     kernel_pool: int = 0
+    kernel_init: str | None = None
     episode_pool: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
     idle_timeout: float = 600.0
     max_message_bytes: int = 16 * 1024 * 1024
@@ -89,6 +91,15 @@ class ServeSettings:
                 raise PolicyError(f"serve.{name}: {value!r} is not a positive {'whole ' * (kind is int)}number")
         if isinstance(self.kernel_pool, bool) or not isinstance(self.kernel_pool, int) or self.kernel_pool < 0:
             raise PolicyError(f"serve.kernel_pool: {self.kernel_pool!r} is not a whole number of kernels (0: none)")
+        if self.kernel_init is not None:
+            if not isinstance(self.kernel_init, str):
+                raise PolicyError(f"serve.kernel_init: {self.kernel_init!r} is not Python code (a string)")
+            try:
+                compile(self.kernel_init, "<serve.kernel_init>", "exec")
+            except (SyntaxError, ValueError) as exc:
+                raise PolicyError(f"serve.kernel_init is not valid Python: {exc}") from None
+            if not self.kernel_pool:
+                raise PolicyError("serve.kernel_init needs serve.kernel_pool (its forks are the pool's kernels)")
         if not isinstance(self.episode_pool, Mapping):
             raise PolicyError(f"serve.episode_pool: {self.episode_pool!r} is not a table of task ids to episode counts")
         pool = {}

@@ -483,7 +483,7 @@ class SessionManager:
         if self.settings.kernel_pool:
             from sequester.kernel.pool import KernelPool
 
-            self.kernel_pool = KernelPool(config.policy, size=self.settings.kernel_pool)
+            self.kernel_pool = KernelPool(config.policy, size=self.settings.kernel_pool, init=self.settings.kernel_init)
 
     def try_acquire(self) -> bool:
         """Take a session slot, or ``False`` at capacity (never waits). Runs on the event
