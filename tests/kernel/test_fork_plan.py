@@ -68,7 +68,7 @@ def test_a_forks_plan_remakes_the_view_read_only_maps_its_ids_and_ends_in_the_ke
     config = warm_config(limits=Limits(max_threads=7))
     steps = plan_fork(config)
     order = codes(steps)
-    assert steps[0] == (Op.SETATTR, ("/", 1, 1, 0))  # every mount it copied read-only first
+    assert steps[0] == (Op.SETATTR, ("/", 1, 1, 0, 1))  # every mount it copied read-only first, required
     proc = next(i for i, (op, a) in enumerate(steps) if op is Op.MOUNT and a[1] == "/proc")
     assert steps[proc + 1] == (Op.FORK_IDS, (65534, 65534))
     assert order.index(Op.FORK_IDS) < order.index(Op.MKDIR)  # a new tmpfs needs its ids mapped

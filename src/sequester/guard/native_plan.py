@@ -189,7 +189,8 @@ def plan_fork(config: dict[str, Any]) -> list[Step]:
     if not config.get("warm") or not config.get("workspace"):
         raise NativePlanError("a fork's plan is a warm kernel's")
     uid, gid = config["template_ids"]
-    steps: list[Step] = [(Op.SETATTR, ("/", 1, MOUNT_ATTR_RDONLY, 0))]
+    # (required: on a Linux without mount_setattr the fork fails rather than share a mount)
+    steps: list[Step] = [(Op.SETATTR, ("/", 1, MOUNT_ATTR_RDONLY, 0, 1))]
     mapped = False
     for step in _workspace_steps(config["workspace"], template=True):
         steps.append(step)

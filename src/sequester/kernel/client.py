@@ -210,8 +210,10 @@ class Kernel:
         return child
 
     def _fork_process(self) -> KernelProcess:
-        """A fork's process, ready for its handshake (the warm kernel's answer read)."""
-        from sequester.kernel.fork import fork_kernel
+        """A fork's process, ready for its handshake (the warm kernel's answer read). A fork
+        channel that can no longer pair a request with its answer closes the warm kernel
+        (and its forks): it would hand the next fork another's process."""
+        from sequester.kernel.fork import ForkChannelBroken, fork_kernel
 
         self._ensure_open()
         with self._fork_lock:
@@ -222,21 +224,29 @@ class Kernel:
             write_message(process.to_kernel, {"op": "fork"})
             try:
                 forked = fork_kernel(process, self.policy, process.fork_channel, timing)
-            finally:
-                try:
-                    message, _, err = self._wait_message(process, time.monotonic() + _START_TIMEOUT, None, startup=True)
-                except _CellFailure as failure:
-                    self.close()
-                    raise SandboxError(f"the warm kernel died while forking: {failure.error}") from None
-            if message.get("op") != "forked":
-                forked_ok = False
-                reason = message.get("error", message.get("op"))
-            else:
-                forked_ok = True
-            if not forked_ok:
+            except ForkChannelBroken:
+                self.close()
+                raise
+            except BaseException:
+                self._fork_answer(process)  # it answered that it could not: read that, keep in step
+                raise
+            answer = self._fork_answer(process)
+            if answer != "forked":
                 forked.terminate()
-                raise SandboxError(f"the warm kernel could not fork: {reason}")
+                raise SandboxError(f"the warm kernel could not fork: {answer}")
             return forked
+
+    def _fork_answer(self, process: KernelProcess) -> str:
+        """The warm kernel's own answer to a fork request on its pipe (``forked`` or why not);
+        none in time closes it."""
+        try:
+            message, _, _ = self._wait_message(process, time.monotonic() + _START_TIMEOUT, None, startup=True)
+        except _CellFailure as failure:
+            self.close()
+            raise SandboxError(f"the warm kernel did not answer a fork request: {failure.error}") from None
+        if message.get("op") == "forked":
+            return "forked"
+        return str(message.get("error", message.get("op")))
 
     def _spawn(self) -> None:
         if self._warm_parent is not None:
@@ -260,6 +270,8 @@ class Kernel:
                 raise SandboxError("the kernel's ready message has no report")
             if not report.get("warm"):  # its /proc is covered: its native plan checked itself
                 _verify(process.mode, report, expect_uid=process.config.get("drop_to_uid"))
+            if self._warm_parent is not None:
+                self._check_fork(process)
         except _CellFailure as failure:
             self._kill()
             said = failure.stderr.strip()
@@ -295,6 +307,19 @@ class Kernel:
                 error = self.init_result.error
                 self._kill()
                 raise KernelError(f"the warm kernel's init cell failed: {error.type}: {error.message}")
+
+    def _check_fork(self, process: KernelProcess) -> None:
+        """The host's own look at a fork (:func:`~.fork.verify_fork`); a fork that is not one
+        means the warm kernel lied: it is closed, and so are its forks."""
+        from sequester.kernel.fork import verify_fork
+
+        parent = self._warm_parent
+        assert parent is not None and parent._process is not None
+        try:
+            verify_fork(process, parent._process)
+        except SandboxError:
+            parent.close()
+            raise
 
     # -- cells ----------------------------------------------------------------------
 
@@ -371,6 +396,11 @@ class Kernel:
         if self._in_init:  # a warm kernel that dies in its init is not started again and again
             self._kill()
             raise KernelError(f"the warm kernel's init cell failed: {error.type}: {error.message}")
+        if self._warm_parent is not None and not self._warm_parent.alive():
+            # A fork whose warm kernel is gone cannot be forked again: closed, said as a result.
+            self.close()
+            error = CellError("KernelDied", f"{error.message}; its warm kernel is gone, so the fork is closed")
+            return CellResult(out, err, None, error, time.monotonic() - started, timed_out=failure.timed_out)
         if lifetime_hit and failure.timed_out:
             self.close()
             error = CellError(

@@ -17,6 +17,7 @@ killed). A fork ends with its warm kernel.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -37,12 +38,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from sequester.kernel.launch import KernelProcess
     from sequester.policy import Policy
 
-__all__ = ["ForkedKernel", "ForkSandbox", "fork_kernel", "FORK_MAGIC"]
+__all__ = ["ForkedKernel", "ForkSandbox", "ForkChannelBroken", "fork_kernel", "verify_fork", "FORK_MAGIC"]
 
 FORK_MAGIC = 0x31465153  # "SQF1", stage0_fork.c's
 _FRESH = 0xFFFF_FFFF
-_REPLY = struct.Struct("<4I")
+_REPLY = struct.Struct("<5I")  # magic, error, pid, text length, the request's nonce
 _REPLY_TIMEOUT = 30.0
+_NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts")
+
+
+class ForkChannelBroken(SandboxError):
+    """The warm kernel's fork channel can no longer be trusted to pair a request with its
+    answer (no answer in time, a wrong nonce, a broken stream): the warm kernel must go."""
 
 
 @dataclass
@@ -190,23 +197,30 @@ def fork_kernel(warm: KernelProcess, policy: Policy, channel: socket.socket, tim
         if network.control_fd is not None:
             child_ends.append(network.control_fd)
             targets.append(_FRESH)  # a number the warm kernel never had (its Python may name those)
-        head = struct.pack("<3I", FORK_MAGIC, len(child_ends), len(plan))
+        nonce = secrets.randbits(32)
+        head = struct.pack("<4I", FORK_MAGIC, len(child_ends), len(plan), nonce)
         socket.send_fds(channel, [head], child_ends)
         channel.sendall(struct.pack(f"<{len(targets)}I", *targets) + plan)
         deadline = time.monotonic() + _REPLY_TIMEOUT
         if not readable(channel, _REPLY_TIMEOUT):
-            raise TimeoutError("the warm kernel did not answer the fork request")
+            raise ForkChannelBroken("the warm kernel did not answer the fork request in time")
         head_bytes, fds, _, _ = socket.recv_fds(channel, _REPLY.size, 1)
         pidfd = fds[0] if fds else -1
         for extra in fds[1:]:
             close_fd(extra)
         if not head_bytes:
-            raise ConnectionError("the warm kernel closed its fork channel")
-        head_bytes += _read_exactly(channel, _REPLY.size - len(head_bytes), deadline)
-        magic, error, _, text_len = _REPLY.unpack(head_bytes)
-        text = _read_exactly(channel, min(text_len, 4096), deadline).decode("utf-8", "replace")
-        if magic != FORK_MAGIC:
-            raise SandboxError("the warm kernel broke the fork protocol")
+            raise ForkChannelBroken("the warm kernel closed its fork channel")
+        try:
+            head_bytes += _read_exactly(channel, _REPLY.size - len(head_bytes), deadline)
+            magic, error, _, text_len, answered = _REPLY.unpack(head_bytes)
+            if magic != FORK_MAGIC or text_len > 4096:
+                raise ForkChannelBroken("the warm kernel broke the fork protocol")
+            text = _read_exactly(channel, text_len, deadline).decode("utf-8", "replace")
+        except (TimeoutError, ConnectionError) as exc:
+            raise ForkChannelBroken(f"the warm kernel's answer was cut short: {exc}") from None
+        if answered != nonce:
+            # A late answer to an earlier request (red team): never paired with this one.
+            raise ForkChannelBroken("the warm kernel answered another fork request than this one")
         if error:
             raise SandboxError(f"the warm kernel could not fork: {text or os.strerror(error)}")
         if pidfd < 0:
@@ -219,8 +233,8 @@ def fork_kernel(warm: KernelProcess, policy: Policy, channel: socket.socket, tim
         for fd in (*host_ends, pidfd):
             close_fd(fd)
         network.close()
-        if isinstance(exc, (OSError, TimeoutError)):
-            raise SandboxError(f"could not fork the warm kernel: {exc}") from None
+        if isinstance(exc, OSError):
+            raise ForkChannelBroken(f"could not fork the warm kernel: {exc}") from None
         raise
     finally:
         for fd in child_ends:  # the warm kernel has its copies (or never will)
@@ -243,3 +257,46 @@ def fork_kernel(warm: KernelProcess, policy: Policy, channel: socket.socket, tim
         timing,
         b"",
     )
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
+
+
+def verify_fork(process: KernelProcess, warm: KernelProcess) -> None:
+    """The host's own look at a fork that said ``ready`` (its report is its word; this is
+    the Linux kernel's): a process below the warm kernel's PID namespace and pid 1 of its
+    own, in user, mount, PID, network, IPC and UTS namespaces none of which is the warm
+    kernel's, with exactly one seccomp filter more than it (the kernel's), no new
+    privileges, no capability, and holding the pipes the host made for it. Red team: init
+    code that answered a fork request with a child of its own (its namespaces, its
+    filter) passed every check the report could give. :class:`SandboxError` otherwise."""
+    assert isinstance(process.popen, ForkedKernel)
+    pid, warm_pid = process.popen.pid, warm.popen.pid
+    problems: list[str] = []
+    try:
+        mine, theirs = _status(pid), _status(warm_pid)
+        depth, warm_depth = mine.get("NSpid", "").split(), theirs.get("NSpid", "").split()
+        if len(depth) != len(warm_depth) + 1 or depth[-1] != "1":
+            problems.append(f"its PID namespaces are {depth}, the warm kernel's {warm_depth}")
+        if int(mine.get("Seccomp_filters", "0")) != int(theirs.get("Seccomp_filters", "0")) + 1:
+            problems.append(
+                f"it has {mine.get('Seccomp_filters')} seccomp filters, the warm kernel {theirs.get('Seccomp_filters')}"
+            )
+        if mine.get("Seccomp") != "2" or mine.get("NoNewPrivs") != "1":
+            problems.append("no seccomp filter mode or no no_new_privs")
+        caps = {k: mine.get(k, "") for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}
+        if any(int(v or "1", 16) for v in caps.values()):
+            problems.append(f"capabilities {caps}")
+        for name in _NAMESPACES:
+            if os.stat(f"/proc/{pid}/ns/{name}").st_ino == os.stat(f"/proc/{warm_pid}/ns/{name}").st_ino:
+                problems.append(f"the warm kernel's {name} namespace")
+        in_fd, out_fd = warm.config["warm"]["in_fd"], warm.config["warm"]["out_fd"]
+        for number, host_end in ((in_fd, process.to_kernel), (out_fd, process.from_kernel)):
+            if os.stat(f"/proc/{pid}/fd/{number}").st_ino != os.fstat(host_end).st_ino:
+                problems.append(f"its descriptor {number} is not the host's pipe")
+    except (OSError, ValueError) as exc:
+        problems.append(f"it cannot be read: {exc}")
+    if problems:
+        raise SandboxError("the warm kernel's fork is not confined as a fork: " + "; ".join(problems))

@@ -320,7 +320,7 @@ def _fork(out_fd: int, cfg: dict[str, Any]) -> None:
     if got is None:
         write_message(out_fd, {"op": "forked"})
         return
-    numbers, begun, confined = got
+    numbers, begun, confined, _nonce = got
     _FORKER = None  # a fork forks nothing (its filter refuses it anyway)
     report: dict[str, Any] = {"mode": cfg["mode"], "forked": True, **cfg.get("report", {})}
     bridge = cfg.get("bridge")

@@ -355,10 +355,12 @@ static int execute_plan(const unsigned char *frame, uint32_t size) {
             break;
         case OP_RETURN:
             return 1;
-        case OP_SETATTR: { /* path recursive set clear: mount_setattr by the mount tree */
+        case OP_SETATTR: { /* path recursive set clear [required]: mount_setattr by the mount tree */
             struct mount_attr attr = {.attr_set = int_arg(&op, 2), .attr_clr = int_arg(&op, 3)};
+            /* Older than 5.12 (ENOSYS): bwrap's remounts stand, unless the plan requires it
+             * (a fork's: nothing else makes what it copied read-only). */
             if (syscall(SYS_mount_setattr, AT_FDCWD, text_arg(&op, 0), int_arg(&op, 1) ? AT_RECURSIVE : 0, &attr,
-                        sizeof attr) != 0 && errno != ENOSYS) /* older than 5.12: bwrap's remounts stand */
+                        sizeof attr) != 0 && (errno != ENOSYS || (op.argc > 4 && int_arg(&op, 4))))
                 fail("mount_setattr", text_arg(&op, 0), errno);
             break;
         }

@@ -32,12 +32,13 @@
  * warm kernel cannot make another: its filter allows TCP sockets only).
  *
  * Channel protocol (integers little-endian u32):
- *   host -> warm kernel: MAGIC, n_fds, plan_len, with n_fds descriptors (SCM_RIGHTS); then
+ *   host -> warm kernel: MAGIC, n_fds, plan_len, nonce, with n_fds descriptors (SCM_RIGHTS); then
  *     n_fds targets (0xffffffff: the lowest number the warm kernel did not have open,
  *     reported back to Python); then the plan (native_plan.encode_plan's body, ending in
  *     RETURN). The descriptor at index OUT_INDEX is where the fork reports a failure.
  *   -> host: MAGIC, error (0 or an errno), the fork's pid in the warm kernel's namespace,
- *     text_len, with the fork's pidfd attached on success; then text_len bytes of reason.
+ *     text_len, nonce (the request's: a late answer is never taken for the next), with the
+ *     fork's pidfd attached on success; then text_len bytes of reason.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -90,8 +91,8 @@ static int read_whole(int fd, void *buf, size_t len) {
     return 0;
 }
 
-static void reply(int channel, int error, pid_t pid, int pidfd, const char *text) {
-    uint32_t head[4] = {FORK_MAGIC, (uint32_t)error, (uint32_t)pid, (uint32_t)strlen(text)};
+static void reply(int channel, uint32_t nonce, int error, pid_t pid, int pidfd, const char *text) {
+    uint32_t head[5] = {FORK_MAGIC, (uint32_t)error, (uint32_t)pid, (uint32_t)strlen(text), nonce};
     struct iovec iov[2] = {{head, sizeof head}, {(void *)text, strlen(text)}};
     char space[CMSG_SPACE(sizeof(int))];
     struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
@@ -109,6 +110,7 @@ static void reply(int channel, int error, pid_t pid, int pidfd, const char *text
 }
 
 struct request {
+    uint32_t nonce;
     int fds[MAX_FDS];
     uint32_t targets[MAX_FDS];
     uint32_t nfds;
@@ -125,7 +127,7 @@ static void drop_request(struct request *r) {
 
 /* 0, or an errno with the request dropped. */
 static int receive(int channel, struct request *r) {
-    uint32_t head[3];
+    uint32_t head[4];
     char space[CMSG_SPACE(sizeof(int) * MAX_FDS)];
     struct iovec iov = {head, sizeof head};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = space, .msg_controllen = sizeof space};
@@ -154,6 +156,7 @@ static int receive(int channel, struct request *r) {
         return EPROTO;
     }
     r->plan_len = head[2];
+    r->nonce = head[3];
     r->plan = malloc(r->plan_len ? r->plan_len : 1);
     if (!r->plan || read_whole(channel, r->targets, r->nfds * sizeof(uint32_t)) != 0 ||
         read_whole(channel, r->plan, r->plan_len) != 0) {
@@ -167,6 +170,28 @@ static int is_target(const struct request *r, int fd) {
     for (uint32_t i = 0; i < r->nfds; i++)
         if ((int)r->targets[i] == fd) return 1;
     return 0;
+}
+
+/* Which numbers are open in this process, but the request's own: in the fork, after the
+ * fork (single-threaded: a snapshot taken in the warm kernel before it would miss what
+ * another of its threads opened meanwhile, red team). One poll per 1,024 numbers:
+ * POLLNVAL is closed. */
+static unsigned char *open_numbers(const struct request *r, int limit) {
+    unsigned char *was_open = calloc((size_t)limit, 1);
+    if (!was_open) fail("out of memory", NULL, ENOMEM);
+    struct pollfd batch[1024];
+    for (int base = 0; base < limit; base += 1024) {
+        int n = limit - base < 1024 ? limit - base : 1024;
+        for (int i = 0; i < n; i++) batch[i] = (struct pollfd){base + i, 0, 0};
+        while (poll(batch, (nfds_t)n, 0) < 0)
+            if (errno != EINTR) fail("poll of the descriptor table", NULL, errno);
+        for (int i = 0; i < n; i++) {
+            int received = 0;
+            for (uint32_t k = 0; k < r->nfds; k++) received |= r->fds[k] == base + i;
+            if (!received && !(batch[i].revents & POLLNVAL)) was_open[base + i] = 1;
+        }
+    }
+    return was_open;
 }
 
 /* The lowest descriptor number not open in the warm kernel (nor a target): the ones it
@@ -258,18 +283,17 @@ static void intermediate(int channel, struct request *r) {
     long pid = syscall(SYS_clone, FORK_CLONE_FLAGS | FORK_NAMESPACES, NULL, NULL, NULL, 0);
     if (pid == 0) return; /* the fork: back to sq_fork */
     if (pid < 0) {
-        reply(channel, errno, 0, -1, "clone of the fork (its namespaces) failed");
+        reply(channel, r->nonce, errno, 0, -1, "clone of the fork (its namespaces) failed");
         _exit(0);
     }
     int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
     if (pidfd < 0) {
         int err = errno;
         kill((pid_t)pid, SIGKILL);
-        reply(channel, err, 0, -1, "pidfd_open of the fork failed");
+        reply(channel, r->nonce, err, 0, -1, "pidfd_open of the fork failed");
         _exit(0);
     }
-    (void)r;
-    reply(channel, 0, (pid_t)pid, pidfd, "");
+    reply(channel, r->nonce, 0, (pid_t)pid, pidfd, "");
     _exit(0);
 }
 
@@ -297,29 +321,12 @@ static PyObject *sq_fork(PyObject *self, PyObject *args) {
     struct request r;
     int err = receive(channel, &r);
     if (err) {
-        reply(channel, err, 0, -1, "the fork request was malformed");
+        reply(channel, 0, err, 0, -1, "the fork request was malformed");
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    /* Which numbers the warm kernel has open now: they stay taken in the fork. */
     int limit = (int)sysconf(_SC_OPEN_MAX);
     if (limit <= 0 || limit > (1 << 20)) limit = 1 << 20;
-    unsigned char *was_open = calloc((size_t)limit, 1);
-    if (!was_open) {
-        drop_request(&r);
-        return PyErr_NoMemory();
-    }
-    struct pollfd batch[1024];
-    for (int base = 0; base < limit; base += 1024) { /* one poll per 1,024 numbers: POLLNVAL is closed */
-        int n = limit - base < 1024 ? limit - base : 1024;
-        for (int i = 0; i < n; i++) batch[i] = (struct pollfd){base + i, 0, 0};
-        while (poll(batch, (nfds_t)n, 0) < 0 && errno == EINTR) {}
-        for (int i = 0; i < n; i++) {
-            int received = 0;
-            for (uint32_t k = 0; k < r.nfds; k++) received |= r.fds[k] == base + i;
-            if (!received && !(batch[i].revents & POLLNVAL)) was_open[base + i] = 1;
-        }
-    }
     PyOS_BeforeFork();
     pid_t pid = fork();
     if (pid == 0) {
@@ -329,6 +336,7 @@ static PyObject *sq_fork(PyObject *self, PyObject *args) {
         out_fd = r.fds[OUT_INDEX];
         started_ns = begun;
         run_plan_returning(r.plan, r.plan_len);
+        unsigned char *was_open = open_numbers(&r, limit);
         int placed[MAX_FDS];
         place_descriptors(&r, was_open, limit, placed);
         out_fd = placed[OUT_INDEX];
@@ -343,13 +351,13 @@ static PyObject *sq_fork(PyObject *self, PyObject *args) {
             if (!n || PyList_Append(numbers, n) != 0) return NULL;
             Py_DECREF(n);
         }
-        return Py_BuildValue("(NKK)", numbers, (unsigned long long)begun, (unsigned long long)now_ns());
+        return Py_BuildValue("(NKKk)", numbers, (unsigned long long)begun, (unsigned long long)now_ns(),
+                             (unsigned long)r.nonce);
     }
     err = errno;
     PyOS_AfterFork_Parent();
-    free(was_open);
     if (pid < 0) {
-        reply(channel, err, 0, -1, "fork of the warm kernel failed");
+        reply(channel, r.nonce, err, 0, -1, "fork of the warm kernel failed");
         drop_request(&r);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
