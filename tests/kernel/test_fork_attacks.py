@@ -195,3 +195,15 @@ def test_a_fork_whose_warm_kernel_died_answers_with_an_error_not_an_exception():
         assert fork.closed
     finally:
         warm.close()
+
+
+@pytest.mark.xfail(strict=True, reason="RESIDUAL (docs/security.md, 'Warm kernels and their forks' and 'Kernels of one "
+                   "view share a keeper'): flock() works on read-only files, so two forks, like two kernels of a view, "
+                   "can signal each other through a lock on a file both see; denying flock would break locking libraries")
+def test_a_lock_is_no_channel_between_forks():
+    lock = "import fcntl, os\nheld = os.open('/etc/hostname', os.O_RDONLY)\nfcntl.flock(held, fcntl.LOCK_EX)\n'held'"
+    probe = ("import fcntl, os\ntry:\n    fcntl.flock(os.open('/etc/hostname', os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "    r = 'free'\nexcept BlockingIOError:\n    r = 'locked by another fork'\nr")
+    with Kernel(Policy(), init="pass") as warm, warm.fork() as a, warm.fork() as b:
+        assert a.run(lock).value == "'held'"
+        assert b.run(probe).value == "'free'"
