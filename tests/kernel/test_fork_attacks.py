@@ -207,3 +207,63 @@ def test_a_lock_is_no_channel_between_forks():
     with Kernel(Policy(), init="pass") as warm, warm.fork() as a, warm.fork() as b:
         assert a.run(lock).value == "'held'"
         assert b.run(probe).value == "'free'"
+
+
+# Init registers a before-fork handler that puts a socket of its own on every socket that
+# arrived since init (the fork module took the host's just before, the fork's network
+# control among them: its bridge would then talk to init, not to the host's broker).
+ATFORK = r'''
+import os, socket, stat
+mine, theirs = socket.socketpair()
+known = set()
+for fd in range(256):
+    try:
+        os.fstat(fd)
+        known.add(fd)
+    except OSError:
+        pass
+def _swap():
+    for fd in range(3, 256):
+        if fd in known:
+            continue
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.dup2(mine.fileno(), fd)
+        except OSError:
+            pass
+os.register_at_fork(before=_swap)
+'''
+
+
+def test_a_before_fork_handler_cannot_put_its_own_descriptors_into_a_fork():
+    """Found (high, round 2): an os.register_at_fork handler ran after the fork module had
+    taken the host's descriptors and before fork(), and dup2'ed its own onto them: forks
+    passed the host's check (which read the two protocol pipes only) and shared what init
+    put there. Fix: the handlers run before the request is read, the warm kernel's copies
+    are closed before any of its Python runs again, and the host checks all four pipes.
+    Here the handler took the fork's network control: the fork must still reach its
+    allowed service through the host's broker."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.sendall(b"hello")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with Kernel(Policy(allow=[f"127.0.0.1:{port}"]), init=ATFORK) as warm, warm.fork() as fork:
+            got = fork.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5).recv(5)")
+            assert got.error is None and got.value == "b'hello'", got
+    finally:
+        server.close()

@@ -269,7 +269,7 @@ def verify_fork(process: KernelProcess, warm: KernelProcess) -> None:
     the Linux kernel's): a process below the warm kernel's PID namespace and pid 1 of its
     own, in user, mount, PID, network, IPC and UTS namespaces none of which is the warm
     kernel's, with exactly one seccomp filter more than it (the kernel's), no new
-    privileges, no capability, and holding the pipes the host made for it. Red team: init
+    privileges, no capability, and holding the pipes the host made for it (all four). Red team: init
     code that answered a fork request with a child of its own (its namespaces, its
     filter) passed every check the report could give. :class:`SandboxError` otherwise."""
     assert isinstance(process.popen, ForkedKernel)
@@ -293,7 +293,8 @@ def verify_fork(process: KernelProcess, warm: KernelProcess) -> None:
             if os.stat(f"/proc/{pid}/ns/{name}").st_ino == os.stat(f"/proc/{warm_pid}/ns/{name}").st_ino:
                 problems.append(f"the warm kernel's {name} namespace")
         in_fd, out_fd = warm.config["warm"]["in_fd"], warm.config["warm"]["out_fd"]
-        for number, host_end in ((in_fd, process.to_kernel), (out_fd, process.from_kernel)):
+        ends = ((in_fd, process.to_kernel), (out_fd, process.from_kernel), (1, process.stdout), (2, process.stderr))
+        for number, host_end in ends:
             if os.stat(f"/proc/{pid}/fd/{number}").st_ino != os.fstat(host_end).st_ino:
                 problems.append(f"its descriptor {number} is not the host's pipe")
     except (OSError, ValueError) as exc:

@@ -318,16 +318,21 @@ static PyObject *sq_fork(PyObject *self, PyObject *args) {
     struct stat st;
     if (!prepared || fstat(channel, &st) != 0 || st.st_dev != channel_dev || st.st_ino != channel_ino)
         return PyErr_Format(PyExc_PermissionError, "not the fork channel this warm kernel was given");
+    /* Python's before-fork handlers run first: no Python runs between taking the host's
+     * descriptors and the fork, nor in the warm kernel while it still holds them (red
+     * team: an os.register_at_fork handler dup2'ed files of its own onto the received
+     * numbers, so two forks shared a descriptor). */
+    PyOS_BeforeFork();
     struct request r;
     int err = receive(channel, &r);
     if (err) {
+        PyOS_AfterFork_Parent();
         reply(channel, 0, err, 0, -1, "the fork request was malformed");
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     int limit = (int)sysconf(_SC_OPEN_MAX);
     if (limit <= 0 || limit > (1 << 20)) limit = 1 << 20;
-    PyOS_BeforeFork();
     pid_t pid = fork();
     if (pid == 0) {
         intermediate(channel, &r); /* returns in the fork only */
@@ -355,14 +360,14 @@ static PyObject *sq_fork(PyObject *self, PyObject *args) {
                              (unsigned long)r.nonce);
     }
     err = errno;
+    uint32_t nonce = r.nonce;
+    drop_request(&r); /* closed before any Python of the warm kernel runs again */
     PyOS_AfterFork_Parent();
     if (pid < 0) {
-        reply(channel, r.nonce, err, 0, -1, "fork of the warm kernel failed");
-        drop_request(&r);
+        reply(channel, nonce, err, 0, -1, "fork of the warm kernel failed");
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    drop_request(&r);
     /* The intermediate exits at once (SIGCHLD ignored: no status, ECHILD). */
     Py_BEGIN_ALLOW_THREADS
     while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
