@@ -96,6 +96,8 @@ _OVERRIDES: dict[str, dict[str, bool]] = {
     "SequesterError": _NO_RETRY,  # e.g. the oracle on a task without solution/solve.sh
     "KernelError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     "KernelClosedError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
+    # a warm kernel's fork channel out of step: the warm kernel is closed, a new one forks again
+    "ForkChannelBroken": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
     # sequester serve's client, in an agent driving a remote environment: the connection
     # or the server's session failed, which a new trial may not meet again
     "ClientError": {"should_retry": True, "should_grade": False, "has_valid_reward": False},
