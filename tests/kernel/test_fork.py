@@ -22,6 +22,7 @@ from stages import native_available  # tests/helpers
 
 from sequester import Kernel, Policy
 from sequester.errors import KernelError
+from sequester.kernel.check import tagged_service
 from sequester.kernel.pool import KernelPool
 from sequester.sandbox.probe import namespace_support
 
@@ -267,38 +268,14 @@ def test_a_forks_restart_is_a_fresh_fork_and_forks_end_with_their_warm_kernel():
 
 
 def test_a_fork_has_the_network_its_policy_allows():
-    import socket
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-
-    def serve():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            conn.sendall(b"hello")
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    other = socket.socket()
-    other.bind(("127.0.0.1", 0))
-    other.listen()
-    try:
+    with tagged_service(b"hello") as port, tagged_service(b"other") as other:
         policy = Policy(allow=[f"127.0.0.1:{port}"])
         with Kernel(policy, init="import socket") as warm, warm.fork() as a, warm.fork() as b:
             for fork in (a, b):
                 got = fork.run(f"socket.create_connection(('127.0.0.1', {port})).recv(5)")
                 assert got.value == "b'hello'", got
-                refused = fork.run(f"socket.create_connection(('127.0.0.1', {other.getsockname()[1]}), timeout=2)")
+                refused = fork.run(f"socket.create_connection(('127.0.0.1', {other}), timeout=2)")
                 assert refused.error is not None and refused.error.type in ("ConnectionRefusedError", "TimeoutError")
-    finally:
-        server.close()
-        other.close()
 
 
 def test_a_pool_with_init_hands_out_forks_each_used_once():

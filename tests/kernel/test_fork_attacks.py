@@ -16,6 +16,7 @@ from stages import native_available  # tests/helpers
 from sequester import Kernel, Policy
 from sequester.errors import SandboxError
 from sequester.kernel import fork as fork_module
+from sequester.kernel.check import tagged_service
 from sequester.sandbox.probe import namespace_support
 
 pytestmark = pytest.mark.skipif(not namespace_support().available or not native_available(),
@@ -243,27 +244,7 @@ def test_a_before_fork_handler_cannot_put_its_own_descriptors_into_a_fork():
     are closed before any of its Python runs again, and the host checks all four pipes.
     Here the handler took the fork's network control: the fork must still reach its
     allowed service through the host's broker."""
-    import socket
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-
-    def serve():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            conn.sendall(b"hello")
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
+    with tagged_service(b"hello") as port:
         with Kernel(Policy(allow=[f"127.0.0.1:{port}"]), init=ATFORK) as warm, warm.fork() as fork:
             got = fork.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5).recv(5)")
             assert got.error is None and got.value == "b'hello'", got
-    finally:
-        server.close()

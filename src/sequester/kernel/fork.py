@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
 import struct
 import subprocess
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sequester.errors import SandboxError
 from sequester.guard.native_plan import NativePlanError, encode_plan, plan_fork
 from sequester.kernel.spawn import KernelNetwork, kernel_network
+from sequester.kernel.template_kernel import PidfdKernel
 from sequester.sandbox.bwrap import close_fd
 from sequester.sandbox.procs import descendants
 from sequester.sandbox.readiness import readable
@@ -53,52 +52,9 @@ class ForkChannelBroken(SandboxError):
 
 
 @dataclass
-class ForkedKernel:
-    """A fork, with the part of :class:`subprocess.Popen` the kernel client uses: watched
-    by its pidfd; its warm kernel reaps it, so an ended fork reads as killed."""
-
-    pid: int
-    pidfd: int
-    returncode: int | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def poll(self) -> int | None:
-        return self._collect(0.0)
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = self._collect(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(["fork"], timeout or 0.0)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    signal.pidfd_send_signal(self.pidfd, sig)
-                except ProcessLookupError:
-                    pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    terminate = kill
-
-    def _collect(self, timeout: float | None) -> int | None:
-        with self._lock:
-            if self.returncode is not None:
-                return self.returncode
-            watch = os.dup(self.pidfd)
-        try:
-            if not readable(watch, timeout):
-                return None
-        finally:
-            close_fd(watch)
-        with self._lock:
-            if self.returncode is None:
-                self.returncode = -signal.SIGKILL
-                close_fd(self.pidfd)
-            return self.returncode
+class ForkedKernel(PidfdKernel):
+    """A fork: watched by its pidfd; its warm kernel reaps it, so an ended fork reads as
+    killed (:class:`PidfdKernel`'s default)."""
 
 
 @dataclass

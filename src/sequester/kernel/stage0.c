@@ -43,6 +43,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -101,6 +102,25 @@ void write_all(int fd, const char *buf, size_t len) {
         buf += n;
         len -= (size_t)n;
     }
+}
+
+int send_with_fd(int sock, const void *head, size_t head_len, const char *text, int fd) {
+    struct iovec iov[2] = {{(void *)head, head_len}, {(void *)text, strlen(text)}};
+    char space[CMSG_SPACE(sizeof(int))];
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
+    if (fd >= 0) {
+        memset(space, 0, sizeof space);
+        msg.msg_control = space;
+        msg.msg_controllen = sizeof space;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    }
+    while (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0)
+        if (errno != EINTR) return -1;
+    return 0;
 }
 
 /* The kernel protocol's {"op": "failed", "error": ...}; the text is JSON-escaped, and

@@ -16,6 +16,9 @@ uint64_t now_ns(void);
 /* open(2), but a path below /proc goes through proc_root_fd when the plan covered /proc. */
 int open_path(const char *path, int flags);
 void write_all(int fd, const char *buf, size_t len);
+/* One message of head_len bytes of head, then text, with fd attached (SCM_RIGHTS) unless
+ * it is negative; 0, or -1 when the socket refused it (EINTR retried). */
+int send_with_fd(int sock, const void *head, size_t head_len, const char *text, int fd);
 void __attribute__((noreturn)) fail(const char *what, const char *detail, int err);
 /* fail() unless result is 0, with errno. */
 void check(int result, const char *what, const char *detail);

@@ -93,24 +93,29 @@ def _private_folder(path: Path) -> bool:
     return True
 
 
-def build_stage0(folder: Path, compiler: str) -> Path:
-    """Compile ``stage0.c`` into ``folder/<hash of source, compiler and flags>/stage0``
-    (atomically: a temporary name, then a rename); the existing build when there is one."""
-    sources = [p.read_bytes() for p in (*SOURCES, HEADER)]
-    key = hashlib.sha256(
-        b"\0".join([*sources, compiler.encode(), *(f.encode() for f in _FLAGS), b"static-first"])
-    ).hexdigest()[:24]
-    target = folder / key / "stage0"
+def _build(
+    folder: Path,
+    name: str,
+    sources: tuple[Path, ...],
+    compiler: str,
+    flags: tuple[str, ...],
+    variants: tuple[tuple[str, ...], ...],
+    salt: bytes,
+) -> Path:
+    """Compile ``sources`` with ``flags`` and the first of ``variants`` the compiler takes
+    into ``folder/<hash of sources, header, compiler, flags and salt>/name`` (atomically: a
+    temporary name, then a rename); the existing build when there is one."""
+    data = [p.read_bytes() for p in (*sources, HEADER)]
+    key = hashlib.sha256(b"\0".join([*data, compiler.encode(), *(f.encode() for f in flags), salt])).hexdigest()[:24]
+    target = folder / key / name
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
-        out = Path(scratch) / "stage0"
-        # Static where the C library allows it (libc.a): no dynamic loading at every
-        # kernel start (about 0.25 ms here), and nothing of the view's libraries runs first.
-        for link in (("-static",), ()):
+        out = Path(scratch) / name
+        for extra in variants:
             result = subprocess.run(
-                [compiler, *_FLAGS, *link, "-o", str(out), *(str(p) for p in SOURCES)],
+                [compiler, *flags, *extra, "-o", str(out), *(str(p) for p in sources)],
                 capture_output=True,
                 text=True,
                 timeout=_BUILD_TIMEOUT,
@@ -119,9 +124,18 @@ def build_stage0(folder: Path, compiler: str) -> Path:
             if result.returncode == 0:
                 break
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} failed on {sources[0].name}: {result.stderr.strip()[-2000:]}")
         os.chmod(out, 0o755)
         os.replace(out, target)
+    return target
+
+
+def build_stage0(folder: Path, compiler: str) -> Path:
+    """Compile ``stage0.c`` into ``folder/<hash of source, compiler and flags>/stage0``
+    (atomically); the existing build when there is one. Static where the C library allows
+    it (libc.a): no dynamic loading at every kernel start (about 0.25 ms here), and nothing
+    of the view's libraries runs first."""
+    target = _build(folder, "stage0", SOURCES, compiler, _FLAGS, (("-static",), ()), b"static-first")
     _drop_old_builds(folder, keep=target.parent)
     return target
 
@@ -130,29 +144,8 @@ def build_fork_module(folder: Path, compiler: str, include: Path) -> Path:
     """Compile the fork module (``stage0_fork.c`` with the plan executor) against the
     Python headers in ``include``, into ``folder/<hash>/fork.so`` (atomically); the
     existing build when there is one."""
-    sources = [p.read_bytes() for p in (*FORK_SOURCES, HEADER)]
     flags = (*_FLAGS, "-shared", "-fPIC", "-DSTAGE0_LIBRARY", f"-I{include}")
-    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), *(f.encode() for f in flags), b"fork"])).hexdigest()[
-        :24
-    ]
-    target = folder / key / "fork.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
-        out = Path(scratch) / "fork.so"
-        result = subprocess.run(
-            [compiler, *flags, "-o", str(out), *(str(p) for p in FORK_SOURCES)],
-            capture_output=True,
-            text=True,
-            timeout=_BUILD_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed on stage0_fork.c: {result.stderr.strip()[-2000:]}")
-        os.chmod(out, 0o755)
-        os.replace(out, target)
-    return target
+    return _build(folder, "fork.so", FORK_SOURCES, compiler, flags, ((),), b"fork")
 
 
 @lru_cache(maxsize=1)

@@ -93,20 +93,7 @@ static int read_whole(int fd, void *buf, size_t len) {
 
 static void reply(int channel, uint32_t nonce, int error, pid_t pid, int pidfd, const char *text) {
     uint32_t head[5] = {FORK_MAGIC, (uint32_t)error, (uint32_t)pid, (uint32_t)strlen(text), nonce};
-    struct iovec iov[2] = {{head, sizeof head}, {(void *)text, strlen(text)}};
-    char space[CMSG_SPACE(sizeof(int))];
-    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
-    if (pidfd >= 0) {
-        memset(space, 0, sizeof space);
-        msg.msg_control = space;
-        msg.msg_controllen = sizeof space;
-        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(cm), &pidfd, sizeof(int));
-    }
-    while (sendmsg(channel, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+    send_with_fd(channel, head, sizeof head, text, pidfd); /* (a host that is gone hears nothing) */
 }
 
 struct request {

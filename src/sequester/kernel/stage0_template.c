@@ -88,21 +88,7 @@ static void read_all(int fd, void *buf, size_t len) {
 
 static void reply(int error, pid_t pid, int pidfd, const char *text) {
     uint32_t head[4] = {MAGIC, (uint32_t)error, (uint32_t)pid, (uint32_t)strlen(text)};
-    struct iovec iov[2] = {{head, sizeof head}, {(void *)text, strlen(text)}};
-    char space[CMSG_SPACE(sizeof(int))];
-    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
-    if (pidfd >= 0) {
-        memset(space, 0, sizeof space);
-        msg.msg_control = space;
-        msg.msg_controllen = sizeof space;
-        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(cm), &pidfd, sizeof(int));
-    }
-    while (sendmsg(control, &msg, MSG_NOSIGNAL) < 0)
-        if (errno != EINTR) _exit(0); /* the host is gone */
+    if (send_with_fd(control, head, sizeof head, text, pidfd) != 0) _exit(0); /* the host is gone */
 }
 
 /* mountinfo's octal escapes (\040 for a space, ...) undone in place. */

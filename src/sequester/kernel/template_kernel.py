@@ -21,7 +21,7 @@ from sequester.sandbox.readiness import readable
 if TYPE_CHECKING:  # pragma: no cover
     from sequester.kernel.template import ViewTemplate
 
-__all__ = ["StaleView", "TemplateUnavailable", "TemplateKernel", "TemplateSandbox"]
+__all__ = ["StaleView", "TemplateUnavailable", "PidfdKernel", "TemplateKernel", "TemplateSandbox"]
 
 
 class StaleView(SandboxError):
@@ -34,16 +34,15 @@ class TemplateUnavailable(SandboxError):
 
 
 @dataclass
-class TemplateKernel:
-    """One kernel of a template, with the part of :class:`subprocess.Popen` the kernel
-    client uses. ``pid`` is the host's; the exit status comes from the keeper, its parent."""
+class PidfdKernel:
+    """A kernel this process did not start (a keeper's child, a warm kernel's fork), with
+    the part of :class:`subprocess.Popen` the kernel client uses: signalled by its pidfd,
+    waited on by :meth:`_watch_fd`, its status from :meth:`_ended`. ``pid`` is the host's."""
 
     pid: int
     pidfd: int
-    status_fd: int
-    template: ViewTemplate
-    returncode: int | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    returncode: int | None = field(default=None, kw_only=True)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, kw_only=True)
 
     def poll(self) -> int | None:
         return self._collect(0.0)
@@ -67,13 +66,25 @@ class TemplateKernel:
 
     terminate = kill  # a kernel is killed, never asked
 
+    def _watch_fd(self) -> int:
+        """What becomes readable when the kernel has ended."""
+        return self.pidfd
+
+    def _ended(self) -> int:
+        """The ended kernel's status (its descriptors closed); called once, under the lock."""
+        close_fd(self.pidfd)
+        return -signal.SIGKILL
+
+    def _after_end(self) -> None:
+        """Once the status is set, outside the lock."""
+
     def _collect(self, timeout: float | None) -> int | None:
-        # The wait is on a copy of the status pipe, outside the lock: a kill from another
+        # The wait is on a copy of the descriptor, outside the lock: a kill from another
         # thread never waits behind it (red team: kill() blocked behind a wait()).
         with self._lock:
             if self.returncode is not None:
                 return self.returncode
-            watch = os.dup(self.status_fd)
+            watch = os.dup(self._watch_fd())
         try:
             if not readable(watch, timeout):
                 return None
@@ -82,17 +93,33 @@ class TemplateKernel:
         with self._lock:
             if self.returncode is not None:  # another thread collected it meanwhile
                 return self.returncode
-            raw = os.read(self.status_fd, 4)
-            # No status: the keeper died, and its namespace's kernels with it.
-            self.returncode = (
-                os.waitstatus_to_exitcode(int.from_bytes(raw, "little", signed=True))
-                if len(raw) == 4
-                else -signal.SIGKILL
-            )
-            close_fd(self.status_fd)
-            close_fd(self.pidfd)
-        self.template.release()
+            self.returncode = self._ended()
+        self._after_end()
         return self.returncode
+
+
+@dataclass
+class TemplateKernel(PidfdKernel):
+    """One kernel of a template; the exit status comes from the keeper, its parent, on
+    ``status_fd``."""
+
+    status_fd: int
+    template: ViewTemplate
+
+    def _watch_fd(self) -> int:
+        return self.status_fd
+
+    def _ended(self) -> int:
+        raw = os.read(self.status_fd, 4)
+        close_fd(self.status_fd)
+        close_fd(self.pidfd)
+        # No status: the keeper died, and its namespace's kernels with it.
+        if len(raw) != 4:
+            return -signal.SIGKILL
+        return os.waitstatus_to_exitcode(int.from_bytes(raw, "little", signed=True))
+
+    def _after_end(self) -> None:
+        self.template.release()
 
 
 @dataclass
